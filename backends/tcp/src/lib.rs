@@ -1,0 +1,626 @@
+//! # ironweave-tcp
+//!
+//! The default backend: pure Rust over `std::net`, no async runtime, no system library.
+//!
+//! Each rank opens one listener per configured link (one link per interface) and, through the
+//! rendezvous, `conns_per_peer` connections to every other rank on every link (the higher rank
+//! connects). Every connection is authenticated by the handshake in
+//! [`ironweave_transport::handshake`]. Per connection a *reader* thread decodes frames
+//! ([`ironweave_transport::wire::FrameHeader`]) into the shared [`Mailbox`]; blocking sends are
+//! written by the calling thread straight from the caller's buffer (zero copy), large messages
+//! striped over all connections of the peer at once; non-blocking sends of owned buffers go
+//! through one sender thread per peer. A peer whose connection closes without a goodbye fails
+//! every pending and future operation with `PeerLost`.
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ironweave_transport::handshake::{self, Credentials};
+use ironweave_transport::rendezvous::{JobEnv, Rendezvous};
+use ironweave_transport::wire::{FrameHeader, FrameKind, Role, HEADER_LEN};
+use ironweave_transport::{
+    CommOptions, Communicator, Error, Link, LinkInfo, Mailbox, MemKind, RecvHandle, Result, SendCompleter, SendHandle, SeqTable,
+    SpeedSource, Tag,
+};
+
+/// One link: a name and the local address to bind (one per interface).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkSpec {
+    pub name: String,
+    /// Address to bind; unspecified (0.0.0.0) means "the address that routes to the master".
+    pub bind: IpAddr,
+}
+
+/// Tunables of the TCP backend.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TcpConfig {
+    /// Links to open; empty means one link bound to the address that reaches the master.
+    pub links: Vec<LinkSpec>,
+    /// Connections per peer per link; large messages are striped over all of them.
+    pub conns_per_peer: usize,
+    /// Messages at least this large are striped.
+    pub stripe_min_bytes: usize,
+    /// Largest message accepted from a peer.
+    pub max_message_bytes: u64,
+    /// At most this many received-but-unconsumed bytes are buffered per link (beyond it the
+    /// readers stop reading and TCP pushes back).
+    pub buffer_cap_bytes: usize,
+    /// How long closing waits for peers' goodbyes.
+    pub linger: Duration,
+    /// Deadline for setup and for non-blocking sends.
+    pub timeout: Duration,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            links: Vec::new(),
+            conns_per_peer: 2,
+            stripe_min_bytes: 1 << 20,
+            max_message_bytes: 16 << 30,
+            buffer_cap_bytes: 2 << 30,
+            linger: Duration::from_secs(10),
+            timeout: ironweave_transport::DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+fn env_num<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
+    match std::env::var(k) {
+        Err(_) => Ok(None),
+        Ok(v) => v.trim().parse().map(Some).map_err(|_| Error::Config(format!("{k}={v:?} is not a valid number"))),
+    }
+}
+
+impl TcpConfig {
+    /// Reads `IRONWEAVE_TCP_LINKS` (`name=ip,name=ip`), `IRONWEAVE_TCP_CONNS`,
+    /// `IRONWEAVE_TCP_STRIPE_MIN`, `IRONWEAVE_TCP_LINGER_S` and `IRONWEAVE_TIMEOUT_S`.
+    pub fn from_env() -> Result<Self> {
+        let mut c = TcpConfig::default();
+        if let Ok(v) = std::env::var("IRONWEAVE_TCP_LINKS") {
+            c.links = parse_links(&v)?;
+        }
+        if let Some(n) = env_num::<usize>("IRONWEAVE_TCP_CONNS")? {
+            if n == 0 || n > 64 {
+                return Err(Error::Config(format!("IRONWEAVE_TCP_CONNS={n}: use 1 to 64 connections per peer")));
+            }
+            c.conns_per_peer = n;
+        }
+        if let Some(n) = env_num::<usize>("IRONWEAVE_TCP_STRIPE_MIN")? {
+            c.stripe_min_bytes = n;
+        }
+        if let Some(s) = env_num::<f64>("IRONWEAVE_TCP_LINGER_S")? {
+            c.linger = Duration::from_secs_f64(s.clamp(0.0, 3600.0));
+        }
+        c.timeout = CommOptions::from_env()?.timeout;
+        Ok(c)
+    }
+}
+
+/// Parses `name=ip[,name=ip...]`.
+pub fn parse_links(v: &str) -> Result<Vec<LinkSpec>> {
+    v.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|item| {
+            let (name, ip) = item.split_once('=').ok_or_else(|| Error::Config(format!("link {item:?}: expected name=ip")))?;
+            let bind = ip.trim().parse().map_err(|_| Error::Config(format!("link {name:?}: {ip:?} is not an IP address")))?;
+            Ok(LinkSpec { name: name.trim().to_string(), bind })
+        })
+        .collect()
+}
+
+/// Joins the job described by the environment and returns the world communicator over TCP.
+pub fn init_from_env() -> Result<Communicator> {
+    let env = JobEnv::from_env()?;
+    connect(&env, &TcpConfig::from_env()?, CommOptions::from_env()?)
+}
+
+/// Joins the job: rendezvous, one link per [`LinkSpec`], the world communicator.
+pub fn connect(env: &JobEnv, cfg: &TcpConfig, opts: CommOptions) -> Result<Communicator> {
+    let mut rv = Rendezvous::connect(env, cfg.timeout)?;
+    let links = connect_links(env, &mut rv, cfg)?;
+    rv.close()?;
+    Communicator::new(links.into_iter().map(|l| l as Arc<dyn Link>).collect(), opts)
+}
+
+fn route_to(master: SocketAddr) -> IpAddr {
+    if master.ip().is_loopback() {
+        return master.ip();
+    }
+    // A connected UDP socket tells which local address routes to the master; nothing is sent.
+    UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
+        .and_then(|s| s.connect(master).and_then(|_| s.local_addr()))
+        .map(|a| a.ip())
+        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+}
+
+/// Opens every link of `cfg` to every peer, exchanging addresses through `rv`.
+pub fn connect_links(env: &JobEnv, rv: &mut Rendezvous, cfg: &TcpConfig) -> Result<Vec<Arc<TcpLink>>> {
+    let specs =
+        if cfg.links.is_empty() { vec![LinkSpec { name: "tcp".into(), bind: route_to(env.master) }] } else { cfg.links.clone() };
+    let mut listeners = Vec::new();
+    let mut mine = String::new();
+    for s in &specs {
+        let l = TcpListener::bind((s.bind, 0)).map_err(|e| {
+            Error::Config(format!(
+                "link {:?}: cannot listen on {} ({e}): is the address configured on this host?",
+                s.name, s.bind
+            ))
+        })?;
+        let mut addr = l.local_addr().map_err(|e| Error::io("listener address", &e))?;
+        if addr.ip().is_unspecified() {
+            addr.set_ip(route_to(env.master));
+        }
+        mine.push_str(&format!("{}={}\n", s.name, addr));
+        listeners.push(l);
+    }
+    let table: Vec<Vec<(String, SocketAddr)>> = rv
+        .all_gather("tcp-links", mine.as_bytes())?
+        .into_iter()
+        .enumerate()
+        .map(|(r, b)| {
+            String::from_utf8_lossy(&b)
+                .lines()
+                .map(|line| {
+                    let (n, a) = line.split_once('=').unwrap_or(("", ""));
+                    let a = a.parse().map_err(|_| Error::Protocol {
+                        from: format!("rank {r}"),
+                        detail: format!("bad link address {line:?}"),
+                    })?;
+                    Ok((n.to_string(), a))
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<_>>()?;
+    for (r, t) in table.iter().enumerate() {
+        if t.len() != specs.len() {
+            return Err(Error::Config(format!(
+                "rank {r} has {} TCP links, this rank {}: give every rank the same IRONWEAVE_TCP_LINKS",
+                t.len(),
+                specs.len()
+            )));
+        }
+    }
+    let creds = env.credentials();
+    let (rank, size, conns) = (env.rank, env.world_size, cfg.conns_per_peer.max(1));
+    let deadline = Instant::now() + cfg.timeout;
+    let mut out = Vec::new();
+    for (li, (spec, listener)) in specs.iter().zip(listeners).enumerate() {
+        let expected = (size - 1 - rank) * conns;
+        let c2 = creds.clone();
+        let acceptor = std::thread::Builder::new()
+            .name(format!("iw-tcp-accept-{li}"))
+            .spawn(move || accept_all(listener, &c2, li as u16, expected, conns, deadline))
+            .map_err(|e| Error::io("spawn acceptor", &e))?;
+        let mut streams: Vec<Vec<Option<TcpStream>>> = (0..size).map(|_| (0..conns).map(|_| None).collect()).collect();
+        let mut connect_err = None;
+        'outer: for (j, row) in table.iter().enumerate().take(rank) {
+            for c in 0..conns {
+                let res = handshake::connect_retry(row[li].1, deadline).and_then(|mut s| {
+                    handshake::connect(&mut s, &creds, Role::Data, rank as u32, li as u16, c as u16, cfg.timeout).map(|_| s)
+                });
+                match res {
+                    Ok(s) => streams[j][c] = Some(s),
+                    Err(e) => {
+                        connect_err = Some(e);
+                        break 'outer;
+                    }
+                }
+            }
+        }
+        let accepted = acceptor.join().unwrap_or_else(|_| Err(Error::Config("acceptor thread panicked".into())));
+        if let Some(e) = connect_err {
+            return Err(e);
+        }
+        for (peer, c, s) in accepted? {
+            streams[peer][c] = Some(s);
+        }
+        out.push(TcpLink::start(spec.name.clone(), rank, size, streams, cfg)?);
+    }
+    Ok(out)
+}
+
+fn accept_all(
+    listener: TcpListener,
+    creds: &Credentials,
+    link: u16,
+    expected: usize,
+    conns: usize,
+    deadline: Instant,
+) -> Result<Vec<(usize, usize, TcpStream)>> {
+    let mut got: Vec<(usize, usize, TcpStream)> = Vec::new();
+    let mut dropped = 0usize;
+    listener.set_nonblocking(true).map_err(|e| Error::io("listener", &e))?;
+    while got.len() < expected {
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                what: format!(
+                    "waiting for {} of {expected} peer connections on link {link} ({dropped} garbage connections dropped)",
+                    expected - got.len()
+                ),
+                after: Duration::ZERO,
+            });
+        }
+        match listener.accept() {
+            Ok((mut s, _)) => {
+                let _ = s.set_nonblocking(false);
+                let _ = s.set_nodelay(true);
+                let left = deadline.saturating_duration_since(Instant::now());
+                match handshake::accept(&mut s, creds, Role::Data, left.min(Duration::from_secs(5)))? {
+                    None => dropped += 1,
+                    Some(h) => {
+                        let (p, c) = (h.rank as usize, usize::from(h.conn));
+                        if h.link != link || c >= conns || got.iter().any(|(gp, gc, _)| (*gp, *gc) == (p, c)) {
+                            return Err(Error::HandshakeRejected {
+                                peer: format!("rank {p}"),
+                                reason: format!("unexpected connection (link {}, conn {c}) on link {link}: ranks disagree on IRONWEAVE_TCP_LINKS or IRONWEAVE_TCP_CONNS", h.link),
+                            });
+                        }
+                        got.push((p, c, s));
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
+            Err(e) => return Err(Error::io("accept", &e)),
+        }
+    }
+    Ok(got)
+}
+
+#[derive(Debug)]
+struct Conn {
+    writer: Mutex<TcpStream>,
+    /// A second handle used only to shut the socket down from any thread.
+    control: TcpStream,
+}
+
+struct Job {
+    tag: Tag,
+    seq: u64,
+    data: Vec<u8>,
+    done: SendCompleter,
+}
+
+#[derive(Debug)]
+struct Peer {
+    conns: Vec<Conn>,
+    rr: AtomicUsize,
+    sender: Mutex<Option<mpsc::Sender<Job>>>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    rank: usize,
+    info: LinkInfo,
+    peers: Vec<Option<Peer>>,
+    mailbox: Arc<Mailbox>,
+    seqs: SeqTable,
+    closing: AtomicBool,
+    cfg: TcpConfig,
+}
+
+/// One rank's TCP link to every peer.
+#[derive(Debug)]
+pub struct TcpLink {
+    shared: Arc<Shared>,
+    readers: Mutex<Vec<JoinHandle<()>>>,
+    senders: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl TcpLink {
+    fn start(
+        name: String,
+        rank: usize,
+        size: usize,
+        streams: Vec<Vec<Option<TcpStream>>>,
+        cfg: &TcpConfig,
+    ) -> Result<Arc<TcpLink>> {
+        let conns = cfg.conns_per_peer.max(1);
+        let mut peers = Vec::with_capacity(size);
+        let mut read_halves = Vec::new();
+        for (p, row) in streams.into_iter().enumerate() {
+            if p == rank {
+                peers.push(None);
+                continue;
+            }
+            let mut cs = Vec::with_capacity(conns);
+            for (c, s) in row.into_iter().enumerate() {
+                let s = s.ok_or_else(|| Error::Config(format!("no connection {c} to rank {p}")))?;
+                let r = s.try_clone().map_err(|e| Error::io("clone socket", &e))?;
+                let control = s.try_clone().map_err(|e| Error::io("clone socket", &e))?;
+                read_halves.push((p, r));
+                cs.push(Conn { writer: Mutex::new(s), control });
+            }
+            peers.push(Some(Peer { conns: cs, rr: AtomicUsize::new(0), sender: Mutex::new(None) }));
+        }
+        let info = LinkInfo {
+            name: format!("tcp:{name}"),
+            backend: "tcp",
+            bandwidth_bytes_per_s: 1.25e9,
+            latency_s: 20e-6,
+            speed_source: SpeedSource::Unknown,
+            memory: vec![MemKind::Host],
+        };
+        let shared = Arc::new(Shared {
+            rank,
+            info,
+            peers,
+            mailbox: Arc::new(Mailbox::new(rank, size, conns, cfg.buffer_cap_bytes)),
+            seqs: SeqTable::default(),
+            closing: AtomicBool::new(false),
+            cfg: cfg.clone(),
+        });
+        let mut readers = Vec::new();
+        for (p, s) in read_halves {
+            let sh = shared.clone();
+            readers.push(
+                std::thread::Builder::new()
+                    .name(format!("iw-tcp-rx-{p}"))
+                    .spawn(move || reader(sh, p, s))
+                    .map_err(|e| Error::io("spawn reader", &e))?,
+            );
+        }
+        Ok(Arc::new(TcpLink { shared, readers: Mutex::new(readers), senders: Mutex::new(Vec::new()) }))
+    }
+
+    fn peer(&self, p: usize) -> Result<Option<&Peer>> {
+        let size = self.shared.peers.len();
+        if p >= size {
+            return Err(Error::RankOutOfRange { rank: p, size });
+        }
+        if let Some(e) = self.shared.mailbox.failure() {
+            return Err(e);
+        }
+        Ok(self.shared.peers[p].as_ref())
+    }
+}
+
+fn reader(sh: Arc<Shared>, p: usize, mut s: TcpStream) {
+    let lost = |detail: String| {
+        if !sh.closing.load(Ordering::SeqCst) {
+            sh.mailbox.fail(Error::PeerLost { rank: p, detail });
+        }
+    };
+    let mut said_goodbye = false;
+    loop {
+        let mut hb = [0u8; HEADER_LEN];
+        if let Err(e) = s.read_exact(&mut hb) {
+            if !said_goodbye {
+                lost(format!("connection closed: {e}"));
+            }
+            return;
+        }
+        let h = match FrameHeader::decode(&hb, sh.cfg.max_message_bytes) {
+            Ok(h) => h,
+            Err(e) => {
+                sh.mailbox.fail(Error::Protocol { from: format!("rank {p}"), detail: e.to_string() });
+                let _ = s.shutdown(Shutdown::Both);
+                return;
+            }
+        };
+        let len = h.len as usize;
+        if h.kind == FrameKind::Data && !sh.mailbox.reserve(len) {
+            return;
+        }
+        // The claimed size passed the limit; `take` + `read_to_end` still only grows the
+        // buffer as bytes really arrive.
+        let mut body = Vec::with_capacity(len.min(64 << 20));
+        match (&mut s).take(h.len).read_to_end(&mut body) {
+            Ok(n) if n == len => {}
+            Ok(n) => return lost(format!("connection closed after {n} of {len} payload bytes")),
+            Err(e) => return lost(format!("read failed: {e}")),
+        }
+        match h.kind {
+            FrameKind::Data => {
+                if let Err(e) = sh.mailbox.deliver(p, Tag(h.tag), h.seq, h.total as usize, h.offset as usize, body) {
+                    sh.mailbox.fail(e);
+                    return;
+                }
+            }
+            FrameKind::Goodbye => {
+                said_goodbye = true;
+                sh.mailbox.goodbye(p);
+            }
+            FrameKind::Abort => {
+                sh.mailbox.fail(Error::PeerAborted { rank: p, reason: String::from_utf8_lossy(&body).into_owned() });
+                return;
+            }
+        }
+    }
+}
+
+fn write_frame(s: &mut TcpStream, h: &FrameHeader, payload: &[u8], deadline: Instant) -> std::io::Result<()> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline passed before the write"));
+    }
+    s.set_write_timeout(Some(left))?;
+    if payload.len() <= 64 * 1024 {
+        let mut b = Vec::with_capacity(HEADER_LEN + payload.len());
+        b.extend_from_slice(&h.encode());
+        b.extend_from_slice(payload);
+        s.write_all(&b)
+    } else {
+        s.write_all(&h.encode())?;
+        s.write_all(payload)
+    }
+}
+
+impl Shared {
+    /// Writes one message (striped when large) to peer `p`.
+    fn write_message(&self, peer: &Peer, p: usize, tag: Tag, seq: u64, data: &[u8], deadline: Instant) -> Result<()> {
+        let n = peer.conns.len();
+        let total = data.len() as u64;
+        let one = |c: &Conn, off: usize, part: &[u8]| -> Result<()> {
+            let h = FrameHeader { kind: FrameKind::Data, tag: tag.0, seq, total, offset: off as u64, len: part.len() as u64 };
+            let mut w = c.writer.lock().unwrap_or_else(|e| e.into_inner());
+            write_frame(&mut w, &h, part, deadline).map_err(|e| {
+                // A partly written frame leaves the stream unusable: fail the link.
+                let err = if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+                    Error::Timeout { what: format!("send to rank {p}"), after: self.cfg.timeout }
+                } else if let Some(f) = self.mailbox.failure() {
+                    f
+                } else {
+                    Error::PeerLost { rank: p, detail: format!("send failed: {e}") }
+                };
+                self.mailbox.fail(err.clone());
+                err
+            })
+        };
+        if n == 1 || data.len() < self.cfg.stripe_min_bytes {
+            // Prefer an idle connection so small messages do not queue behind a large one.
+            let start = peer.rr.fetch_add(1, Ordering::Relaxed);
+            let idx = (0..n).map(|k| (start + k) % n).find(|&k| peer.conns[k].writer.try_lock().is_ok()).unwrap_or(start % n);
+            return one(&peer.conns[idx], 0, data);
+        }
+        let step = data.len().div_ceil(n).next_multiple_of(64);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (1..n)
+                .filter(|k| k * step < data.len())
+                .map(|k| {
+                    let part = &data[k * step..((k + 1) * step).min(data.len())];
+                    let c = &peer.conns[k];
+                    s.spawn(move || one(c, k * step, part))
+                })
+                .collect();
+            let first = one(&peer.conns[0], 0, &data[..step.min(data.len())]);
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(Error::InvalidArgument("stripe writer panicked".into()))))
+                .fold(first, |a, b| a.and(b))
+        })
+    }
+
+    fn send_self(&self, tag: Tag, seq: u64, data: Vec<u8>) -> Result<()> {
+        let len = data.len();
+        self.mailbox.reserve(len);
+        self.mailbox.deliver(self.rank, tag, seq, len, 0, data)
+    }
+}
+
+impl Link for TcpLink {
+    fn info(&self) -> &LinkInfo {
+        &self.shared.info
+    }
+    fn rank(&self) -> usize {
+        self.shared.rank
+    }
+    fn size(&self) -> usize {
+        self.shared.peers.len()
+    }
+    fn send(&self, p: usize, tag: Tag, data: &[u8], deadline: Instant) -> Result<()> {
+        let peer = self.peer(p)?;
+        let seq = self.shared.seqs.next(p, tag);
+        match peer {
+            None => self.shared.send_self(tag, seq, data.to_vec()),
+            Some(peer) => self.shared.write_message(peer, p, tag, seq, data, deadline),
+        }
+    }
+    fn isend(&self, p: usize, tag: Tag, data: Vec<u8>) -> Result<SendHandle> {
+        let peer = self.peer(p)?;
+        let seq = self.shared.seqs.next(p, tag);
+        let Some(peer) = peer else {
+            let len = data.len();
+            self.shared.send_self(tag, seq, data)?;
+            let _ = len;
+            return Ok(SendHandle::ready(Ok(Vec::new())));
+        };
+        let (handle, done) = SendHandle::pending();
+        let mut tx = peer.sender.lock().unwrap_or_else(|e| e.into_inner());
+        if tx.is_none() {
+            let (t, rx) = mpsc::channel::<Job>();
+            let sh = self.shared.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("iw-tcp-tx-{p}"))
+                .spawn(move || {
+                    for job in rx {
+                        let peer = sh.peers[p].as_ref().expect("sender threads exist only for remote peers");
+                        let dl = Instant::now() + sh.cfg.timeout;
+                        let r = sh.write_message(peer, p, job.tag, job.seq, &job.data, dl);
+                        job.done.complete(r.map(|_| job.data));
+                    }
+                })
+                .map_err(|e| Error::io("spawn sender", &e))?;
+            self.senders.lock().unwrap_or_else(|e| e.into_inner()).push(h);
+            *tx = Some(t);
+        }
+        let job = Job { tag, seq, data, done };
+        if let Some(Err(mpsc::SendError(job))) = tx.as_ref().map(|t| t.send(job)) {
+            job.done.complete(Err(Error::Aborted { reason: "sender thread stopped".into() }));
+        }
+        Ok(handle)
+    }
+    fn irecv(&self, p: usize, tag: Tag) -> Result<RecvHandle> {
+        self.peer(p)?;
+        Ok(self.shared.mailbox.post(p, tag))
+    }
+    fn abort(&self, reason: &str) {
+        let first = self.shared.mailbox.failure().is_none();
+        self.shared.mailbox.fail(Error::Aborted { reason: reason.into() });
+        if !first {
+            return;
+        }
+        let body = reason.as_bytes();
+        let body = &body[..body.len().min(4096)];
+        let h =
+            FrameHeader { kind: FrameKind::Abort, tag: 0, seq: 0, total: body.len() as u64, offset: 0, len: body.len() as u64 };
+        for peer in self.shared.peers.iter().flatten() {
+            if let Some(c) = peer.conns.first() {
+                // Best effort: a connection busy with a stuck write is shut down below anyway.
+                if let Ok(mut w) = c.writer.try_lock() {
+                    let _ = write_frame(&mut w, &h, body, Instant::now() + Duration::from_secs(1));
+                }
+            }
+        }
+        self.shared.closing.store(true, Ordering::SeqCst);
+        for peer in self.shared.peers.iter().flatten() {
+            for c in &peer.conns {
+                let _ = c.control.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+impl Drop for TcpLink {
+    fn drop(&mut self) {
+        let sh = &self.shared;
+        // Stop the sender threads after they drained their queues.
+        for peer in sh.peers.iter().flatten() {
+            peer.sender.lock().unwrap_or_else(|e| e.into_inner()).take();
+        }
+        for h in self.senders.get_mut().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            let _ = h.join();
+        }
+        let healthy = sh.mailbox.failure().is_none();
+        sh.closing.store(true, Ordering::SeqCst);
+        if healthy {
+            let h = FrameHeader { kind: FrameKind::Goodbye, tag: 0, seq: 0, total: 0, offset: 0, len: 0 };
+            for peer in sh.peers.iter().flatten() {
+                for c in &peer.conns {
+                    let mut w = c.writer.lock().unwrap_or_else(|e| e.into_inner());
+                    let _ = write_frame(&mut w, &h, &[], Instant::now() + Duration::from_secs(1));
+                    let _ = c.control.shutdown(Shutdown::Write);
+                }
+            }
+            // Wait (bounded) for the peers' goodbyes, so nothing they still send is cut off.
+            let until = Instant::now() + sh.cfg.linger;
+            let readers = self.readers.get_mut().unwrap_or_else(|e| e.into_inner());
+            while Instant::now() < until && readers.iter().any(|h| !h.is_finished()) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        sh.mailbox.fail(Error::Aborted { reason: "link closed".into() });
+        for peer in sh.peers.iter().flatten() {
+            for c in &peer.conns {
+                let _ = c.control.shutdown(Shutdown::Both);
+            }
+        }
+        for h in self.readers.get_mut().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            let _ = h.join();
+        }
+    }
+}

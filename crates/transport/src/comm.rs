@@ -1,0 +1,759 @@
+//! The communicator: one rank's view of a group, point-to-point and collectives.
+//!
+//! Collectives are written once over a link's point-to-point operations. Large messages use
+//! ring algorithms (bandwidth-optimal, chunks pipelined in segments so reduction overlaps the
+//! network); small ones use recursive doubling or a binomial tree (latency-optimal). Any error
+//! inside a collective aborts the link, at every peer, so nobody waits for a partner that will
+//! never send: a failed collective leaves the communicator unusable, as in NCCL.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::dtype::{finish_avg, reduce_into, DType, Element, ReduceOp};
+use crate::error::{Error, Result};
+use crate::link::{BufMut, Link, LinkInfo, MemKind, RecvBuf, RecvHandle, SendHandle, Tag};
+
+/// Default deadline of every blocking call.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Tunables of a communicator.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommOptions {
+    /// Deadline of each blocking call (send, receive, collective).
+    pub timeout: Duration,
+    /// Messages up to this many bytes use the latency-optimal algorithms.
+    pub small_bytes: usize,
+    /// Ring chunks travel in segments of this many bytes, so reduction overlaps transfer.
+    pub segment_bytes: usize,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions { timeout: DEFAULT_TIMEOUT, small_bytes: 64 * 1024, segment_bytes: 1 << 20 }
+    }
+}
+
+impl CommOptions {
+    /// Options from the environment: `IRONWEAVE_TIMEOUT_S` (seconds, fractional allowed).
+    pub fn from_env() -> Result<Self> {
+        let mut o = CommOptions::default();
+        if let Ok(v) = std::env::var("IRONWEAVE_TIMEOUT_S") {
+            let secs: f64 = v
+                .parse()
+                .ok()
+                .filter(|s: &f64| s.is_finite() && *s > 0.0)
+                .ok_or_else(|| Error::Config(format!("IRONWEAVE_TIMEOUT_S={v:?} is not a positive number of seconds")))?;
+            o.timeout = Duration::from_secs_f64(secs);
+        }
+        Ok(o)
+    }
+}
+
+const COLL_BIT: u64 = 1 << 31;
+/// The largest user tag for point-to-point messages.
+pub const MAX_USER_TAG: u32 = (1 << 31) - 1;
+
+fn mix(a: u32, b: u64) -> u32 {
+    // FNV-1a over the 12 bytes; context ids only need to differ, not to be secret.
+    let mut h: u32 = 0x811c_9dc5;
+    for byte in a.to_le_bytes().into_iter().chain(b.to_le_bytes()) {
+        h ^= u32::from(byte);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h
+}
+
+/// One rank's view of a group of ranks over one or more links.
+///
+/// `Communicator` is `Send + Sync`; collectives on one communicator must be called in the same
+/// order by every member, from one thread at a time. Views on different links
+/// ([`Communicator::on_link`]) may run collectives concurrently.
+#[derive(Debug)]
+pub struct Communicator {
+    links: Arc<[Arc<dyn Link>]>,
+    link: usize,
+    members: Arc<[usize]>,
+    me: usize,
+    ctx: u32,
+    splits: AtomicU32,
+    opts: CommOptions,
+}
+
+impl Communicator {
+    /// The world communicator over `links` (all over the same world; the first is active).
+    pub fn new(links: Vec<Arc<dyn Link>>, opts: CommOptions) -> Result<Self> {
+        let first = links.first().ok_or_else(|| Error::InvalidArgument("a communicator needs at least one link".into()))?;
+        let (rank, size) = (first.rank(), first.size());
+        if let Some(l) = links.iter().find(|l| l.rank() != rank || l.size() != size) {
+            return Err(Error::InvalidArgument(format!(
+                "link {:?} is rank {} of {} but the first link is rank {rank} of {size}",
+                l.info().name,
+                l.rank(),
+                l.size()
+            )));
+        }
+        Ok(Communicator {
+            links: links.into(),
+            link: 0,
+            members: (0..size).collect::<Vec<_>>().into(),
+            me: rank,
+            ctx: 1,
+            splits: AtomicU32::new(0),
+            opts,
+        })
+    }
+
+    /// This rank's index in the group.
+    pub fn rank(&self) -> usize {
+        self.me
+    }
+
+    /// Number of ranks in the group.
+    pub fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    /// World rank of group rank `r`.
+    pub fn world_rank(&self, r: usize) -> usize {
+        self.members[r]
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &CommOptions {
+        &self.opts
+    }
+
+    /// Changes the deadline of every later blocking call.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.opts.timeout = timeout;
+    }
+
+    /// Information on every link, in order; [`Communicator::active_link`] is the one in use.
+    pub fn links(&self) -> Vec<LinkInfo> {
+        self.links.iter().map(|l| l.info().clone()).collect()
+    }
+
+    /// Index of the link this view uses.
+    pub fn active_link(&self) -> usize {
+        self.link
+    }
+
+    /// The same group on link `i`, with its own tag space: collectives on two views over
+    /// two links may run at the same time from two threads.
+    pub fn on_link(&self, i: usize) -> Result<Communicator> {
+        if i >= self.links.len() {
+            return Err(Error::InvalidArgument(format!("link index {i} but the communicator has {} links", self.links.len())));
+        }
+        Ok(Communicator {
+            links: self.links.clone(),
+            link: i,
+            members: self.members.clone(),
+            me: self.me,
+            ctx: mix(self.ctx, 0xffff_0000 + i as u64),
+            splits: AtomicU32::new(0),
+            opts: self.opts.clone(),
+        })
+    }
+
+    fn l(&self) -> &dyn Link {
+        &*self.links[self.link]
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.opts.timeout
+    }
+
+    fn user_tag(&self, tag: u32) -> Result<Tag> {
+        if tag > MAX_USER_TAG {
+            return Err(Error::InvalidArgument(format!("tag {tag} exceeds the largest user tag {MAX_USER_TAG}")));
+        }
+        Ok(Tag((u64::from(self.ctx) << 32) | u64::from(tag)))
+    }
+
+    fn coll_tag(&self) -> Tag {
+        Tag((u64::from(self.ctx) << 32) | COLL_BIT)
+    }
+
+    fn peer(&self, r: usize) -> Result<usize> {
+        self.members.get(r).copied().ok_or(Error::RankOutOfRange { rank: r, size: self.members.len() })
+    }
+
+    // ---------------------------------------------------------------- point to point
+
+    /// Sends bytes to group rank `peer` with a user tag; returns when `data` may be reused.
+    pub fn send_bytes(&self, peer: usize, tag: u32, data: &[u8]) -> Result<()> {
+        self.l().send(self.peer(peer)?, self.user_tag(tag)?, data, self.deadline())
+    }
+
+    /// Receives the next message from `peer` on `tag`.
+    pub fn recv_bytes(&self, peer: usize, tag: u32) -> Result<Vec<u8>> {
+        Ok(self.irecv_bytes(peer, tag)?.wait(self.deadline())?.into_vec())
+    }
+
+    /// Starts sending an owned buffer; the handle returns it.
+    pub fn isend_bytes(&self, peer: usize, tag: u32, data: Vec<u8>) -> Result<SendHandle> {
+        self.l().isend(self.peer(peer)?, self.user_tag(tag)?, data)
+    }
+
+    /// Posts a receive; wait on the handle with [`Communicator::deadline_from_now`].
+    pub fn irecv_bytes(&self, peer: usize, tag: u32) -> Result<RecvHandle> {
+        self.l().irecv(self.peer(peer)?, self.user_tag(tag)?)
+    }
+
+    /// The deadline a blocking call started now would have.
+    pub fn deadline_from_now(&self) -> Instant {
+        self.deadline()
+    }
+
+    /// Sends typed elements.
+    pub fn send<T: Element>(&self, peer: usize, tag: u32, data: &[T]) -> Result<()> {
+        self.send_bytes(peer, tag, bytemuck::cast_slice(data))
+    }
+
+    /// Receives exactly `out.len()` elements; a message of another length is an error.
+    pub fn recv<T: Element>(&self, peer: usize, tag: u32, out: &mut [T]) -> Result<()> {
+        let m = self.irecv_bytes(peer, tag)?.wait(self.deadline())?;
+        let dst: &mut [u8] = bytemuck::cast_slice_mut(out);
+        if m.len() != dst.len() {
+            return Err(Error::LengthMismatch { op: "recv", peer, expected: dst.len(), got: m.len() });
+        }
+        m.copy_to(dst);
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- helpers
+
+    /// Runs a collective; on failure, aborts the link so that peers fail fast too.
+    fn guarded<R>(&self, op: &str, f: impl FnOnce(Instant) -> Result<R>) -> Result<R> {
+        let r = f(self.deadline());
+        if let Err(e) = &r {
+            if !from_peer(e) {
+                self.l().abort(&format!("{op} failed on rank {}: {e}", self.world_rank(self.me)));
+            }
+        }
+        r
+    }
+
+    fn csend(&self, peer: usize, data: &[u8], dl: Instant) -> Result<()> {
+        self.l().send(self.members[peer], self.coll_tag(), data, dl)
+    }
+
+    fn cpost(&self, peer: usize) -> Result<RecvHandle> {
+        self.l().irecv(self.members[peer], self.coll_tag())
+    }
+
+    fn crecv_exact(&self, op: &'static str, peer: usize, expected: usize, dl: Instant) -> Result<RecvBuf> {
+        let m = self.cpost(peer)?.wait(dl)?;
+        if m.len() != expected {
+            return Err(Error::LengthMismatch { op, peer, expected, got: m.len() });
+        }
+        Ok(m)
+    }
+
+    /// Segment lengths of a chunk: full segments then the remainder, always including the
+    /// (possibly empty) remainder so that two different lengths never yield sequences where
+    /// one is a prefix of the other — a size mismatch is always detected.
+    fn segments(&self, len: usize) -> impl Iterator<Item = Range<usize>> {
+        let seg = self.opts.segment_bytes.max(1);
+        let full = len / seg;
+        (0..=full).map(move |i| i * seg..((i + 1) * seg).min(len))
+    }
+
+    fn send_segmented(&self, peer: usize, data: &[u8], dl: Instant) -> Result<()> {
+        for r in self.segments(data.len()) {
+            self.csend(peer, &data[r], dl)?;
+        }
+        Ok(())
+    }
+
+    /// One ring step: sends `send` (segmented) to `to` on a helper thread while receiving the
+    /// same-shaped segments from `from` and handing each to `sink(offset, bytes)`.
+    fn ring_step(
+        &self,
+        op: &'static str,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv_len: usize,
+        dl: Instant,
+        mut sink: impl FnMut(Range<usize>, &RecvBuf),
+    ) -> Result<()> {
+        // Post all receives first so the matching order is fixed before any byte arrives.
+        let posted: Vec<(Range<usize>, RecvHandle)> =
+            self.segments(recv_len).map(|r| Ok((r, self.cpost(from)?))).collect::<Result<_>>()?;
+        std::thread::scope(|s| {
+            let sender = s.spawn(|| self.send_segmented(to, send, dl));
+            let mut res = Ok(());
+            for (r, h) in posted {
+                match h.wait(dl) {
+                    Ok(m) if m.len() == r.len() => sink(r, &m),
+                    Ok(m) => {
+                        res = Err(Error::LengthMismatch { op, peer: from, expected: r.len(), got: m.len() });
+                        break;
+                    }
+                    Err(e) => {
+                        res = Err(e);
+                        break;
+                    }
+                }
+            }
+            if res.as_ref().is_err_and(|e| !from_peer(e)) {
+                // Unblock our sender if it is stuck on a peer that stopped reading.
+                self.l().abort(&format!("{op}: ring step failed on rank {}", self.world_rank(self.me)));
+            }
+            let sent = sender.join().unwrap_or_else(|_| Err(Error::InvalidArgument("sender thread panicked".into())));
+            res.and(sent)
+        })
+    }
+
+    fn chunk_ranges(count: usize, n: usize, es: usize) -> Vec<Range<usize>> {
+        let (base, extra) = (count / n, count % n);
+        let mut out = Vec::with_capacity(n);
+        let mut at = 0;
+        for i in 0..n {
+            let c = base + usize::from(i < extra);
+            out.push(at * es..(at + c) * es);
+            at += c;
+        }
+        out
+    }
+
+    /// In-place ring reduce-scatter: afterwards chunk `me` holds the full reduction.
+    fn ring_reduce_scatter(
+        &self,
+        buf: &mut [u8],
+        chunks: &[Range<usize>],
+        dtype: DType,
+        op: ReduceOp,
+        dl: Instant,
+    ) -> Result<()> {
+        let n = self.size();
+        let r = self.me;
+        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+        for s in 0..n - 1 {
+            let si = (r + 2 * n - s - 1) % n;
+            let ri = (r + 2 * n - s - 2) % n;
+            let (send, recv) = split_two(buf, chunks[si].clone(), chunks[ri].clone());
+            self.ring_step("reduce_scatter", right, send, left, recv.len(), dl, |seg, m| {
+                reduce_parts(dtype, &mut recv[seg], m, op)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// In-place ring all-gather: rank i starts with chunk i, ends with all.
+    fn ring_all_gather(&self, buf: &mut [u8], chunks: &[Range<usize>], dl: Instant) -> Result<()> {
+        let n = self.size();
+        let r = self.me;
+        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+        for s in 0..n - 1 {
+            let si = (r + n - s) % n;
+            let ri = (r + 2 * n - s - 1) % n;
+            let (send, recv) = split_two(buf, chunks[si].clone(), chunks[ri].clone());
+            self.ring_step("all_gather", right, send, left, recv.len(), dl, |seg, m| m.copy_to(&mut recv[seg]))?;
+        }
+        Ok(())
+    }
+
+    /// Recursive doubling all-reduce; non-power-of-two sizes fold the extra ranks in first.
+    fn rd_all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp, dl: Instant) -> Result<()> {
+        let n = self.size();
+        let r = self.me;
+        let p2 = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let rem = n - p2;
+        let len = buf.len();
+        if r >= p2 {
+            self.csend(r - p2, buf, dl)?;
+            let m = self.crecv_exact("all_reduce", r - p2, len, dl)?;
+            m.copy_to(buf);
+            return Ok(());
+        }
+        if r < rem {
+            let m = self.crecv_exact("all_reduce", r + p2, len, dl)?;
+            reduce_parts(dtype, buf, &m, op);
+        }
+        let mut mask = 1;
+        while mask < p2 {
+            let partner = r ^ mask;
+            let h = self.cpost(partner)?;
+            self.csend(partner, buf, dl)?;
+            let m = h.wait(dl)?;
+            if m.len() != len {
+                return Err(Error::LengthMismatch { op: "all_reduce", peer: partner, expected: len, got: m.len() });
+            }
+            reduce_parts(dtype, buf, &m, op);
+            mask <<= 1;
+        }
+        if r < rem {
+            self.csend(r + p2, buf, dl)?;
+        }
+        Ok(())
+    }
+
+    fn check_host<'a>(&self, buf: BufMut<'a>) -> Result<&'a mut [u8]> {
+        match buf {
+            BufMut::Host(b) => Ok(b),
+            BufMut::Device(_) => {
+                Err(Error::UnsupportedMemory { link: self.l().info().name.clone(), memory: buf.memory().to_string() })
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- collectives
+
+    /// All-reduce on a buffer in host or device memory (device memory needs a backend with
+    /// native collectives, such as NCCL).
+    pub fn all_reduce_buf(&self, buf: BufMut<'_>, dtype: DType, op: ReduceOp) -> Result<()> {
+        if buf.memory() != MemKind::Host {
+            if let (Some(native), true) = (self.l().native_collectives(), self.size() == self.l().size()) {
+                return native.all_reduce(buf, dtype, op);
+            }
+        }
+        let buf = self.check_host(buf)?;
+        self.guarded("all_reduce", |dl| {
+            if buf.len() % dtype.size() != 0 {
+                return Err(Error::InvalidArgument(format!("buffer of {} bytes is not a whole number of {dtype}", buf.len())));
+            }
+            let n = self.size();
+            let count = buf.len() / dtype.size();
+            if n > 1 {
+                if buf.len() <= self.opts.small_bytes || count < n {
+                    self.rd_all_reduce(buf, dtype, op, dl)?;
+                } else {
+                    let chunks = Self::chunk_ranges(count, n, dtype.size());
+                    self.ring_reduce_scatter(buf, &chunks, dtype, op, dl)?;
+                    self.ring_all_gather(buf, &chunks, dl)?;
+                }
+            }
+            if op == ReduceOp::Avg {
+                finish_avg(dtype, buf, n);
+            }
+            Ok(())
+        })
+    }
+
+    /// In-place all-reduce of host elements.
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.all_reduce_buf(BufMut::Host(bytemuck::cast_slice_mut(buf)), T::DTYPE, op)
+    }
+
+    /// Broadcast of `buf` from group rank `root` to every rank.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.broadcast_bytes(bytemuck::cast_slice_mut(buf), root, std::mem::size_of::<T>())
+    }
+
+    fn broadcast_bytes(&self, buf: &mut [u8], root: usize, es: usize) -> Result<()> {
+        self.guarded("broadcast", |dl| {
+            let n = self.size();
+            if root >= n {
+                return Err(Error::RankOutOfRange { rank: root, size: n });
+            }
+            if n == 1 {
+                return Ok(());
+            }
+            let count = buf.len() / es;
+            if buf.len() <= self.opts.small_bytes || count < n {
+                // Binomial tree on ranks relative to the root.
+                let vr = (self.me + n - root) % n;
+                let mut mask = 1;
+                while mask < n {
+                    if vr & mask != 0 {
+                        let src = (vr - mask + root) % n;
+                        self.crecv_exact("broadcast", src, buf.len(), dl)?.copy_to(buf);
+                        break;
+                    }
+                    mask <<= 1;
+                }
+                mask >>= 1;
+                while mask > 0 {
+                    if vr + mask < n {
+                        self.csend((vr + mask + root) % n, buf, dl)?;
+                    }
+                    mask >>= 1;
+                }
+                return Ok(());
+            }
+            // Scatter from the root, then ring all-gather (van de Geijn).
+            let chunks = Self::chunk_ranges(count, n, es);
+            if self.me == root {
+                for (i, c) in chunks.iter().enumerate() {
+                    if i != root {
+                        self.send_segmented(i, &buf[c.clone()], dl)?;
+                    }
+                }
+            } else {
+                let mine = chunks[self.me].clone();
+                let posted: Vec<_> = self.segments(mine.len()).map(|r| Ok((r, self.cpost(root)?))).collect::<Result<_>>()?;
+                for (r, h) in posted {
+                    let m = h.wait(dl)?;
+                    if m.len() != r.len() {
+                        return Err(Error::LengthMismatch { op: "broadcast", peer: root, expected: r.len(), got: m.len() });
+                    }
+                    m.copy_to(&mut buf[mine.start + r.start..mine.start + r.end]);
+                }
+            }
+            self.ring_all_gather(buf, &chunks, dl)
+        })
+    }
+
+    /// All-gather: every rank contributes `input`; `output` (size × input) receives all
+    /// contributions in rank order.
+    pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let (inb, outb): (&[u8], &mut [u8]) = (bytemuck::cast_slice(input), bytemuck::cast_slice_mut(output));
+        self.guarded("all_gather", |dl| {
+            let n = self.size();
+            if outb.len() != inb.len() * n {
+                return Err(Error::InvalidArgument(format!(
+                    "all_gather output holds {} bytes but {} ranks × {} bytes were expected",
+                    outb.len(),
+                    n,
+                    inb.len()
+                )));
+            }
+            let m = inb.len();
+            let r = self.me;
+            outb[r * m..(r + 1) * m].copy_from_slice(inb);
+            if n == 1 {
+                return Ok(());
+            }
+            let chunks: Vec<Range<usize>> = (0..n).map(|i| i * m..(i + 1) * m).collect();
+            if outb.len() > self.opts.small_bytes {
+                return self.ring_all_gather(outb, &chunks, dl);
+            }
+            if n.is_power_of_two() {
+                // Recursive doubling: after step k each rank holds 2^(k+1) consecutive blocks.
+                let mut d = 1;
+                while d < n {
+                    let partner = r ^ d;
+                    let mine = (r & !(d - 1)) * m..((r & !(d - 1)) + d) * m;
+                    let theirs = (partner & !(d - 1)) * m..((partner & !(d - 1)) + d) * m;
+                    let h = self.cpost(partner)?;
+                    self.csend(partner, &outb[mine], dl)?;
+                    let got = h.wait(dl)?;
+                    if got.len() != theirs.len() {
+                        return Err(Error::LengthMismatch {
+                            op: "all_gather",
+                            peer: partner,
+                            expected: theirs.len(),
+                            got: got.len(),
+                        });
+                    }
+                    got.copy_to(&mut outb[theirs]);
+                    d <<= 1;
+                }
+                return Ok(());
+            }
+            // Small, not a power of two: one round of direct exchange.
+            let posted: Vec<_> = (0..n).filter(|&p| p != r).map(|p| Ok((p, self.cpost(p)?))).collect::<Result<_>>()?;
+            for p in (0..n).filter(|&p| p != r) {
+                self.csend(p, inb, dl)?;
+            }
+            for (p, h) in posted {
+                let got = h.wait(dl)?;
+                if got.len() != m {
+                    return Err(Error::LengthMismatch { op: "all_gather", peer: p, expected: m, got: got.len() });
+                }
+                got.copy_to(&mut outb[p * m..(p + 1) * m]);
+            }
+            Ok(())
+        })
+    }
+
+    /// Reduce-scatter: `input` holds size × `output.len()` elements; rank i receives the
+    /// reduction of every rank's block i.
+    pub fn reduce_scatter<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()> {
+        let (inb, outb): (&[u8], &mut [u8]) = (bytemuck::cast_slice(input), bytemuck::cast_slice_mut(output));
+        let dtype = T::DTYPE;
+        self.guarded("reduce_scatter", |dl| {
+            let n = self.size();
+            if inb.len() != outb.len() * n {
+                return Err(Error::InvalidArgument(format!(
+                    "reduce_scatter input holds {} bytes but {} ranks × {} bytes were expected",
+                    inb.len(),
+                    n,
+                    outb.len()
+                )));
+            }
+            let m = outb.len();
+            let r = self.me;
+            let mut work = inb.to_vec();
+            if n > 1 {
+                if inb.len() <= self.opts.small_bytes {
+                    self.rd_all_reduce(&mut work, dtype, op, dl)?;
+                } else {
+                    let chunks: Vec<Range<usize>> = (0..n).map(|i| i * m..(i + 1) * m).collect();
+                    self.ring_reduce_scatter(&mut work, &chunks, dtype, op, dl)?;
+                }
+            }
+            outb.copy_from_slice(&work[r * m..(r + 1) * m]);
+            if op == ReduceOp::Avg {
+                finish_avg(dtype, outb, n);
+            }
+            Ok(())
+        })
+    }
+
+    /// All-to-all with equal blocks: block j of `send` goes to rank j; block i of `recv`
+    /// comes from rank i.
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let n = self.size();
+        if send.len() % n != 0 || recv.len() != send.len() {
+            let msg = format!(
+                "all_to_all needs equal send and receive lengths divisible by {n}, got {} and {}",
+                send.len(),
+                recv.len()
+            );
+            return self.guarded("all_to_all", |_| Err(Error::InvalidArgument(msg)));
+        }
+        let counts = vec![send.len() / n; n];
+        self.all_to_all_v(send, &counts, recv, &counts)
+    }
+
+    /// All-to-all with variable counts (the MoE token dispatch): `send_counts[j]` elements go
+    /// to rank j, `recv_counts[i]` elements are expected from rank i; a peer that sends another
+    /// count is an error.
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let (sb, rb): (&[u8], &mut [u8]) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
+        let es = std::mem::size_of::<T>();
+        self.guarded("all_to_all_v", |dl| {
+            let n = self.size();
+            if send_counts.len() != n || recv_counts.len() != n {
+                return Err(Error::InvalidArgument(format!("all_to_all_v needs {n} send and receive counts")));
+            }
+            if send_counts.iter().sum::<usize>() * es != sb.len() || recv_counts.iter().sum::<usize>() * es != rb.len() {
+                return Err(Error::InvalidArgument("all_to_all_v counts do not add up to the buffer lengths".into()));
+            }
+            let offsets = |c: &[usize]| -> Vec<Range<usize>> {
+                let mut at = 0;
+                c.iter()
+                    .map(|&k| {
+                        let r = at * es..(at + k) * es;
+                        at += k;
+                        r
+                    })
+                    .collect()
+            };
+            let (so, ro) = (offsets(send_counts), offsets(recv_counts));
+            let r = self.me;
+            rb[ro[r].clone()].copy_from_slice(&sb[so[r].clone()]);
+            if send_counts[r] != recv_counts[r] {
+                return Err(Error::LengthMismatch {
+                    op: "all_to_all_v",
+                    peer: r,
+                    expected: recv_counts[r] * es,
+                    got: send_counts[r] * es,
+                });
+            }
+            let posted: Vec<_> = (1..n).map(|k| (r + n - k) % n).map(|p| Ok((p, self.cpost(p)?))).collect::<Result<_>>()?;
+            // Pairwise order spreads the load: at step k everybody sends to rank + k.
+            for k in 1..n {
+                let p = (r + k) % n;
+                self.csend(p, &sb[so[p].clone()], dl)?;
+            }
+            for (p, h) in posted {
+                let m = h.wait(dl)?;
+                if m.len() != ro[p].len() {
+                    return Err(Error::LengthMismatch { op: "all_to_all_v", peer: p, expected: ro[p].len(), got: m.len() });
+                }
+                m.copy_to(&mut rb[ro[p].clone()]);
+            }
+            Ok(())
+        })
+    }
+
+    /// All-to-all with variable counts where the receiver does not know the counts yet:
+    /// exchanges counts first, returns the received elements and the count from each rank.
+    pub fn all_to_all_v_exchange<T: Element>(&self, send: &[T], send_counts: &[usize]) -> Result<(Vec<T>, Vec<usize>)> {
+        let n = self.size();
+        if send_counts.len() != n {
+            let msg = format!("all_to_all_v_exchange needs {n} send counts, got {}", send_counts.len());
+            return self.guarded("all_to_all_v", |_| Err(Error::InvalidArgument(msg)));
+        }
+        let sc: Vec<i64> = send_counts.iter().map(|&c| c as i64).collect();
+        let mut rc = vec![0i64; n];
+        self.all_to_all(&sc, &mut rc)?;
+        let recv_counts: Vec<usize> = rc.iter().map(|&c| c.max(0) as usize).collect();
+        let mut out = vec![T::zeroed(); recv_counts.iter().sum()];
+        self.all_to_all_v(send, send_counts, &mut out, &recv_counts)?;
+        Ok((out, recv_counts))
+    }
+
+    /// Blocks until every rank of the group has entered the barrier (dissemination).
+    pub fn barrier(&self) -> Result<()> {
+        self.guarded("barrier", |dl| {
+            let n = self.size();
+            let mut k = 1;
+            while k < n {
+                let h = self.cpost((self.me + n - k) % n)?;
+                self.csend((self.me + k) % n, &[], dl)?;
+                let m = h.wait(dl)?;
+                if !m.is_empty() {
+                    return Err(Error::LengthMismatch { op: "barrier", peer: (self.me + n - k) % n, expected: 0, got: m.len() });
+                }
+                k <<= 1;
+            }
+            Ok(())
+        })
+    }
+
+    /// Splits the group: ranks passing the same `color` form a new group, ordered by `key`
+    /// then by their rank here. Every member must call it.
+    pub fn split(&self, color: u32, key: u32) -> Result<Communicator> {
+        let n = self.size();
+        let mine = [i64::from(color), i64::from(key)];
+        let mut all = vec![0i64; 2 * n];
+        self.all_gather(&mine, &mut all)?;
+        let mut group: Vec<(i64, usize)> =
+            (0..n).filter(|&i| all[2 * i] == i64::from(color)).map(|i| (all[2 * i + 1], i)).collect();
+        group.sort_unstable();
+        let members: Vec<usize> = group.iter().map(|&(_, i)| self.members[i]).collect();
+        let me =
+            group.iter().position(|&(_, i)| i == self.me).ok_or_else(|| Error::InvalidArgument("split lost this rank".into()))?;
+        let nth = self.splits.fetch_add(1, Ordering::Relaxed);
+        Ok(Communicator {
+            links: self.links.clone(),
+            link: self.link,
+            members: members.into(),
+            me,
+            ctx: mix(mix(self.ctx, u64::from(nth)), u64::from(color)),
+            splits: AtomicU32::new(0),
+            opts: self.opts.clone(),
+        })
+    }
+
+    /// Aborts the active link: every pending and future operation fails, here and at peers.
+    pub fn abort(&self, reason: &str) {
+        self.l().abort(reason);
+    }
+}
+
+/// Errors that a peer (or an earlier abort) caused: every rank learns of those by itself, so
+/// they are not broadcast again (which would race with and mask the original cause).
+fn from_peer(e: &Error) -> bool {
+    matches!(e, Error::PeerLost { .. } | Error::PeerAborted { .. } | Error::PeerClosed { .. } | Error::Aborted { .. })
+}
+
+fn reduce_parts(dtype: DType, dst: &mut [u8], m: &RecvBuf, op: ReduceOp) {
+    for (off, p) in m.parts() {
+        reduce_into(dtype, &mut dst[off..off + p.len()], p, op);
+    }
+}
+
+/// Borrows two disjoint ranges of one buffer: the first shared, the second mutable.
+fn split_two(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [u8]) {
+    if a.end <= b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&lo[a], &mut hi[..b.end - b.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&hi[..a.end - a.start], &mut lo[b])
+    }
+}

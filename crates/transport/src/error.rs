@@ -1,0 +1,68 @@
+//! The one error type of the transport crate.
+
+use std::time::Duration;
+
+/// Everything that can go wrong in a transport, a collective or the rendezvous.
+///
+/// Errors are `Clone` because one failure (a lost peer, an abort) is reported to every
+/// operation waiting on the link; I/O errors are therefore carried as text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// A peer process went away (its connection closed without a goodbye).
+    #[error("peer rank {rank} was lost ({detail}); the communicator is unusable: restart the job or rebuild the group without that rank")]
+    PeerLost { rank: usize, detail: String },
+    /// A peer aborted the job after an error of its own.
+    #[error("rank {rank} aborted the communicator: {reason}")]
+    PeerAborted { rank: usize, reason: String },
+    /// A peer finished (said goodbye) while this rank still expected data from it.
+    #[error("peer rank {rank} closed its link while rank {me} still waited for data from it: the ranks do not run the same sequence of operations")]
+    PeerClosed { rank: usize, me: usize },
+    /// This link was aborted locally (after an earlier error).
+    #[error("the link was aborted earlier: {reason}")]
+    Aborted { reason: String },
+    /// A blocking call passed its deadline.
+    #[error("{what} did not complete within {after:?}: a peer is stuck, dead or runs a different sequence of operations (raise IRONWEAVE_TIMEOUT_S if it is just slow)")]
+    Timeout { what: String, after: Duration },
+    /// Sizes disagree between ranks (or with the counts the caller gave).
+    #[error("length mismatch in {op}: expected {expected} bytes from rank {peer}, got {got}: every rank must pass buffers of matching size")]
+    LengthMismatch { op: &'static str, peer: usize, expected: usize, got: usize },
+    /// The caller passed arguments that cannot work.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A rank index outside the group.
+    #[error("rank {rank} is out of range for a group of size {size}")]
+    RankOutOfRange { rank: usize, size: usize },
+    /// A buffer lives in memory this backend cannot touch.
+    #[error("link {link:?} cannot touch {memory} memory; use a backend that declares it (NCCL for device memory) or stage through host memory")]
+    UnsupportedMemory { link: String, memory: String },
+    /// A frame or message on the wire is malformed.
+    #[error("protocol error from {from}: {detail}")]
+    Protocol { from: String, detail: String },
+    /// The handshake with a peer failed (secret, job id, world size, version).
+    #[error("handshake with {peer} rejected: {reason}")]
+    HandshakeRejected { peer: String, reason: String },
+    /// The environment does not describe a job.
+    #[error("rendezvous configuration: {0}")]
+    Config(String),
+    /// An operating-system I/O error.
+    #[error("I/O error during {context}: {message}")]
+    Io { context: String, message: String },
+    /// A backend feature that was not compiled in.
+    #[error("ironweave was built without the `{feature}` feature; rebuild with `--features {feature}`")]
+    NotCompiledWith { feature: &'static str },
+}
+
+impl Error {
+    /// Wraps an `std::io::Error` with what was being done.
+    pub fn io(context: impl Into<String>, err: &std::io::Error) -> Self {
+        Error::Io { context: context.into(), message: err.to_string() }
+    }
+
+    /// True for errors after which the link can no longer be used.
+    pub fn is_fatal(&self) -> bool {
+        !matches!(self, Error::InvalidArgument(_) | Error::RankOutOfRange { .. } | Error::UnsupportedMemory { .. })
+    }
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,481 @@
+//! Links: one path to the peers, moving tagged bytes point to point.
+//!
+//! A backend implements [`Link`]. Matching is shared by every backend through [`Mailbox`]:
+//! each message carries a sequence number per (peer, tag), assigned when the send is issued,
+//! and a receive posted as the k-th on (peer, tag) takes the k-th message, whatever order the
+//! bytes arrive in (several connections, several threads).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+
+/// A message tag. Communicators put their context id in the upper 32 bits so that
+/// sub-groups and collectives never match each other's messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tag(pub u64);
+
+/// Where a buffer lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemKind {
+    /// Ordinary host memory.
+    Host,
+    /// Memory of an accelerator, by device ordinal.
+    Device(u32),
+}
+
+impl std::fmt::Display for MemKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MemKind::Host => f.write_str("host"),
+            MemKind::Device(d) => write!(f, "device {d}"),
+        }
+    }
+}
+
+/// Whether a link's speed figures were measured or only declared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpeedSource {
+    /// From configuration or a backend's nominal figure.
+    Declared,
+    /// From a probe run (ping-pong and streaming).
+    Measured,
+    /// Nothing known; the figures are placeholders the planner must not trust.
+    Unknown,
+}
+
+/// Name, speed and reach of a link.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinkInfo {
+    /// Human name, e.g. `tcp:lo` or `tcp:veth-a`.
+    pub name: String,
+    /// Which backend drives it (`tcp`, `inproc`, ...).
+    pub backend: &'static str,
+    /// Bandwidth in bytes per second.
+    pub bandwidth_bytes_per_s: f64,
+    /// One-way latency of a small message in seconds.
+    pub latency_s: f64,
+    /// Where the figures come from.
+    pub speed_source: SpeedSource,
+    /// Memory kinds this link can read and write.
+    pub memory: Vec<MemKind>,
+}
+
+impl LinkInfo {
+    /// True when the link can move buffers living in `mem`.
+    pub fn can_touch(&self, mem: MemKind) -> bool {
+        self.memory.contains(&mem)
+    }
+}
+
+/// A received message: one or more parts that together cover `len` bytes in order
+/// (a message striped over several connections arrives as one part per connection).
+#[derive(Debug, Default)]
+pub struct RecvBuf {
+    parts: Vec<(usize, Vec<u8>)>,
+    len: usize,
+}
+
+impl RecvBuf {
+    /// A message made of one contiguous buffer.
+    pub fn from_vec(v: Vec<u8>) -> Self {
+        let len = v.len();
+        RecvBuf { parts: vec![(0, v)], len }
+    }
+
+    /// Total length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length message.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The parts in order, each with its offset in the message.
+    pub fn parts(&self) -> impl Iterator<Item = (usize, &[u8])> {
+        self.parts.iter().map(|(o, p)| (*o, p.as_slice()))
+    }
+
+    /// Copies the message into `dst`, which must be exactly as long.
+    pub fn copy_to(&self, dst: &mut [u8]) {
+        assert_eq!(dst.len(), self.len, "RecvBuf::copy_to: length mismatch (callers check first)");
+        for (off, p) in &self.parts {
+            dst[*off..*off + p.len()].copy_from_slice(p);
+        }
+    }
+
+    /// The message as one vector (no copy when it arrived in one part).
+    pub fn into_vec(mut self) -> Vec<u8> {
+        if self.parts.len() == 1 {
+            return self.parts.pop().map(|(_, v)| v).unwrap_or_default();
+        }
+        let mut v = vec![0u8; self.len];
+        self.copy_to(&mut v);
+        v
+    }
+}
+
+/// Operations a backend with its own collectives (NCCL) provides. The communicator calls
+/// them instead of the point-to-point algorithms when a link offers them.
+pub trait NativeCollectives: Send + Sync {
+    /// In-place all-reduce over the link's whole world.
+    fn all_reduce(&self, buf: BufMut<'_>, dtype: crate::DType, op: crate::ReduceOp) -> Result<()>;
+}
+
+/// A device buffer handed through the API untouched (interpreted by a device backend).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSlice {
+    /// Device pointer.
+    pub ptr: u64,
+    /// Length in bytes.
+    pub len: usize,
+    /// Device ordinal.
+    pub device: u32,
+}
+
+/// A mutable buffer in host or device memory.
+#[derive(Debug)]
+pub enum BufMut<'a> {
+    /// Host bytes.
+    Host(&'a mut [u8]),
+    /// Device bytes.
+    Device(DeviceSlice),
+}
+
+impl BufMut<'_> {
+    /// Where the buffer lives.
+    pub fn memory(&self) -> MemKind {
+        match self {
+            BufMut::Host(_) => MemKind::Host,
+            BufMut::Device(d) => MemKind::Device(d.device),
+        }
+    }
+}
+
+/// One path to the peers. Implemented by every backend.
+///
+/// Ranks are world ranks of the link. Sends and receives on the same (peer, tag) match in
+/// the order they were issued; different tags are independent.
+pub trait Link: Send + Sync + std::fmt::Debug {
+    /// Name, speed and the memory the link can touch.
+    fn info(&self) -> &LinkInfo;
+    /// This process's rank in the link's world.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the link's world.
+    fn size(&self) -> usize;
+    /// Sends borrowed bytes; returns once the buffer may be reused.
+    fn send(&self, peer: usize, tag: Tag, data: &[u8], deadline: Instant) -> Result<()>;
+    /// Starts sending an owned buffer; the handle hands it back when done.
+    fn isend(&self, peer: usize, tag: Tag, data: Vec<u8>) -> Result<SendHandle>;
+    /// Posts a receive; it takes the next message from `peer` on `tag` in issue order.
+    fn irecv(&self, peer: usize, tag: Tag) -> Result<RecvHandle>;
+    /// Makes every pending and future operation on this link fail, here and at every peer
+    /// (best effort), with `reason`.
+    fn abort(&self, reason: &str);
+    /// Native collectives, for backends that have them.
+    fn native_collectives(&self) -> Option<&dyn NativeCollectives> {
+        None
+    }
+}
+
+/// Completion of a non-blocking send. Dropping it does not cancel the send.
+#[derive(Debug, Clone)]
+pub struct SendHandle {
+    inner: Arc<Completion>,
+}
+
+#[derive(Debug, Default)]
+struct Completion {
+    slot: Mutex<Option<Result<Vec<u8>>>>,
+    cv: Condvar,
+}
+
+/// The producer side of a [`SendHandle`], held by the backend's progress thread.
+#[derive(Debug)]
+pub struct SendCompleter {
+    inner: Arc<Completion>,
+}
+
+impl SendCompleter {
+    /// Completes the send, handing the buffer (or the error) to the waiter.
+    pub fn complete(self, result: Result<Vec<u8>>) {
+        *lock(&self.inner.slot) = Some(result);
+        self.inner.cv.notify_all();
+    }
+}
+
+impl SendHandle {
+    /// A handle that is already complete.
+    pub fn ready(result: Result<Vec<u8>>) -> Self {
+        let inner = Arc::new(Completion { slot: Mutex::new(Some(result)), cv: Condvar::new() });
+        SendHandle { inner }
+    }
+
+    /// A pending handle and the completer that finishes it.
+    pub fn pending() -> (SendHandle, SendCompleter) {
+        let inner = Arc::new(Completion::default());
+        (SendHandle { inner: inner.clone() }, SendCompleter { inner })
+    }
+
+    /// True once the send finished (successfully or not).
+    pub fn is_done(&self) -> bool {
+        lock(&self.inner.slot).is_some()
+    }
+
+    /// Waits for the send and returns the buffer.
+    pub fn wait(self, deadline: Instant) -> Result<Vec<u8>> {
+        let start = Instant::now();
+        let mut slot = lock(&self.inner.slot);
+        loop {
+            if let Some(r) = slot.take() {
+                return r;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout { what: "send".into(), after: now - start });
+            }
+            slot = self.inner.cv.wait_timeout(slot, deadline - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+}
+
+/// A posted receive. Dropping it without waiting discards the matching message when it comes.
+#[derive(Debug)]
+pub struct RecvHandle {
+    mailbox: Arc<Mailbox>,
+    src: usize,
+    tag: Tag,
+    seq: u64,
+    done: bool,
+}
+
+impl RecvHandle {
+    /// Waits for the message.
+    pub fn wait(mut self, deadline: Instant) -> Result<RecvBuf> {
+        let r = self.mailbox.wait(self.src, self.tag, self.seq, deadline);
+        self.done = r.is_ok();
+        r
+    }
+
+    /// True when the message has fully arrived (a `wait` would not block).
+    pub fn is_ready(&self) -> bool {
+        self.mailbox.is_complete(self.src, self.tag, self.seq)
+    }
+
+    /// The peer this receive is from.
+    pub fn peer(&self) -> usize {
+        self.src
+    }
+}
+
+impl Drop for RecvHandle {
+    fn drop(&mut self) {
+        if !self.done {
+            self.mailbox.abandon(self.src, self.tag, self.seq);
+        }
+    }
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic in another thread while holding the lock leaves plain data behind; keep going.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Per (peer, tag) send sequence numbers. Backends call [`SeqTable::next`] when a send is issued.
+#[derive(Debug, Default)]
+pub struct SeqTable {
+    next: Mutex<HashMap<(usize, Tag), u64>>,
+}
+
+impl SeqTable {
+    /// The sequence number of the next message to `peer` on `tag`.
+    pub fn next(&self, peer: usize, tag: Tag) -> u64 {
+        let mut m = lock(&self.next);
+        let e = m.entry((peer, tag)).or_insert(0);
+        let s = *e;
+        *e += 1;
+        s
+    }
+}
+
+#[derive(Debug, Default)]
+struct Partial {
+    total: usize,
+    got: usize,
+    frames: usize,
+    parts: Vec<(usize, Vec<u8>)>,
+    abandoned: bool,
+}
+
+impl Partial {
+    fn complete(&self) -> bool {
+        self.frames > 0 && self.got == self.total
+    }
+}
+
+#[derive(Debug, Default)]
+struct TagQueue {
+    next_claim: u64,
+    msgs: HashMap<u64, Partial>,
+}
+
+#[derive(Debug)]
+struct MbState {
+    queues: HashMap<(usize, Tag), TagQueue>,
+    fatal: Option<Error>,
+    goodbyes: Vec<usize>,
+    buffered: usize,
+}
+
+/// The receive side shared by all backends: matching, reassembly, bounded buffering,
+/// failure propagation to every waiter.
+#[derive(Debug)]
+pub struct Mailbox {
+    me: usize,
+    goodbyes_needed: usize,
+    cap_bytes: usize,
+    state: Mutex<MbState>,
+    cv: Condvar,
+    space: Condvar,
+}
+
+impl Mailbox {
+    /// A mailbox for rank `me` of `size`; a peer counts as closed after `goodbyes_needed`
+    /// goodbyes (one per connection); at most `cap_bytes` of unconsumed data are buffered
+    /// (a single larger message is still accepted when nothing else is buffered).
+    pub fn new(me: usize, size: usize, goodbyes_needed: usize, cap_bytes: usize) -> Self {
+        Mailbox {
+            me,
+            goodbyes_needed: goodbyes_needed.max(1),
+            cap_bytes,
+            state: Mutex::new(MbState { queues: HashMap::new(), fatal: None, goodbyes: vec![0; size], buffered: 0 }),
+            cv: Condvar::new(),
+            space: Condvar::new(),
+        }
+    }
+
+    /// Posts a receive from `src` on `tag`.
+    pub fn post(self: &Arc<Self>, src: usize, tag: Tag) -> RecvHandle {
+        let mut st = lock(&self.state);
+        let q = st.queues.entry((src, tag)).or_default();
+        let seq = q.next_claim;
+        q.next_claim += 1;
+        RecvHandle { mailbox: self.clone(), src, tag, seq, done: false }
+    }
+
+    /// Waits until `len` more bytes may be buffered. Returns `false` when the mailbox failed.
+    pub fn reserve(&self, len: usize) -> bool {
+        let mut st = lock(&self.state);
+        while st.fatal.is_none() && st.buffered > 0 && st.buffered + len > self.cap_bytes {
+            st = self.space.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        st.buffered += len;
+        st.fatal.is_none()
+    }
+
+    /// Adds one received part of message `seq` from `src` on `tag` (already reserved).
+    pub fn deliver(&self, src: usize, tag: Tag, seq: u64, total: usize, offset: usize, data: Vec<u8>) -> Result<()> {
+        let mut st = lock(&self.state);
+        let len = data.len();
+        let bad = |detail: String| Error::Protocol { from: format!("rank {src}"), detail };
+        if offset.checked_add(len).is_none_or(|end| end > total) {
+            return Err(bad(format!("part at {offset}+{len} overruns a {total}-byte message")));
+        }
+        let q = st.queues.entry((src, tag)).or_default();
+        let p = q.msgs.entry(seq).or_default();
+        if p.frames == 0 {
+            p.total = total;
+        }
+        if p.total != total || p.got + len > total {
+            return Err(bad(format!("message {seq} on tag {:#x}: parts disagree on its length", tag.0)));
+        }
+        p.got += len;
+        p.frames += 1;
+        if len > 0 {
+            p.parts.push((offset, data));
+        }
+        if p.complete() && p.abandoned {
+            q.msgs.remove(&seq);
+            st.buffered -= total;
+            self.space.notify_all();
+        }
+        drop(st);
+        self.cv.notify_all();
+        Ok(())
+    }
+
+    fn is_complete(&self, src: usize, tag: Tag, seq: u64) -> bool {
+        let st = lock(&self.state);
+        st.queues.get(&(src, tag)).and_then(|q| q.msgs.get(&seq)).is_some_and(Partial::complete)
+    }
+
+    fn abandon(&self, src: usize, tag: Tag, seq: u64) {
+        let mut st = lock(&self.state);
+        let Some(q) = st.queues.get_mut(&(src, tag)) else { return };
+        let p = q.msgs.entry(seq).or_default();
+        if p.complete() {
+            let total = p.total;
+            q.msgs.remove(&seq);
+            st.buffered -= total;
+            self.space.notify_all();
+        } else {
+            p.abandoned = true;
+        }
+    }
+
+    fn wait(&self, src: usize, tag: Tag, seq: u64, deadline: Instant) -> Result<RecvBuf> {
+        let start = Instant::now();
+        let mut st = lock(&self.state);
+        loop {
+            if let Some(q) = st.queues.get_mut(&(src, tag)) {
+                if q.msgs.get(&seq).is_some_and(Partial::complete) {
+                    let mut p = q.msgs.remove(&seq).unwrap_or_default();
+                    st.buffered -= p.total;
+                    self.space.notify_all();
+                    p.parts.sort_unstable_by_key(|(o, _)| *o);
+                    return Ok(RecvBuf { parts: p.parts, len: p.total });
+                }
+            }
+            if let Some(e) = &st.fatal {
+                return Err(e.clone());
+            }
+            if st.goodbyes.get(src).is_some_and(|&g| g >= self.goodbyes_needed) {
+                return Err(Error::PeerClosed { rank: src, me: self.me });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout { what: format!("receive from rank {src}"), after: now - start });
+            }
+            st = self.cv.wait_timeout(st, deadline - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+
+    /// Records one goodbye from `src` (one per connection).
+    pub fn goodbye(&self, src: usize) {
+        let mut st = lock(&self.state);
+        if let Some(g) = st.goodbyes.get_mut(src) {
+            *g += 1;
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    /// Fails every pending and future receive with `err` (the first failure wins).
+    pub fn fail(&self, err: Error) {
+        let mut st = lock(&self.state);
+        if st.fatal.is_none() {
+            st.fatal = Some(err);
+        }
+        drop(st);
+        self.cv.notify_all();
+        self.space.notify_all();
+    }
+
+    /// The failure, if the mailbox failed.
+    pub fn failure(&self) -> Option<Error> {
+        lock(&self.state).fatal.clone()
+    }
+}

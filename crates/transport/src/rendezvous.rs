@@ -1,0 +1,403 @@
+//! Rendezvous: who am I, how many are we, and an all-gather of bytes through rank 0.
+//!
+//! The job is read from the environment, in this order: ironweave's own variables
+//! (`IRONWEAVE_RANK`, `IRONWEAVE_WORLD_SIZE`, `IRONWEAVE_MASTER_ADDR`, `IRONWEAVE_MASTER_PORT`,
+//! ...), then torchrun's (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`),
+//! SLURM's (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_JOB_ID`) and OpenMPI's
+//! (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`). Rank 0 runs a
+//! small server at the master address; every rank (rank 0 too) registers there, and
+//! [`Rendezvous::all_gather`] hands every rank everybody's bytes (link addresses, UCX worker
+//! addresses, NCCL unique ids).
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::handshake::{self, Credentials};
+use crate::wire::Role;
+
+/// Largest rendezvous payload per rank.
+pub const MAX_PAYLOAD: usize = 16 << 20;
+
+/// Which convention described the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnvSource {
+    Ironweave,
+    Torchrun,
+    Slurm,
+    OpenMpi,
+}
+
+/// One rank's description of the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobEnv {
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub master: SocketAddr,
+    pub job_id: String,
+    pub secret: Vec<u8>,
+    pub source: EnvSource,
+}
+
+impl JobEnv {
+    /// Reads the job from the process environment.
+    pub fn from_env() -> Result<JobEnv> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Reads the job through `get` (tests pass a map).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<JobEnv> {
+        let num = |k: &str| -> Result<Option<usize>> {
+            match get(k) {
+                None => Ok(None),
+                Some(v) => {
+                    v.trim().parse().map(Some).map_err(|_| Error::Config(format!("{k}={v:?} is not a non-negative integer")))
+                }
+            }
+        };
+        let conventions: [(EnvSource, &str, &str, &str); 4] = [
+            (EnvSource::Ironweave, "IRONWEAVE_RANK", "IRONWEAVE_WORLD_SIZE", "IRONWEAVE_LOCAL_RANK"),
+            (EnvSource::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+            (EnvSource::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+            (EnvSource::OpenMpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ];
+        let mut found = None;
+        for (src, r, w, l) in conventions {
+            if let (Some(rank), Some(world)) = (num(r)?, num(w)?) {
+                found = Some((src, rank, world, num(l)?.unwrap_or(rank)));
+                break;
+            }
+        }
+        let (source, rank, world_size, local_rank) = found.ok_or_else(|| {
+            Error::Config(
+                "no job in the environment: start ranks with `ironweave launch`, torchrun, srun or mpirun, \
+                 or set IRONWEAVE_RANK, IRONWEAVE_WORLD_SIZE, IRONWEAVE_MASTER_ADDR and IRONWEAVE_MASTER_PORT"
+                    .into(),
+            )
+        })?;
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::Config(format!("rank {rank} is out of range for world size {world_size}")));
+        }
+        let first = |keys: &[&str]| keys.iter().find_map(|k| get(k).filter(|v| !v.is_empty()));
+        let host = first(&["IRONWEAVE_MASTER_ADDR", "MASTER_ADDR", "SLURM_LAUNCH_NODE_IPADDR"]).ok_or_else(|| {
+            Error::Config(format!(
+                "{source:?} job without a master address: set IRONWEAVE_MASTER_ADDR (or MASTER_ADDR) to rank 0's host"
+            ))
+        })?;
+        let job_id = first(&["IRONWEAVE_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid"])
+            .unwrap_or_else(|| "default".into());
+        let port = match first(&["IRONWEAVE_MASTER_PORT", "MASTER_PORT"]) {
+            Some(p) => p
+                .trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|&p| p != 0)
+                .ok_or_else(|| Error::Config(format!("master port {p:?} is not a port number 1-65535")))?,
+            // SLURM without a port: derive one from the job id so every rank agrees.
+            None if source == EnvSource::Slurm => {
+                20000 + (job_id.bytes().fold(0u32, |a, b| a.wrapping_mul(31).wrapping_add(u32::from(b))) % 20000) as u16
+            }
+            None => return Err(Error::Config("no master port: set IRONWEAVE_MASTER_PORT (or MASTER_PORT)".into())),
+        };
+        let master = (host.as_str(), port)
+            .to_socket_addrs()
+            .map_err(|e| Error::Config(format!("cannot resolve master address {host:?}: {e}")))?
+            .next()
+            .ok_or_else(|| Error::Config(format!("master address {host:?} resolves to nothing")))?;
+        let secret = get("IRONWEAVE_SECRET").unwrap_or_default().into_bytes();
+        Ok(JobEnv { rank, world_size, local_rank, master, job_id, secret, source })
+    }
+
+    /// The handshake credentials of this job.
+    pub fn credentials(&self) -> Credentials {
+        Credentials { job: self.job_id.clone(), secret: self.secret.clone(), world: self.world_size as u32 }
+    }
+}
+
+fn write_framed(s: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
+    let mut b = Vec::with_capacity(body.len() + 4);
+    b.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    b.extend_from_slice(body);
+    s.write_all(&b)
+}
+
+fn read_framed(s: &mut TcpStream, limit: usize, deadline: Instant) -> std::io::Result<Vec<u8>> {
+    s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))?;
+    let mut pre = [0u8; 4];
+    s.read_exact(&mut pre)?;
+    let n = u32::from_le_bytes(pre) as usize;
+    if n > limit {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("message of {n} bytes exceeds {limit}")));
+    }
+    let mut body = Vec::new();
+    s.take(n as u64).read_to_end(&mut body)?;
+    if body.len() != n {
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "truncated message"));
+    }
+    Ok(body)
+}
+
+const MSG_PUT: u8 = 1;
+const MSG_ALL: u8 = 2;
+const MSG_FAIL: u8 = 3;
+
+/// A rank's connection to the rendezvous.
+#[derive(Debug)]
+pub struct Rendezvous {
+    stream: TcpStream,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    server: Option<JoinHandle<Result<()>>>,
+}
+
+impl Rendezvous {
+    /// Registers with rank 0's server (rank 0 starts it first). Waits at most `timeout`.
+    pub fn connect(env: &JobEnv, timeout: Duration) -> Result<Rendezvous> {
+        let creds = env.credentials();
+        let server = if env.rank == 0 {
+            let listener = match TcpListener::bind(env.master) {
+                Ok(l) => l,
+                Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
+                    let any = SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), env.master.port());
+                    TcpListener::bind(any).map_err(|e| Error::io(format!("bind rendezvous port {any}"), &e))?
+                }
+                Err(e) => {
+                    return Err(Error::Config(format!(
+                        "rank 0 cannot listen on {} ({e}): pick a free IRONWEAVE_MASTER_PORT",
+                        env.master
+                    )))
+                }
+            };
+            let (c, size) = (creds.clone(), env.world_size);
+            Some(
+                std::thread::Builder::new()
+                    .name("iw-rendezvous".into())
+                    .spawn(move || serve(listener, c, size, timeout))
+                    .map_err(|e| Error::io("spawn rendezvous server", &e))?,
+            )
+        } else {
+            None
+        };
+        let deadline = Instant::now() + timeout;
+        let mut stream = handshake::connect_retry(env.master, deadline)?;
+        handshake::connect(&mut stream, &creds, Role::Rendezvous, env.rank as u32, 0, 0, timeout)?;
+        Ok(Rendezvous { stream, rank: env.rank, size: env.world_size, timeout, server })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Every rank's `data` for this round, in rank order. All ranks must call it with the same
+    /// `key`, in the same order.
+    pub fn all_gather(&mut self, key: &str, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        if data.len() > MAX_PAYLOAD || key.len() > 255 {
+            return Err(Error::InvalidArgument(format!("rendezvous payload of {} bytes exceeds {MAX_PAYLOAD}", data.len())));
+        }
+        let mut body = vec![MSG_PUT, key.len() as u8];
+        body.extend_from_slice(key.as_bytes());
+        body.extend_from_slice(data);
+        let deadline = Instant::now() + self.timeout;
+        let lost = |e: std::io::Error| Error::Io {
+            context: format!("rendezvous round {key:?}"),
+            message: format!("{e} (rank 0 or its rendezvous server is gone)"),
+        };
+        write_framed(&mut self.stream, &body).map_err(lost)?;
+        let reply = match read_framed(&mut self.stream, MAX_PAYLOAD * self.size + 4 * self.size + 16, deadline) {
+            Ok(r) => r,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Err(Error::Timeout {
+                    what: format!("rendezvous round {key:?} (some rank did not arrive)"),
+                    after: self.timeout,
+                })
+            }
+            Err(e) => return Err(self.server_error().unwrap_or_else(|| lost(e))),
+        };
+        decode_all(&reply, self.size)
+    }
+
+    fn server_error(&mut self) -> Option<Error> {
+        let h = self.server.take()?;
+        if !h.is_finished() {
+            self.server = Some(h);
+            return None;
+        }
+        h.join().ok().and_then(|r| r.err())
+    }
+
+    /// Closes the connection; rank 0 waits for its server to finish.
+    pub fn close(mut self) -> Result<()> {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        if let Some(h) = self.server.take() {
+            return h.join().unwrap_or_else(|_| Err(Error::Config("rendezvous server panicked".into())));
+        }
+        Ok(())
+    }
+}
+
+fn decode_all(reply: &[u8], size: usize) -> Result<Vec<Vec<u8>>> {
+    let bad = |d: &str| Error::Protocol { from: "rendezvous server".into(), detail: d.into() };
+    match reply.first() {
+        Some(&MSG_ALL) => {}
+        Some(&MSG_FAIL) => return Err(Error::Config(format!("rendezvous failed: {}", String::from_utf8_lossy(&reply[1..])))),
+        _ => return Err(bad("unknown reply")),
+    }
+    let mut at = 1;
+    let mut out = Vec::with_capacity(size);
+    for _ in 0..size {
+        let n = reply.get(at..at + 4).ok_or_else(|| bad("truncated reply"))?;
+        let n = u32::from_le_bytes([n[0], n[1], n[2], n[3]]) as usize;
+        let d = reply.get(at + 4..at + 4 + n).ok_or_else(|| bad("truncated reply"))?;
+        out.push(d.to_vec());
+        at += 4 + n;
+    }
+    if at != reply.len() {
+        return Err(bad("trailing bytes in reply"));
+    }
+    Ok(out)
+}
+
+fn serve(listener: TcpListener, creds: Credentials, size: usize, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut conns: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+    let fail_all = |conns: &mut Vec<Option<TcpStream>>, reason: &str| {
+        let mut b = vec![MSG_FAIL];
+        b.extend_from_slice(reason.as_bytes());
+        for s in conns.iter_mut().flatten() {
+            let _ = write_framed(s, &b);
+        }
+    };
+    listener.set_nonblocking(true).map_err(|e| Error::io("rendezvous listener", &e))?;
+    let mut dropped = Vec::new();
+    while conns.iter().any(Option::is_none) {
+        if Instant::now() >= deadline {
+            let missing: Vec<usize> = (0..size).filter(|&r| conns[r].is_none()).collect();
+            let reason = format!("ranks {missing:?} never registered within {timeout:?} (dropped connections: {dropped:?})");
+            fail_all(&mut conns, &reason);
+            return Err(Error::Timeout { what: format!("rendezvous: {reason}"), after: timeout });
+        }
+        match listener.accept() {
+            Ok((mut s, addr)) => {
+                let _ = s.set_nonblocking(false);
+                let _ = s.set_nodelay(true);
+                match handshake::accept(&mut s, &creds, Role::Rendezvous, Duration::from_secs(5).min(timeout)) {
+                    Ok(Some(h)) if conns[h.rank as usize].is_none() => conns[h.rank as usize] = Some(s),
+                    Ok(Some(h)) => {
+                        let reason = format!("rank {} registered twice (second time from {addr})", h.rank);
+                        fail_all(&mut conns, &reason);
+                        return Err(Error::Config(reason));
+                    }
+                    Ok(None) => dropped.push(addr),
+                    Err(e) => {
+                        fail_all(&mut conns, &e.to_string());
+                        return Err(e);
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(2)),
+            Err(e) => return Err(Error::io("rendezvous accept", &e)),
+        }
+    }
+    drop(listener);
+    let mut conns: Vec<TcpStream> = conns.into_iter().flatten().collect();
+    loop {
+        let mut puts = Vec::with_capacity(size);
+        let mut key0: Option<Vec<u8>> = None;
+        for r in 0..size {
+            // Rounds have no overall deadline here: each client enforces its own.
+            let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
+            match read_framed(&mut conns[r], MAX_PAYLOAD + 260, far) {
+                Ok(b) if b.len() >= 2 && b[0] == MSG_PUT && b.len() >= 2 + usize::from(b[1]) => {
+                    let k = b[2..2 + usize::from(b[1])].to_vec();
+                    if key0.get_or_insert_with(|| k.clone()) != &k {
+                        let reason = format!(
+                            "rank {r} is in round {:?} while rank 0 is in {:?}",
+                            String::from_utf8_lossy(&k),
+                            String::from_utf8_lossy(key0.as_deref().unwrap_or_default())
+                        );
+                        let mut all: Vec<Option<TcpStream>> = conns.into_iter().map(Some).collect();
+                        fail_all(&mut all, &reason);
+                        return Err(Error::Config(reason));
+                    }
+                    puts.push(b[2 + usize::from(b[1])..].to_vec());
+                }
+                // Everyone closing at a round boundary is the normal end.
+                Err(_) if r == 0 => return Ok(()),
+                _ => {
+                    let reason = format!("rank {r} left the rendezvous in the middle of a round");
+                    let mut all: Vec<Option<TcpStream>> = conns.into_iter().map(Some).collect();
+                    fail_all(&mut all, &reason);
+                    return Err(Error::Config(reason));
+                }
+            }
+        }
+        let mut reply = vec![MSG_ALL];
+        for p in &puts {
+            reply.extend_from_slice(&(p.len() as u32).to_le_bytes());
+            reply.extend_from_slice(p);
+        }
+        for s in conns.iter_mut() {
+            let _ = write_framed(s, &reply);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env_of(pairs: &[(&str, &str)]) -> Result<JobEnv> {
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        JobEnv::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn conventions_in_order() {
+        let e = env_of(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .unwrap();
+        assert_eq!((e.rank, e.world_size, e.source), (1, 4, EnvSource::Torchrun));
+        let e = env_of(&[("SLURM_PROCID", "2"), ("SLURM_NTASKS", "3"), ("SLURM_JOB_ID", "77"), ("MASTER_ADDR", "127.0.0.1")])
+            .unwrap();
+        assert_eq!((e.rank, e.world_size, e.source, e.job_id.as_str()), (2, 3, EnvSource::Slurm, "77"));
+        let e = env_of(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "localhost"),
+            ("MASTER_PORT", "1234"),
+        ])
+        .unwrap();
+        assert_eq!(e.source, EnvSource::OpenMpi);
+        let e = env_of(&[
+            ("IRONWEAVE_RANK", "0"),
+            ("IRONWEAVE_WORLD_SIZE", "1"),
+            ("RANK", "5"),
+            ("WORLD_SIZE", "9"),
+            ("IRONWEAVE_MASTER_ADDR", "127.0.0.1"),
+            ("IRONWEAVE_MASTER_PORT", "5"),
+        ])
+        .unwrap();
+        assert_eq!((e.rank, e.source), (0, EnvSource::Ironweave));
+    }
+
+    #[test]
+    fn bad_environments_say_what_to_set() {
+        assert!(matches!(env_of(&[]), Err(Error::Config(m)) if m.contains("IRONWEAVE_RANK")));
+        assert!(matches!(env_of(&[("RANK", "4"), ("WORLD_SIZE", "4")]), Err(Error::Config(m)) if m.contains("out of range")));
+        assert!(matches!(env_of(&[("RANK", "x"), ("WORLD_SIZE", "4")]), Err(Error::Config(m)) if m.contains("RANK")));
+        assert!(
+            matches!(env_of(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")]), Err(Error::Config(m)) if m.contains("port"))
+        );
+    }
+}
