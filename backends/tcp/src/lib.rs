@@ -61,7 +61,7 @@ impl Default for TcpConfig {
         TcpConfig {
             links: Vec::new(),
             conns_per_peer: 2,
-            stripe_min_bytes: 1 << 20,
+            stripe_min_bytes: 4 << 20,
             max_message_bytes: 16 << 30,
             buffer_cap_bytes: 2 << 30,
             linger: Duration::from_secs(10),
@@ -407,13 +407,11 @@ fn reader(sh: Arc<Shared>, p: usize, mut s: TcpStream) {
         if h.kind == FrameKind::Data && !sh.mailbox.reserve(len) {
             return;
         }
-        // The claimed size passed the limit; `take` + `read_to_end` still only grows the
-        // buffer as bytes really arrive.
-        let mut body = Vec::with_capacity(len.min(64 << 20));
-        match (&mut s).take(h.len).read_to_end(&mut body) {
-            Ok(n) if n == len => {}
-            Ok(n) => return lost(format!("connection closed after {n} of {len} payload bytes")),
-            Err(e) => return lost(format!("read failed: {e}")),
+        // The claimed size passed the receiver's limit (and, for data, the buffering budget)
+        // before anything is allocated; control frames are at most 4 KiB.
+        let mut body = if h.kind == FrameKind::Data { sh.mailbox.buffer(len) } else { vec![0u8; len] };
+        if let Err(e) = s.read_exact(&mut body) {
+            return lost(format!("connection closed inside a {len}-byte payload: {e}"));
         }
         match h.kind {
             FrameKind::Data => {

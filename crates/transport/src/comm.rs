@@ -36,7 +36,8 @@ impl Default for CommOptions {
 }
 
 impl CommOptions {
-    /// Options from the environment: `IRONWEAVE_TIMEOUT_S` (seconds, fractional allowed).
+    /// Options from the environment: `IRONWEAVE_TIMEOUT_S` (seconds, fractional allowed),
+    /// `IRONWEAVE_SMALL_BYTES`, `IRONWEAVE_SEGMENT_BYTES`.
     pub fn from_env() -> Result<Self> {
         let mut o = CommOptions::default();
         if let Ok(v) = std::env::var("IRONWEAVE_TIMEOUT_S") {
@@ -46,6 +47,16 @@ impl CommOptions {
                 .filter(|s: &f64| s.is_finite() && *s > 0.0)
                 .ok_or_else(|| Error::Config(format!("IRONWEAVE_TIMEOUT_S={v:?} is not a positive number of seconds")))?;
             o.timeout = Duration::from_secs_f64(secs);
+        }
+        for (key, slot) in [("IRONWEAVE_SMALL_BYTES", &mut o.small_bytes), ("IRONWEAVE_SEGMENT_BYTES", &mut o.segment_bytes)] {
+            if let Ok(v) = std::env::var(key) {
+                *slot = v
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|&b: &usize| b > 0)
+                    .ok_or_else(|| Error::Config(format!("{key}={v:?} is not a positive number of bytes")))?;
+            }
         }
         Ok(o)
     }
@@ -343,6 +354,43 @@ impl Communicator {
         Ok(())
     }
 
+    /// Ring reduce-scatter that leaves `input` untouched: partial sums travel in two
+    /// chunk-sized accumulators; the last step reduces straight into `output` (block `me`).
+    fn ring_reduce_scatter_out_of_place(
+        &self,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        dl: Instant,
+    ) -> Result<()> {
+        let n = self.size();
+        let r = self.me;
+        let m = output.len();
+        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+        let block = |i: usize| &input[i * m..(i + 1) * m];
+        let mut sending = Vec::new();
+        let mut next = vec![0u8; if n > 2 { m } else { 0 }];
+        for s in 0..n - 1 {
+            let si = (r + 2 * n - s - 1) % n;
+            let ri = (r + 2 * n - s - 2) % n;
+            let send: &[u8] = if s == 0 { block(si) } else { &sending };
+            let dst: &mut [u8] = if s == n - 2 { &mut *output } else { &mut next };
+            let local = block(ri);
+            self.ring_step("reduce_scatter", right, send, left, m, dl, |seg, msg| {
+                dst[seg.clone()].copy_from_slice(&local[seg.clone()]);
+                reduce_parts(dtype, &mut dst[seg], msg, op);
+            })?;
+            if s < n - 2 {
+                std::mem::swap(&mut sending, &mut next);
+                if next.len() != m {
+                    next = vec![0u8; m];
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// In-place ring all-gather: rank i starts with chunk i, ends with all.
     fn ring_all_gather(&self, buf: &mut [u8], chunks: &[Range<usize>], dl: Instant) -> Result<()> {
         let n = self.size();
@@ -578,16 +626,15 @@ impl Communicator {
             }
             let m = outb.len();
             let r = self.me;
-            let mut work = inb.to_vec();
-            if n > 1 {
-                if inb.len() <= self.opts.small_bytes {
-                    self.rd_all_reduce(&mut work, dtype, op, dl)?;
-                } else {
-                    let chunks: Vec<Range<usize>> = (0..n).map(|i| i * m..(i + 1) * m).collect();
-                    self.ring_reduce_scatter(&mut work, &chunks, dtype, op, dl)?;
-                }
+            if n == 1 {
+                outb.copy_from_slice(inb);
+            } else if inb.len() <= self.opts.small_bytes {
+                let mut work = inb.to_vec();
+                self.rd_all_reduce(&mut work, dtype, op, dl)?;
+                outb.copy_from_slice(&work[r * m..(r + 1) * m]);
+            } else {
+                self.ring_reduce_scatter_out_of_place(inb, outb, dtype, op, dl)?;
             }
-            outb.copy_from_slice(&work[r * m..(r + 1) * m]);
             if op == ReduceOp::Avg {
                 finish_avg(dtype, outb, n);
             }

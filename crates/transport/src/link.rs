@@ -75,13 +75,24 @@ impl LinkInfo {
 pub struct RecvBuf {
     parts: Vec<(usize, Vec<u8>)>,
     len: usize,
+    pool: Option<Arc<BufPool>>,
+}
+
+impl Drop for RecvBuf {
+    fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            for (_, v) in self.parts.drain(..) {
+                pool.put(v);
+            }
+        }
+    }
 }
 
 impl RecvBuf {
     /// A message made of one contiguous buffer.
     pub fn from_vec(v: Vec<u8>) -> Self {
         let len = v.len();
-        RecvBuf { parts: vec![(0, v)], len }
+        RecvBuf { parts: vec![(0, v)], len, pool: None }
     }
 
     /// Total length in bytes.
@@ -110,11 +121,62 @@ impl RecvBuf {
     /// The message as one vector (no copy when it arrived in one part).
     pub fn into_vec(mut self) -> Vec<u8> {
         if self.parts.len() == 1 {
+            self.pool = None;
             return self.parts.pop().map(|(_, v)| v).unwrap_or_default();
         }
         let mut v = vec![0u8; self.len];
         self.copy_to(&mut v);
         v
+    }
+}
+
+/// Recycles receive buffers: fresh large allocations cost a page fault per 4 KiB (the kernel
+/// zeroes every page), which on loopback costs as much as the transfer itself.
+#[derive(Debug, Default)]
+pub struct BufPool {
+    free: Mutex<Vec<Vec<u8>>>,
+}
+
+impl BufPool {
+    const MIN: usize = 64 * 1024;
+    const MAX_BUFFERS: usize = 64;
+    const MAX_BYTES: usize = 512 << 20;
+
+    /// A vector of exactly `len` bytes whose contents are unspecified (old data of a recycled
+    /// buffer, or zeros): callers overwrite all of it. Recycled buffers are not zeroed again.
+    pub fn take(&self, len: usize) -> Vec<u8> {
+        if len >= Self::MIN {
+            let mut free = lock(&self.free);
+            // Best fit among buffers no more than twice as large.
+            let best = free
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| v.capacity() >= len && v.capacity() <= len.saturating_mul(2))
+                .min_by_key(|(_, v)| v.capacity())
+                .map(|(i, _)| i);
+            if let Some(i) = best {
+                let mut v = free.swap_remove(i);
+                if v.len() >= len {
+                    v.truncate(len);
+                } else {
+                    v.resize(len, 0);
+                }
+                return v;
+            }
+        }
+        vec![0u8; len]
+    }
+
+    /// Gives a buffer back for reuse (small ones and overflow are freed).
+    pub fn put(&self, v: Vec<u8>) {
+        if v.capacity() < Self::MIN {
+            return;
+        }
+        let mut free = lock(&self.free);
+        let held: usize = free.iter().map(Vec::capacity).sum();
+        if free.len() < Self::MAX_BUFFERS && held + v.capacity() <= Self::MAX_BYTES {
+            free.push(v);
+        }
     }
 }
 
@@ -335,6 +397,7 @@ struct MbState {
 #[derive(Debug)]
 pub struct Mailbox {
     me: usize,
+    pool: Arc<BufPool>,
     goodbyes_needed: usize,
     cap_bytes: usize,
     state: Mutex<MbState>,
@@ -349,6 +412,7 @@ impl Mailbox {
     pub fn new(me: usize, size: usize, goodbyes_needed: usize, cap_bytes: usize) -> Self {
         Mailbox {
             me,
+            pool: Arc::default(),
             goodbyes_needed: goodbyes_needed.max(1),
             cap_bytes,
             state: Mutex::new(MbState { queues: HashMap::new(), fatal: None, goodbyes: vec![0; size], buffered: 0 }),
@@ -364,6 +428,11 @@ impl Mailbox {
         let seq = q.next_claim;
         q.next_claim += 1;
         RecvHandle { mailbox: self.clone(), src, tag, seq, done: false }
+    }
+
+    /// A buffer of `len` bytes to receive into (contents unspecified), recycled when possible.
+    pub fn buffer(&self, len: usize) -> Vec<u8> {
+        self.pool.take(len)
     }
 
     /// Waits until `len` more bytes may be buffered. Returns `false` when the mailbox failed.
@@ -436,7 +505,7 @@ impl Mailbox {
                     st.buffered -= p.total;
                     self.space.notify_all();
                     p.parts.sort_unstable_by_key(|(o, _)| *o);
-                    return Ok(RecvBuf { parts: p.parts, len: p.total });
+                    return Ok(RecvBuf { parts: std::mem::take(&mut p.parts), len: p.total, pool: Some(self.pool.clone()) });
                 }
             }
             if let Some(e) = &st.fatal {

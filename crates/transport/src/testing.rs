@@ -121,18 +121,25 @@ fn run_typed<T: Element>(c: &Communicator, case: Case) -> Result<()> {
             }
             Case::AllReduce | Case::ReduceScatter => {
                 for &op in ops {
-                    one::<T>(c, case, count, op, salt ^ (op as u64) << 16, si + 1 == sz.len())?;
+                    check_collective::<T>(c, case, count, op, salt ^ (op as u64) << 16, si + 1 == sz.len())?;
                 }
             }
-            _ => one::<T>(c, case, count, ReduceOp::Sum, salt, si + 1 == sz.len())?,
+            _ => check_collective::<T>(c, case, count, ReduceOp::Sum, salt, si + 1 == sz.len())?,
         }
     }
     Ok(())
 }
 
-/// One collective call with its check. `big` sizes are totals (split among ranks where a
+/// One collective call, checked element by element. `big` sizes are totals (split among ranks where a
 /// collective multiplies by the group size); other sizes are per rank.
-fn one<T: Element>(c: &Communicator, case: Case, count: usize, op: ReduceOp, salt: u64, big: bool) -> Result<()> {
+pub fn check_collective<T: Element>(
+    c: &Communicator,
+    case: Case,
+    count: usize,
+    op: ReduceOp,
+    salt: u64,
+    big: bool,
+) -> Result<()> {
     let (n, me) = (c.size(), c.rank());
     let wr = c.world_rank(me);
     let ranks = members(c);
@@ -210,13 +217,13 @@ fn split_case<T: Element>(c: &Communicator, count: usize, salt: u64) -> Result<(
     let subsub = sub.split((sub.rank() / 2) as u32, sub.rank() as u32)?;
     for g in [&sub, &subsub] {
         for case in [Case::AllReduce, Case::Broadcast, Case::AllGather, Case::ReduceScatter, Case::AllToAll, Case::AllToAllV] {
-            one::<T>(g, case, count, ReduceOp::Sum, salt, false)?;
+            check_collective::<T>(g, case, count, ReduceOp::Sum, salt, false)?;
         }
-        one::<T>(g, Case::AllReduce, count, ReduceOp::Max, salt ^ 0x77, false)?;
+        check_collective::<T>(g, Case::AllReduce, count, ReduceOp::Max, salt ^ 0x77, false)?;
         g.barrier()?;
     }
     // The parent still works after children were made and used.
-    one::<T>(c, Case::AllReduce, count, ReduceOp::Min, salt ^ 0x99, false)
+    check_collective::<T>(c, Case::AllReduce, count, ReduceOp::Min, salt ^ 0x99, false)
 }
 
 /// Barrier semantics with a shared counter (ranks are threads of one process here): after

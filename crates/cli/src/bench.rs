@@ -1,0 +1,238 @@
+//! `ironweave bench collectives`: nccl-tests-style timing of collectives over local
+//! processes, every row verified against a reference, beside a single-process memcpy of the
+//! same size (the ceiling).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use ironweave_transport::testing::{check_collective, Case};
+use ironweave_transport::{bf16, f16, Communicator, DType, Element, ReduceOp};
+use serde::{Deserialize, Serialize};
+
+/// Collectives the benchmark knows, by name.
+pub const OPS: [&str; 5] = ["allreduce", "allgather", "reducescatter", "alltoall", "broadcast"];
+
+/// One measured row.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Row {
+    pub op: String,
+    pub bytes: usize,
+    pub count: usize,
+    pub dtype: String,
+    pub ranks: usize,
+    pub backend: String,
+    pub iters: usize,
+    pub time_us: f64,
+    pub algbw_gbps: f64,
+    pub busbw_gbps: f64,
+    pub memcpy_gbps: f64,
+    pub verified: bool,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub error: Option<String>,
+}
+
+/// Parses `4K`, `1M`, `64M`, `1G` or a byte count.
+pub fn parse_size(s: &str) -> Result<usize> {
+    let s = s.trim();
+    let (num, mul) = match s.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&s[..i], 1usize << 10),
+        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    let n: usize = num.parse().with_context(|| format!("size {s:?}: expected a number with an optional K, M or G suffix"))?;
+    n.checked_mul(mul).with_context(|| format!("size {s:?} is too large"))
+}
+
+/// Human size for tables.
+pub fn human(b: usize) -> String {
+    if b >= 1 << 30 && b % (1 << 30) == 0 {
+        format!("{} GiB", b >> 30)
+    } else if b >= 1 << 20 && b % (1 << 20) == 0 {
+        format!("{} MiB", b >> 20)
+    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+        format!("{} KiB", b >> 10)
+    } else {
+        format!("{b} B")
+    }
+}
+
+fn case_of(op: &str) -> Result<Case> {
+    Ok(match op {
+        "allreduce" => Case::AllReduce,
+        "allgather" => Case::AllGather,
+        "reducescatter" => Case::ReduceScatter,
+        "alltoall" => Case::AllToAll,
+        "broadcast" => Case::Broadcast,
+        other => bail!("unknown op {other:?}; choose from {OPS:?}"),
+    })
+}
+
+/// nccl-tests' bus-bandwidth factor.
+pub fn bus_factor(op: &str, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        "allreduce" => 2.0 * (n - 1.0) / n,
+        "allgather" | "reducescatter" | "alltoall" => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+/// Validates ops and sizes before anything starts.
+pub fn check_args(ops: &[String], sizes: &[String], dtype: &str) -> Result<()> {
+    for o in ops {
+        case_of(o)?;
+    }
+    for s in sizes {
+        parse_size(s)?;
+    }
+    DType::parse(dtype).with_context(|| format!("unknown dtype {dtype:?}"))?;
+    Ok(())
+}
+
+/// Bytes per second of a warm single-threaded memcpy of `bytes`.
+pub fn memcpy_gbps(bytes: usize) -> f64 {
+    let bytes = bytes.max(1);
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    dst.copy_from_slice(&src);
+    let mut iters = 0u64;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(150) || iters < 3 {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        iters += 1;
+    }
+    (bytes as f64 * iters as f64) / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// The per-rank part: runs inside every launched process.
+pub fn worker(backend: &str, ops: &[String], sizes: &[String], dtype: &str, min_time: f64, out: Option<&str>) -> Result<()> {
+    let comm = crate::backend::connect(backend).context("joining the job")?;
+    let d = DType::parse(dtype).context("dtype")?;
+    let rows = match d {
+        DType::F32 => rows::<f32>(&comm, backend, ops, sizes, min_time)?,
+        DType::F64 => rows::<f64>(&comm, backend, ops, sizes, min_time)?,
+        DType::F16 => rows::<f16>(&comm, backend, ops, sizes, min_time)?,
+        DType::BF16 => rows::<bf16>(&comm, backend, ops, sizes, min_time)?,
+        DType::I32 => rows::<i32>(&comm, backend, ops, sizes, min_time)?,
+        DType::I64 => rows::<i64>(&comm, backend, ops, sizes, min_time)?,
+        DType::U8 => rows::<u8>(&comm, backend, ops, sizes, min_time)?,
+    };
+    if comm.rank() == 0 {
+        if let Some(path) = out {
+            std::fs::write(path, serde_json::to_vec_pretty(&rows)?).with_context(|| format!("writing {path}"))?;
+        }
+    }
+    comm.barrier()?;
+    Ok(())
+}
+
+fn rows<T: Element>(c: &Communicator, backend: &str, ops: &[String], sizes: &[String], min_time: f64) -> Result<Vec<Row>> {
+    let n = c.size();
+    let es = std::mem::size_of::<T>();
+    let total = ops.len() * sizes.len();
+    let mut out = Vec::new();
+    for op in ops {
+        let case = case_of(op)?;
+        for s in sizes {
+            let bytes = parse_size(s)?;
+            let mut count = bytes / es;
+            if matches!(case, Case::AllGather | Case::ReduceScatter | Case::AllToAll) {
+                count = count / n * n;
+            }
+            // Verification: one call on patterned data, checked element by element.
+            let check = check_collective::<T>(c, case, count, ReduceOp::Sum, 0x5eed ^ count as u64, true);
+            let mut flag = [i32::from(check.is_ok())];
+            c.all_reduce(&mut flag, ReduceOp::Min)?;
+            let time = time_op::<T>(c, case, count, min_time)?;
+            let (iters, secs) = time;
+            let row = Row {
+                op: op.clone(),
+                bytes: count * es,
+                count,
+                dtype: T::DTYPE.name().into(),
+                ranks: n,
+                backend: backend.into(),
+                iters,
+                time_us: secs * 1e6,
+                algbw_gbps: (count * es) as f64 / secs / 1e9,
+                busbw_gbps: (count * es) as f64 / secs / 1e9 * bus_factor(op, n),
+                memcpy_gbps: 0.0,
+                verified: flag[0] == 1,
+                error: check.err().map(|e| e.to_string()),
+            };
+            if c.rank() == 0 {
+                eprintln!(
+                    "[{}/{total}] {:>13} {:>9}: {:>10.1} us  busbw {:>6.3} GB/s  {}",
+                    out.len() + 1,
+                    row.op,
+                    human(row.bytes),
+                    row.time_us,
+                    row.busbw_gbps,
+                    if row.verified { "verified" } else { "NOT VERIFIED" }
+                );
+            }
+            out.push(row);
+        }
+    }
+    Ok(out)
+}
+
+/// Times `case` on `count` elements: rank 0 picks the iteration count from a warm-up so the
+/// loop lasts about `min_time` seconds; the result is the slowest rank's mean.
+fn time_op<T: Element>(c: &Communicator, case: Case, count: usize, min_time: f64) -> Result<(usize, f64)> {
+    let n = c.size();
+    let mut a = vec![T::from_i64(1); count];
+    let mut b = vec![T::zeroed(); count];
+    let per = count / n;
+    let once = |a: &mut Vec<T>, b: &mut Vec<T>| -> ironweave_transport::Result<()> {
+        match case {
+            Case::AllReduce => c.all_reduce(a, ReduceOp::Sum),
+            Case::AllGather => c.all_gather(&a[..per], b),
+            Case::ReduceScatter => c.reduce_scatter(a, &mut b[..per], ReduceOp::Sum),
+            Case::AllToAll => c.all_to_all(a, b),
+            Case::Broadcast => c.broadcast(a, 0),
+            _ => Ok(()),
+        }
+    };
+    once(&mut a, &mut b)?;
+    c.barrier()?;
+    let t = Instant::now();
+    once(&mut a, &mut b)?;
+    let mut est = [t.elapsed().as_secs_f64()];
+    c.all_reduce(&mut est, ReduceOp::Max)?;
+    let mut iters = [((min_time / est[0].max(1e-7)) as i64).clamp(3, 20_000)];
+    c.broadcast(&mut iters, 0)?;
+    c.barrier()?;
+    let t = Instant::now();
+    for _ in 0..iters[0] {
+        once(&mut a, &mut b)?;
+    }
+    let mut secs = [t.elapsed().as_secs_f64() / iters[0] as f64];
+    c.all_reduce(&mut secs, ReduceOp::Max)?;
+    Ok((iters[0] as usize, secs[0]))
+}
+
+/// Renders rows as a Markdown table (pasteable into docs/BENCHMARKS.md).
+pub fn table(rows: &[Row]) -> String {
+    let mut s = String::from(
+        "| op | size | ranks | backend | time (us) | algbw (GB/s) | busbw (GB/s) | memcpy (GB/s) | busbw / memcpy | verified |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---|\n",
+    );
+    for r in rows {
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {:.1} | {:.3} | {:.3} | {:.2} | {:.3} | {} |\n",
+            r.op,
+            human(r.bytes),
+            r.ranks,
+            r.backend,
+            r.time_us,
+            r.algbw_gbps,
+            r.busbw_gbps,
+            r.memcpy_gbps,
+            if r.memcpy_gbps > 0.0 { r.busbw_gbps / r.memcpy_gbps } else { 0.0 },
+            if r.verified { "yes" } else { "NO" }
+        ));
+    }
+    s
+}

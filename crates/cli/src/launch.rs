@@ -1,0 +1,229 @@
+//! `ironweave launch`: starts N local ranks with the job in their environment, prefixes their
+//! output with the rank, and when one fails stops the others and reports which and how.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    // Only an atomic store: async-signal-safe.
+    SIGNALLED.store(sig, Ordering::SeqCst);
+}
+
+/// Routes SIGINT and SIGTERM to a flag the launcher polls, so that it can forward them.
+pub fn install_signal_handlers() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: `on_signal` is an `extern "C"` function that only performs an atomic store,
+        // which is async-signal-safe; `signal` has no other preconditions.
+        unsafe {
+            libc::signal(sig, on_signal as *const () as libc::sighandler_t);
+        }
+    }
+}
+
+fn send_signal(child: &Child, sig: libc::c_int) {
+    if let Ok(pid) = i32::try_from(child.id()) {
+        // SAFETY: `kill` on a pid we spawned (and have not yet reaped, so it cannot have been
+        // reused) has no memory-safety preconditions.
+        unsafe {
+            libc::kill(pid, sig);
+        }
+    }
+}
+
+/// How to run the ranks.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    pub ranks: usize,
+    pub program: String,
+    pub args: Vec<String>,
+    /// Prefix every output line with `[rank i]`.
+    pub prefix: bool,
+    /// Extra environment for every rank.
+    pub env: Vec<(String, String)>,
+    /// Stop everything after this long (None: no limit).
+    pub timeout: Option<Duration>,
+}
+
+/// How the job ended.
+#[derive(Debug)]
+pub enum Outcome {
+    Success,
+    /// The first rank that failed, with how.
+    RankFailed {
+        rank: usize,
+        how: String,
+        code: i32,
+    },
+    Interrupted {
+        signal: i32,
+    },
+    TimedOut,
+}
+
+fn describe(st: ExitStatus) -> (String, i32) {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(c) = st.code() {
+        (format!("exited with status {c}"), c)
+    } else if let Some(s) = st.signal() {
+        let name = match s {
+            libc::SIGKILL => " (SIGKILL)",
+            libc::SIGTERM => " (SIGTERM)",
+            libc::SIGINT => " (SIGINT)",
+            libc::SIGSEGV => " (SIGSEGV)",
+            libc::SIGABRT => " (SIGABRT)",
+            _ => "",
+        };
+        (format!("was killed by signal {s}{name}"), 128 + s)
+    } else {
+        ("ended in an unknown way".into(), 1)
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A free TCP port on loopback for the rendezvous.
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Starts the ranks and supervises them until they all end or one fails.
+pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
+    if spec.ranks == 0 {
+        bail!("--ranks/-n must be at least 1");
+    }
+    let port = free_port().context("finding a free port for the rendezvous")?;
+    let secret = hex(&ironweave_transport::wire::nonce());
+    let job = format!("iw-{}-{port}", std::process::id());
+    let mut children: Vec<Option<Child>> = Vec::new();
+    let mut pumps = Vec::new();
+    for rank in 0..spec.ranks {
+        let mut cmd = Command::new(&spec.program);
+        cmd.args(&spec.args)
+            .env("IRONWEAVE_RANK", rank.to_string())
+            .env("IRONWEAVE_WORLD_SIZE", spec.ranks.to_string())
+            .env("IRONWEAVE_LOCAL_RANK", rank.to_string())
+            .env("IRONWEAVE_LOCAL_WORLD_SIZE", spec.ranks.to_string())
+            .env("IRONWEAVE_MASTER_ADDR", "127.0.0.1")
+            .env("IRONWEAVE_MASTER_PORT", port.to_string())
+            .env("IRONWEAVE_JOB_ID", &job)
+            .env("IRONWEAVE_SECRET", &secret)
+            .stdin(Stdio::null());
+        for (k, v) in &spec.env {
+            cmd.env(k, v);
+        }
+        if spec.prefix {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                for c in children.iter_mut().flatten() {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                bail!("cannot start {:?} for rank {rank}: {e}", spec.program);
+            }
+        };
+        if spec.prefix {
+            if let Some(out) = child.stdout.take() {
+                pumps.push(std::thread::spawn(move || pump(rank, out, false)));
+            }
+            if let Some(err) = child.stderr.take() {
+                pumps.push(std::thread::spawn(move || pump(rank, err, true)));
+            }
+        }
+        children.push(Some(child));
+    }
+    let started = Instant::now();
+    let mut outcome = None;
+    let mut remaining = spec.ranks;
+    while remaining > 0 {
+        let sig = SIGNALLED.swap(0, Ordering::SeqCst);
+        if sig != 0 {
+            eprintln!("ironweave launch: got signal {sig}, forwarding it to every rank");
+            for c in children.iter().flatten() {
+                send_signal(c, sig);
+            }
+            outcome.get_or_insert(Outcome::Interrupted { signal: sig });
+            stop_all(&mut children);
+            break;
+        }
+        if spec.timeout.is_some_and(|t| started.elapsed() > t) {
+            eprintln!("ironweave launch: the job ran past its --timeout, stopping every rank");
+            outcome.get_or_insert(Outcome::TimedOut);
+            stop_all(&mut children);
+            break;
+        }
+        let mut failed = None;
+        for (rank, slot) in children.iter_mut().enumerate() {
+            let Some(c) = slot else { continue };
+            match c.try_wait() {
+                Ok(Some(st)) => {
+                    *slot = None;
+                    remaining -= 1;
+                    if !st.success() && failed.is_none() {
+                        failed = Some((rank, st));
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    eprintln!("ironweave launch: cannot wait for rank {rank}: {e}");
+                }
+            }
+        }
+        if let Some((rank, st)) = failed {
+            let (how, code) = describe(st);
+            eprintln!("ironweave launch: rank {rank} {how}; stopping the other ranks");
+            outcome = Some(Outcome::RankFailed { rank, how, code });
+            stop_all(&mut children);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for p in pumps {
+        let _ = p.join();
+    }
+    Ok(outcome.unwrap_or(Outcome::Success))
+}
+
+/// SIGTERM to every running rank, SIGKILL after a grace period, then reap them all.
+fn stop_all(children: &mut [Option<Child>]) {
+    for c in children.iter().flatten() {
+        send_signal(c, libc::SIGTERM);
+    }
+    let until = Instant::now() + Duration::from_secs(3);
+    for slot in children.iter_mut() {
+        let Some(c) = slot else { continue };
+        loop {
+            match c.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if Instant::now() >= until => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+        *slot = None;
+    }
+}
+
+fn pump(rank: usize, r: impl std::io::Read, err: bool) {
+    for line in BufReader::new(r).lines() {
+        let Ok(line) = line else { break };
+        if err {
+            let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {line}");
+        } else {
+            let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {line}");
+        }
+    }
+}

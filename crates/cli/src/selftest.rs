@@ -1,0 +1,93 @@
+//! `ironweave selftest SCENARIO`: small rank programs the fault tests start as real processes.
+
+use anyhow::{bail, Result};
+use ironweave_transport::{Communicator, ReduceOp};
+
+/// Runs one scenario on this rank; errors are printed with their `Debug` form (the tests look
+/// for the variant) and the process exits with status 3.
+pub fn run(scenario: &str, backend: &str) -> Result<()> {
+    let comm = match crate::backend::connect(backend) {
+        Ok(c) => c,
+        Err(e) => fail(&e),
+    };
+    let r = match scenario {
+        "ok" => ok(&comm),
+        "loop" => looping(&comm),
+        "mismatch" => mismatch(&comm),
+        "stream" => stream(&comm),
+        other => bail!("unknown selftest scenario {other:?} (ok, loop, mismatch)"),
+    };
+    if let Err(e) = r {
+        fail(&e);
+    }
+    Ok(())
+}
+
+fn fail(e: &ironweave_transport::Error) -> ! {
+    eprintln!("selftest error: {e:?}\nselftest error message: {e}");
+    std::process::exit(3);
+}
+
+fn ok(c: &Communicator) -> ironweave_transport::Result<()> {
+    let mut v = vec![1i64; 1000];
+    c.all_reduce(&mut v, ReduceOp::Sum)?;
+    c.barrier()?;
+    let good = v.iter().all(|&x| x == c.size() as i64);
+    println!("selftest ok rank {} of {} sum-correct={good}", c.rank(), c.size());
+    if !good {
+        std::process::exit(4);
+    }
+    Ok(())
+}
+
+fn looping(c: &Communicator) -> ironweave_transport::Result<()> {
+    let mut v = vec![1.0f32; 4 << 20];
+    for i in 0.. {
+        c.all_reduce(&mut v, ReduceOp::Avg)?;
+        println!("iter {i}");
+    }
+    Ok(())
+}
+
+fn mismatch(c: &Communicator) -> ironweave_transport::Result<()> {
+    // Rank 1 passes a longer buffer than everybody else.
+    let n = 300_000 + if c.rank() == 1 { 17 } else { 0 };
+    let mut v = vec![1.0f32; n];
+    c.all_reduce(&mut v, ReduceOp::Sum)?;
+    println!("mismatch went unnoticed on rank {}", c.rank());
+    Ok(())
+}
+
+/// Point-to-point streaming between ranks 0 and 1 (one way, then both ways at once).
+fn stream(c: &Communicator) -> ironweave_transport::Result<()> {
+    let msg = vec![7u8; 16 << 20];
+    let reps = 32;
+    for both in [false, true] {
+        c.barrier()?;
+        let t = std::time::Instant::now();
+        std::thread::scope(|s| -> ironweave_transport::Result<()> {
+            let sender = (c.rank() == 0 || both) && c.rank() < 2;
+            let msg = &msg;
+            let h = s.spawn(move || -> ironweave_transport::Result<()> {
+                if sender {
+                    for _ in 0..reps {
+                        c.send_bytes(1 - c.rank(), 5, msg)?;
+                    }
+                }
+                Ok(())
+            });
+            if (c.rank() == 1 || both) && c.rank() < 2 {
+                for _ in 0..reps {
+                    c.recv_bytes(1 - c.rank(), 5)?;
+                }
+            }
+            h.join().unwrap_or(Ok(()))
+        })?;
+        c.barrier()?;
+        let gbps = (reps * msg.len()) as f64 / t.elapsed().as_secs_f64() / 1e9;
+        if c.rank() == 0 {
+            println!("stream {}: {gbps:.2} GB/s per direction", if both { "both ways" } else { "one way" });
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,171 @@
+//! `cargo xtask`: ironweave's benchmark and CI helper.
+//!
+//! `cargo xtask bench collectives [--ranks 2,4] [--sizes 1M,16M,64M] [--ops ...] [--min-time S]`
+//! runs, in one invocation, ironweave's TCP backend, OpenMPI forced onto TCP
+//! (`--mca btl tcp,self`), OpenMPI's default shared-memory path, and a single-process memcpy
+//! of the same size; writes `target/bench/collectives.json` and prints a Markdown table for
+//! docs/BENCHMARKS.md.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("bench") => match args.get(1).map(String::as_str) {
+            Some("collectives") => bench_collectives(&args[2..]),
+            other => bail!("unknown benchmark {other:?}; available: collectives"),
+        },
+        _ => {
+            eprintln!(
+                "usage: cargo xtask bench collectives [--ranks 2,4] [--sizes 1M,16M,64M] [--ops allreduce,...] [--min-time S]"
+            );
+            std::process::exit(2);
+        }
+    }
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn flag(args: &[String], name: &str, default: &str) -> String {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| default.to_string())
+}
+
+fn parse_size(s: &str) -> Result<u64> {
+    let (n, m) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    Ok(n.parse::<u64>().with_context(|| format!("size {s:?}"))? * m)
+}
+
+fn run(cmd: &mut Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{cmd:?} failed ({}):\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"))
+}
+
+fn bench_collectives(args: &[String]) -> Result<()> {
+    let ranks: Vec<usize> =
+        flag(args, "--ranks", "2,4").split(',').map(|r| r.parse().context("--ranks")).collect::<Result<_>>()?;
+    let sizes = flag(args, "--sizes", "1M,16M,64M");
+    let ops = flag(args, "--ops", "allreduce,allgather,reducescatter,alltoall");
+    let min_time = flag(args, "--min-time", "0.5");
+    let tdir = target_dir();
+    let out_dir = tdir.join("bench");
+    std::fs::create_dir_all(&out_dir)?;
+
+    eprintln!("xtask: building ironweave (release)");
+    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["build", "--release", "-p", "ironweave"])
+        .current_dir(root()))?;
+    let iw = tdir.join("release").join("ironweave");
+
+    eprintln!("xtask: building the OpenMPI peer with mpicc");
+    let mpi_bin = out_dir.join("mpi_collectives");
+    run(Command::new("mpicc").args(["-O2", "-o"]).arg(&mpi_bin).arg(root().join("xtask/peers/mpi_collectives.c")))
+        .context("mpicc failed: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev)")?;
+    let size_bytes: Vec<String> = sizes.split(',').map(|s| parse_size(s).map(|b| b.to_string())).collect::<Result<_>>()?;
+
+    let mut rows: Vec<Value> = Vec::new();
+    for &n in &ranks {
+        eprintln!("xtask: ironweave tcp, {n} ranks");
+        let json_path = out_dir.join(format!("ironweave-{n}.json"));
+        run(Command::new(&iw)
+            .args(["bench", "collectives", "--ranks", &n.to_string(), "--backend", "tcp", "--ops", &ops, "--sizes", &sizes])
+            .args(["--min-time", &min_time, "--json"])
+            .arg(&json_path))?;
+        let iw_rows: Vec<Value> = serde_json::from_slice(&std::fs::read(&json_path)?)?;
+        for (label, mca) in
+            [("ompi-tcp", vec!["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]), ("ompi-default", vec![])]
+        {
+            eprintln!("xtask: OpenMPI ({label}), {n} ranks");
+            let mut c = Command::new("mpirun");
+            c.args(["--allow-run-as-root", "--oversubscribe", "-np", &n.to_string()])
+                .args(&mca)
+                .arg(&mpi_bin)
+                .args([label, &min_time]);
+            c.args(ops.split(',')).arg("--").args(&size_bytes);
+            for line in run(&mut c)?.lines().filter(|l| l.starts_with('{')) {
+                let v: Value = serde_json::from_str(line)?;
+                rows.push(v);
+            }
+        }
+        for r in iw_rows {
+            rows.push(json!({
+                "peer": "ironweave-tcp", "op": r["op"], "bytes": r["bytes"], "ranks": r["ranks"], "iters": r["iters"],
+                "time_us": r["time_us"], "verified": r["verified"], "memcpy_gbps": r["memcpy_gbps"],
+            }));
+        }
+    }
+    let busbw = |r: &Value| -> f64 {
+        let n = r["ranks"].as_f64().unwrap_or(1.0);
+        let f = match r["op"].as_str().unwrap_or("") {
+            "allreduce" => 2.0 * (n - 1.0) / n,
+            "broadcast" => 1.0,
+            _ => (n - 1.0) / n,
+        };
+        r["bytes"].as_f64().unwrap_or(0.0) / (r["time_us"].as_f64().unwrap_or(f64::INFINITY) * 1e-6) / 1e9 * f
+    };
+    for r in rows.iter_mut() {
+        let b = busbw(r);
+        r["busbw_gbps"] = json!(b);
+    }
+    std::fs::write(out_dir.join("collectives.json"), serde_json::to_vec_pretty(&rows)?)?;
+
+    let find = |peer: &str, op: &str, bytes: u64, n: usize| {
+        rows.iter().find(|r| {
+            r["peer"] == peer && r["op"] == op && r["bytes"].as_u64() == Some(bytes) && r["ranks"].as_u64() == Some(n as u64)
+        })
+    };
+    let mut table = String::from(
+        "| op | size | ranks | ironweave tcp busbw (GB/s) | OpenMPI tcp busbw | OpenMPI default (shm) busbw | memcpy (GB/s) | ironweave / OpenMPI tcp | ironweave / OpenMPI shm | ironweave / memcpy | all verified |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
+    );
+    for &n in &ranks {
+        for r in rows.iter().filter(|r| r["peer"] == "ironweave-tcp" && r["ranks"].as_u64() == Some(n as u64)) {
+            let (op, bytes) = (r["op"].as_str().unwrap_or(""), r["bytes"].as_u64().unwrap_or(0));
+            let iw = busbw(r);
+            let ot = find("ompi-tcp", op, bytes, n).map(busbw).unwrap_or(f64::NAN);
+            let od = find("ompi-default", op, bytes, n).map(busbw).unwrap_or(f64::NAN);
+            let mc = r["memcpy_gbps"].as_f64().unwrap_or(f64::NAN);
+            let verified = [Some(r), find("ompi-tcp", op, bytes, n), find("ompi-default", op, bytes, n)]
+                .iter()
+                .all(|x| x.is_some_and(|x| x["verified"] == json!(true)));
+            table.push_str(&format!(
+                "| {op} | {} | {n} | {iw:.3} | {ot:.3} | {od:.3} | {mc:.2} | {:.2}x | {:.2}x | {:.3} | {} |\n",
+                human(bytes),
+                iw / ot,
+                iw / od,
+                iw / mc,
+                if verified { "yes" } else { "NO" }
+            ));
+        }
+    }
+    println!("{table}");
+    std::fs::write(out_dir.join("collectives.md"), &table)?;
+    eprintln!("xtask: wrote {} and collectives.md", out_dir.join("collectives.json").display());
+    Ok(())
+}
+
+fn human(b: u64) -> String {
+    if b >= 1 << 20 {
+        format!("{:.0} MiB", b as f64 / (1u64 << 20) as f64)
+    } else if b >= 1 << 10 {
+        format!("{:.0} KiB", b as f64 / 1024.0)
+    } else {
+        format!("{b} B")
+    }
+}
