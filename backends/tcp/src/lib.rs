@@ -301,6 +301,8 @@ struct Shared {
     mailbox: Arc<Mailbox>,
     seqs: SeqTable,
     closing: AtomicBool,
+    /// Set by the first failure, which is told to every peer before anyone can observe it.
+    failed_once: AtomicBool,
     cfg: TcpConfig,
 }
 
@@ -353,6 +355,7 @@ impl TcpLink {
             mailbox: Arc::new(Mailbox::new(rank, size, conns, cfg.buffer_cap_bytes)),
             seqs: SeqTable::default(),
             closing: AtomicBool::new(false),
+            failed_once: AtomicBool::new(false),
             cfg: cfg.clone(),
         });
         let mut readers = Vec::new();
@@ -383,7 +386,7 @@ impl TcpLink {
 fn reader(sh: Arc<Shared>, p: usize, mut s: TcpStream) {
     let lost = |detail: String| {
         if !sh.closing.load(Ordering::SeqCst) {
-            sh.mailbox.fail(Error::PeerLost { rank: p, detail });
+            sh.fail_with(Error::PeerLost { rank: p, detail }, Some(p));
         }
     };
     let mut said_goodbye = false;
@@ -398,7 +401,7 @@ fn reader(sh: Arc<Shared>, p: usize, mut s: TcpStream) {
         let h = match FrameHeader::decode(&hb, sh.cfg.max_message_bytes) {
             Ok(h) => h,
             Err(e) => {
-                sh.mailbox.fail(Error::Protocol { from: format!("rank {p}"), detail: e.to_string() });
+                sh.fail_with(Error::Protocol { from: format!("rank {p}"), detail: e.to_string() }, Some(p));
                 let _ = s.shutdown(Shutdown::Both);
                 return;
             }
@@ -416,7 +419,7 @@ fn reader(sh: Arc<Shared>, p: usize, mut s: TcpStream) {
         match h.kind {
             FrameKind::Data => {
                 if let Err(e) = sh.mailbox.deliver(p, Tag(h.tag), h.seq, h.total as usize, h.offset as usize, body) {
-                    sh.mailbox.fail(e);
+                    sh.fail_with(e, Some(p));
                     return;
                 }
             }
@@ -425,7 +428,7 @@ fn reader(sh: Arc<Shared>, p: usize, mut s: TcpStream) {
                 sh.mailbox.goodbye(p);
             }
             FrameKind::Abort => {
-                sh.mailbox.fail(Error::PeerAborted { rank: p, reason: String::from_utf8_lossy(&body).into_owned() });
+                sh.fail_with(decode_cause(p, &body), None);
                 return;
             }
         }
@@ -466,7 +469,7 @@ impl Shared {
                 } else {
                     Error::PeerLost { rank: p, detail: format!("send failed: {e}") }
                 };
-                self.mailbox.fail(err.clone());
+                self.fail_with(err.clone(), Some(p));
                 err
             })
         };
@@ -491,6 +494,41 @@ impl Shared {
                 .map(|h| h.join().unwrap_or_else(|_| Err(Error::InvalidArgument("stripe writer panicked".into()))))
                 .fold(first, |a, b| a.and(b))
         })
+    }
+
+    /// Records a failure. The first one is sent to every other peer (on every connection,
+    /// so it precedes any later close on the same socket) *before* the mailbox fails: a rank
+    /// that exits after seeing the failure can then never be mistaken for its cause.
+    fn fail_with(&self, err: Error, culprit: Option<usize>) {
+        if !self.failed_once.swap(true, Ordering::SeqCst) {
+            let body = encode_cause(self.rank, &err);
+            let h = FrameHeader {
+                kind: FrameKind::Abort,
+                tag: 0,
+                seq: 0,
+                total: body.len() as u64,
+                offset: 0,
+                len: body.len() as u64,
+            };
+            for (q, peer) in self.peers.iter().enumerate() {
+                let Some(peer) = peer.as_ref().filter(|_| Some(q) != culprit) else { continue };
+                for c in &peer.conns {
+                    // A writer busy with a stuck write is skipped after a short wait.
+                    let until = Instant::now() + Duration::from_millis(500);
+                    loop {
+                        if let Ok(mut w) = c.writer.try_lock() {
+                            let _ = write_frame(&mut w, &h, &body, Instant::now() + Duration::from_secs(1));
+                            break;
+                        }
+                        if Instant::now() >= until {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        }
+        self.mailbox.fail(err);
     }
 
     fn send_self(&self, tag: Tag, seq: u64, data: Vec<u8>) -> Result<()> {
@@ -557,23 +595,11 @@ impl Link for TcpLink {
         Ok(self.shared.mailbox.post(p, tag))
     }
     fn abort(&self, reason: &str) {
-        let first = self.shared.mailbox.failure().is_none();
-        self.shared.mailbox.fail(Error::Aborted { reason: reason.into() });
-        if !first {
+        if self.shared.mailbox.failure().is_some() {
             return;
         }
-        let body = reason.as_bytes();
-        let body = &body[..body.len().min(4096)];
-        let h =
-            FrameHeader { kind: FrameKind::Abort, tag: 0, seq: 0, total: body.len() as u64, offset: 0, len: body.len() as u64 };
-        for peer in self.shared.peers.iter().flatten() {
-            if let Some(c) = peer.conns.first() {
-                // Best effort: a connection busy with a stuck write is shut down below anyway.
-                if let Ok(mut w) = c.writer.try_lock() {
-                    let _ = write_frame(&mut w, &h, body, Instant::now() + Duration::from_secs(1));
-                }
-            }
-        }
+        self.shared.fail_with(Error::Aborted { reason: reason.into() }, None);
+        // Shut every socket so that our own writers stuck on a peer return at once.
         self.shared.closing.store(true, Ordering::SeqCst);
         for peer in self.shared.peers.iter().flatten() {
             for c in &peer.conns {
@@ -620,5 +646,39 @@ impl Drop for TcpLink {
         for h in self.readers.get_mut().unwrap_or_else(|e| e.into_inner()).drain(..) {
             let _ = h.join();
         }
+    }
+}
+
+const CAUSE_LOST: u8 = 1;
+const CAUSE_ABORTED: u8 = 2;
+
+/// Abort payload: what went wrong and at which rank, so that every survivor reports the
+/// root cause rather than the rank that told it.
+fn encode_cause(me: usize, err: &Error) -> Vec<u8> {
+    let (code, rank, text) = match err {
+        Error::PeerLost { rank, detail } => (CAUSE_LOST, *rank, detail.clone()),
+        Error::PeerAborted { rank, reason } => (CAUSE_ABORTED, *rank, reason.clone()),
+        Error::Aborted { reason } => (CAUSE_ABORTED, me, reason.clone()),
+        other => (CAUSE_ABORTED, me, other.to_string()),
+    };
+    let mut b = vec![code];
+    b.extend_from_slice(&(rank as u32).to_le_bytes());
+    let t = text.as_bytes();
+    b.extend_from_slice(&t[..t.len().min(4000)]);
+    b
+}
+
+fn decode_cause(from: usize, b: &[u8]) -> Error {
+    let text = |s: &[u8]| String::from_utf8_lossy(s).into_owned();
+    match b {
+        [code, r0, r1, r2, r3, rest @ ..] if *code == CAUSE_LOST || *code == CAUSE_ABORTED => {
+            let rank = u32::from_le_bytes([*r0, *r1, *r2, *r3]) as usize;
+            if *code == CAUSE_LOST {
+                Error::PeerLost { rank, detail: format!("reported by rank {from}: {}", text(rest)) }
+            } else {
+                Error::PeerAborted { rank, reason: text(rest) }
+            }
+        }
+        _ => Error::PeerAborted { rank: from, reason: text(b) },
     }
 }

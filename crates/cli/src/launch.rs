@@ -2,6 +2,7 @@
 //! output with the rank, and when one fails stops the others and reports which and how.
 
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
@@ -26,12 +27,14 @@ pub fn install_signal_handlers() {
     }
 }
 
+/// Signals a rank's whole process group (the rank and anything it started).
 fn send_signal(child: &Child, sig: libc::c_int) {
     if let Ok(pid) = i32::try_from(child.id()) {
-        // SAFETY: `kill` on a pid we spawned (and have not yet reaped, so it cannot have been
-        // reused) has no memory-safety preconditions.
+        // SAFETY: `kill` has no memory-safety preconditions; the negative pid names the
+        // process group we created for this rank (its leader is not reaped yet, so the id
+        // cannot have been reused).
         unsafe {
-            libc::kill(pid, sig);
+            libc::kill(-pid, sig);
         }
     }
 }
@@ -56,8 +59,6 @@ pub enum Outcome {
     Success,
     /// The first rank that failed, with how.
     RankFailed {
-        rank: usize,
-        how: String,
         code: i32,
     },
     Interrupted {
@@ -115,7 +116,10 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             .env("IRONWEAVE_MASTER_PORT", port.to_string())
             .env("IRONWEAVE_JOB_ID", &job)
             .env("IRONWEAVE_SECRET", &secret)
-            .stdin(Stdio::null());
+            .stdin(Stdio::null())
+            // Each rank leads its own process group so that a stop reaches whatever it started;
+            // the launcher forwards Ctrl-C (SIGINT) and SIGTERM to every group.
+            .process_group(0);
         for (k, v) in &spec.env {
             cmd.env(k, v);
         }
@@ -126,7 +130,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             Ok(c) => c,
             Err(e) => {
                 for c in children.iter_mut().flatten() {
-                    let _ = c.kill();
+                    send_signal(c, libc::SIGKILL);
                     let _ = c.wait();
                 }
                 bail!("cannot start {:?} for rank {rank}: {e}", spec.program);
@@ -182,14 +186,16 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
         if let Some((rank, st)) = failed {
             let (how, code) = describe(st);
             eprintln!("ironweave launch: rank {rank} {how}; stopping the other ranks");
-            outcome = Some(Outcome::RankFailed { rank, how, code });
+            outcome = Some(Outcome::RankFailed { code });
             stop_all(&mut children);
             break;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    for p in pumps {
-        let _ = p.join();
+    // Output pipes may still be held by something a rank left behind: wait briefly only.
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until && pumps.iter().any(|p| !p.is_finished()) {
+        std::thread::sleep(Duration::from_millis(5));
     }
     Ok(outcome.unwrap_or(Outcome::Success))
 }
@@ -206,7 +212,7 @@ fn stop_all(children: &mut [Option<Child>]) {
             match c.try_wait() {
                 Ok(Some(_)) | Err(_) => break,
                 Ok(None) if Instant::now() >= until => {
-                    let _ = c.kill();
+                    send_signal(c, libc::SIGKILL);
                     let _ = c.wait();
                     break;
                 }

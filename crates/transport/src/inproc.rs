@@ -79,11 +79,12 @@ impl Link for InProcLink {
     }
     fn abort(&self, reason: &str) {
         for (r, mb) in self.boxes.iter().enumerate() {
-            if r == self.rank {
-                mb.fail(Error::Aborted { reason: reason.into() });
+            let err = if r == self.rank {
+                Error::Aborted { reason: reason.into() }
             } else {
-                mb.fail(Error::PeerAborted { rank: self.rank, reason: reason.into() });
-            }
+                Error::PeerAborted { rank: self.rank, reason: reason.into() }
+            };
+            mb.fail(err);
         }
     }
 }

@@ -532,15 +532,18 @@ impl Mailbox {
         self.cv.notify_all();
     }
 
-    /// Fails every pending and future receive with `err` (the first failure wins).
-    pub fn fail(&self, err: Error) {
+    /// Fails every pending and future receive with `err` (the first failure wins; returns
+    /// whether this was it).
+    pub fn fail(&self, err: Error) -> bool {
         let mut st = lock(&self.state);
-        if st.fatal.is_none() {
+        let first = st.fatal.is_none();
+        if first {
             st.fatal = Some(err);
         }
         drop(st);
         self.cv.notify_all();
         self.space.notify_all();
+        first
     }
 
     /// The failure, if the mailbox failed.

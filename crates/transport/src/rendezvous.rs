@@ -183,9 +183,16 @@ impl Rendezvous {
             None
         };
         let deadline = Instant::now() + timeout;
-        let mut stream = handshake::connect_retry(env.master, deadline)?;
-        handshake::connect(&mut stream, &creds, Role::Rendezvous, env.rank as u32, 0, 0, timeout)?;
-        Ok(Rendezvous { stream, rank: env.rank, size: env.world_size, timeout, server })
+        let joined = handshake::connect_retry(env.master, deadline)
+            .and_then(|mut s| handshake::connect(&mut s, &creds, Role::Rendezvous, env.rank as u32, 0, 0, timeout).map(|_| s));
+        match joined {
+            Ok(stream) => Ok(Rendezvous { stream, rank: env.rank, size: env.world_size, timeout, server }),
+            // On rank 0 the server's own failure (a rejected peer, say) is the real cause.
+            Err(e) => match server.map(|h| h.join()) {
+                Some(Ok(Err(server_err))) => Err(server_err),
+                _ => Err(e),
+            },
+        }
     }
 
     /// This rank.
