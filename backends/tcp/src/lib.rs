@@ -407,8 +407,33 @@ fn reader(sh: Arc<Shared>, p: usize, mut s: TcpStream) {
             }
         };
         let len = h.len as usize;
-        if h.kind == FrameKind::Data && !sh.mailbox.reserve(len) {
-            return;
+        if h.kind == FrameKind::Data {
+            // Straight into the receiver's memory when it posted a landing zone.
+            match sh.mailbox.land(p, Tag(h.tag), h.seq, h.total as usize, h.offset as usize, len) {
+                Ok(Some(ptr)) => {
+                    // SAFETY: `land` granted `ptr..ptr+len` inside a zone whose owner keeps it
+                    // valid and untouched until `land_done` is called for this grant (the
+                    // owner's handle waits for writers before releasing the memory, see
+                    // `Mailbox::post_into`), and granted ranges never overlap, so this is the
+                    // only live reference to these bytes.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+                    let r = s.read_exact(dst);
+                    sh.mailbox.land_done(p, Tag(h.tag), h.seq, len, r.is_ok());
+                    if let Err(e) = r {
+                        return lost(format!("connection closed inside a {len}-byte payload: {e}"));
+                    }
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    sh.fail_with(e, Some(p));
+                    let _ = s.shutdown(Shutdown::Both);
+                    return;
+                }
+            }
+            if !sh.mailbox.reserve(len) {
+                return;
+            }
         }
         // The claimed size passed the receiver's limit (and, for data, the buffering budget)
         // before anything is allocated; control frames are at most 4 KiB.
@@ -594,10 +619,18 @@ impl Link for TcpLink {
         self.peer(p)?;
         Ok(self.shared.mailbox.post(p, tag))
     }
-    fn abort(&self, reason: &str) {
-        if self.shared.mailbox.failure().is_some() {
-            return;
+    unsafe fn irecv_into(&self, p: usize, tag: Tag, dst: *mut u8, len: usize) -> Result<RecvHandle> {
+        // Messages to ourselves are copied anyway; only remote peers land directly.
+        if self.peer(p)?.is_none() {
+            return Ok(self.shared.mailbox.post(p, tag));
         }
+        // SAFETY: forwarded contract: the caller keeps `dst..dst+len` valid and private until
+        // the handle is waited on or dropped, and does not leak the handle.
+        Ok(unsafe { self.shared.mailbox.post_into(p, tag, dst, len) })
+    }
+    fn abort(&self, reason: &str) {
+        // Only the first failure is told to the peers; the sockets are shut in any case, so
+        // that no reader or writer of ours stays inside a transfer.
         self.shared.fail_with(Error::Aborted { reason: reason.into() }, None);
         // Shut every socket so that our own writers stuck on a peer return at once.
         self.shared.closing.store(true, Ordering::SeqCst);

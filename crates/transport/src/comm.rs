@@ -280,44 +280,77 @@ impl Communicator {
     }
 
     /// One ring step: sends `send` in segments to the right neighbour while receiving
-    /// `recv_len` bytes in segments from the left one, handing each received segment to
-    /// `sink(range, bytes)`. One thread drives both: between two segment sends it processes
-    /// whatever already arrived (the link's progress threads keep draining the sockets, so a
-    /// blocking send never waits on this thread), which overlaps reduction with the network
-    /// without a helper thread per step.
-    fn ring_step(
+    /// `recv_len` bytes in segments from the left one. With `Sink::Reduce`, each received
+    /// segment is handed to the closure; with `Sink::Land`, segments are received straight into
+    /// the given buffer where the backend can (copied there otherwise). One thread drives both
+    /// directions: between two segment sends it processes whatever already arrived (the link's
+    /// progress threads keep draining the sockets, so a blocking send never waits on this
+    /// thread), which overlaps reduction with the network without a helper thread per step.
+    fn ring_step<F: FnMut(Range<usize>, &RecvBuf)>(
         &self,
         op: &'static str,
         send: &[u8],
-        recv_len: usize,
+        sink: Sink<'_, F>,
         dl: Instant,
-        mut sink: impl FnMut(Range<usize>, &RecvBuf),
     ) -> Result<()> {
         let n = self.size();
         let (to, from) = ((self.me + 1) % n, (self.me + n - 1) % n);
+        let (recv_len, land, mut reduce) = match sink {
+            Sink::Land(buf) => (buf.len(), Some(buf.as_mut_ptr()), None),
+            Sink::Reduce(len, f) => (len, None, Some(f)),
+        };
         // Post all receives first so the matching order is fixed before any byte arrives.
-        let mut posted: std::collections::VecDeque<(Range<usize>, RecvHandle)> =
-            self.segments(recv_len).map(|r| Ok((r, self.cpost(from)?))).collect::<Result<_>>()?;
+        let mut posted = std::collections::VecDeque::new();
+        for r in self.segments(recv_len) {
+            let h = match land {
+                // SAFETY: `base` comes from the `&mut [u8]` this function borrows for its whole
+                // run and which is only accessed through `base` below; every handle is waited
+                // on or dropped (never leaked) before we return, also on the error path, where
+                // the link is aborted first so that no write into the zone is in progress.
+                Some(base) => unsafe { self.l().irecv_into(self.members[from], self.coll_tag(), base.add(r.start), r.len()) },
+                None => self.cpost(from),
+            };
+            posted.push_back((r, h?));
+        }
         let mut take = |h: RecvHandle, r: Range<usize>| -> Result<()> {
             let m = h.wait(dl)?;
             if m.len() != r.len() {
                 return Err(Error::LengthMismatch { op, peer: from, expected: r.len(), got: m.len() });
             }
-            sink(r, &m);
+            match (land, &mut reduce) {
+                (Some(base), _) if !m.is_landed() => {
+                    // SAFETY: `r` lies within the borrowed buffer (segments cover 0..recv_len)
+                    // and no landing zone overlapping it is live: its handle just completed.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(base.add(r.start), r.len()) };
+                    m.copy_to(dst);
+                }
+                (_, Some(f)) => f(r, &m),
+                _ => {}
+            }
             Ok(())
         };
-        for seg in self.segments(send.len()) {
-            self.csend(to, &send[seg], dl)?;
-            while posted.front().is_some_and(|(_, h)| h.is_ready()) {
-                if let Some((r, h)) = posted.pop_front() {
-                    take(h, r)?;
+        let mut run = || -> Result<()> {
+            for seg in self.segments(send.len()) {
+                self.csend(to, &send[seg], dl)?;
+                while posted.front().is_some_and(|(_, h)| h.is_ready()) {
+                    if let Some((r, h)) = posted.pop_front() {
+                        take(h, r)?;
+                    }
                 }
             }
+            while let Some((r, h)) = posted.pop_front() {
+                take(h, r)?;
+            }
+            Ok(())
+        };
+        let res = run();
+        if let Err(e) = &res {
+            // Make sure no transfer into a landing zone is still running before the pending
+            // handles are dropped (dropping waits for writers; an aborted link ends them).
+            self.l().abort(&format!("{op} failed on rank {}: {e}", self.world_rank(self.me)));
         }
-        for (r, h) in posted {
-            take(h, r)?;
-        }
-        Ok(())
+        drop(posted);
+        res
     }
 
     fn chunk_ranges(count: usize, n: usize, es: usize) -> Vec<Range<usize>> {
@@ -347,7 +380,12 @@ impl Communicator {
             let si = (r + 2 * n - s - 1) % n;
             let ri = (r + 2 * n - s - 2) % n;
             let (send, recv) = split_two(buf, chunks[si].clone(), chunks[ri].clone());
-            self.ring_step("reduce_scatter", send, recv.len(), dl, |seg, m| reduce_parts(dtype, &mut recv[seg], m, op))?;
+            self.ring_step(
+                "reduce_scatter",
+                send,
+                Sink::Reduce(recv.len(), |seg: Range<usize>, m: &RecvBuf| reduce_parts(dtype, &mut recv[seg], m, op)),
+                dl,
+            )?;
         }
         Ok(())
     }
@@ -374,10 +412,11 @@ impl Communicator {
             let send: &[u8] = if s == 0 { block(si) } else { &sending };
             let dst: &mut [u8] = if s == n - 2 { &mut *output } else { &mut next };
             let local = block(ri);
-            self.ring_step("reduce_scatter", send, m, dl, |seg, msg| {
+            let sink = Sink::Reduce(m, |seg: Range<usize>, msg: &RecvBuf| {
                 dst[seg.clone()].copy_from_slice(&local[seg.clone()]);
                 reduce_parts(dtype, &mut dst[seg], msg, op);
-            })?;
+            });
+            self.ring_step("reduce_scatter", send, sink, dl)?;
             if s < n - 2 {
                 std::mem::swap(&mut sending, &mut next);
                 if next.len() != m {
@@ -396,7 +435,7 @@ impl Communicator {
             let si = (r + n - s) % n;
             let ri = (r + 2 * n - s - 1) % n;
             let (send, recv) = split_two(buf, chunks[si].clone(), chunks[ri].clone());
-            self.ring_step("all_gather", send, recv.len(), dl, |seg, m| m.copy_to(&mut recv[seg]))?;
+            self.ring_step("all_gather", send, Sink::<fn(Range<usize>, &RecvBuf)>::Land(recv), dl)?;
         }
         Ok(())
     }
@@ -782,6 +821,14 @@ impl Communicator {
 /// they are not broadcast again (which would race with and mask the original cause).
 fn from_peer(e: &Error) -> bool {
     matches!(e, Error::PeerLost { .. } | Error::PeerAborted { .. } | Error::PeerClosed { .. } | Error::Aborted { .. })
+}
+
+/// What a ring step does with what it receives.
+enum Sink<'a, F> {
+    /// Receive into this buffer (directly where the backend can).
+    Land(&'a mut [u8]),
+    /// Hand `len` bytes, segment by segment, to the closure.
+    Reduce(usize, F),
 }
 
 fn reduce_parts(dtype: DType, dst: &mut [u8], m: &RecvBuf, op: ReduceOp) {

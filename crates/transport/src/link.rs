@@ -75,6 +75,8 @@ impl LinkInfo {
 pub struct RecvBuf {
     parts: Vec<(usize, Vec<u8>)>,
     len: usize,
+    /// The bytes were written straight into the receiver's landing zone; `parts` is empty.
+    landed: bool,
     pool: Option<Arc<BufPool>>,
 }
 
@@ -92,7 +94,7 @@ impl RecvBuf {
     /// A message made of one contiguous buffer.
     pub fn from_vec(v: Vec<u8>) -> Self {
         let len = v.len();
-        RecvBuf { parts: vec![(0, v)], len, pool: None }
+        RecvBuf { parts: vec![(0, v)], len, landed: false, pool: None }
     }
 
     /// Total length in bytes.
@@ -105,13 +107,21 @@ impl RecvBuf {
         self.len == 0
     }
 
+    /// True when the bytes already sit in the landing zone given to
+    /// [`Mailbox::post_into`] (or [`Link::irecv_into`]); there is nothing to copy.
+    pub fn is_landed(&self) -> bool {
+        self.landed
+    }
+
     /// The parts in order, each with its offset in the message.
     pub fn parts(&self) -> impl Iterator<Item = (usize, &[u8])> {
         self.parts.iter().map(|(o, p)| (*o, p.as_slice()))
     }
 
-    /// Copies the message into `dst`, which must be exactly as long.
+    /// Copies the message into `dst`, which must be exactly as long (a landed message has
+    /// no bytes here: check [`RecvBuf::is_landed`] first).
     pub fn copy_to(&self, dst: &mut [u8]) {
+        debug_assert!(!self.landed, "copy_to on a landed message");
         assert_eq!(dst.len(), self.len, "RecvBuf::copy_to: length mismatch (callers check first)");
         for (off, p) in &self.parts {
             dst[*off..*off + p.len()].copy_from_slice(p);
@@ -234,6 +244,17 @@ pub trait Link: Send + Sync + std::fmt::Debug {
     fn isend(&self, peer: usize, tag: Tag, data: Vec<u8>) -> Result<SendHandle>;
     /// Posts a receive; it takes the next message from `peer` on `tag` in issue order.
     fn irecv(&self, peer: usize, tag: Tag) -> Result<RecvHandle>;
+    /// Like [`Link::irecv`], but the backend may write the message straight into
+    /// `dst..dst+len` (saving a copy); the result's [`RecvBuf::is_landed`] says whether it did.
+    /// The default ignores the zone.
+    ///
+    /// # Safety
+    /// As for [`Mailbox::post_into`]: the memory stays valid and untouched by anyone else until
+    /// the handle is waited on successfully or dropped, and the handle is never leaked.
+    unsafe fn irecv_into(&self, peer: usize, tag: Tag, dst: *mut u8, len: usize) -> Result<RecvHandle> {
+        let _ = (dst, len);
+        self.irecv(peer, tag)
+    }
     /// Makes every pending and future operation on this link fail, here and at every peer
     /// (best effort), with `reason`.
     fn abort(&self, reason: &str);
@@ -369,7 +390,17 @@ struct Partial {
     got: usize,
     frames: usize,
     parts: Vec<(usize, Vec<u8>)>,
+    /// Bytes of `parts` counted against the mailbox's budget.
+    buffered: usize,
     abandoned: bool,
+    /// Where the receiver wants the bytes written directly (address, length).
+    zone: Option<(usize, usize)>,
+    /// Ranges of the zone handed to writers so far (never overlapping).
+    claimed: Vec<(usize, usize)>,
+    /// Writers currently writing into the zone.
+    writers: usize,
+    /// The message goes (or went) to the zone rather than to `parts`.
+    landed: bool,
 }
 
 impl Partial {
@@ -448,6 +479,7 @@ impl Mailbox {
     /// Adds one received part of message `seq` from `src` on `tag` (already reserved).
     pub fn deliver(&self, src: usize, tag: Tag, seq: u64, total: usize, offset: usize, data: Vec<u8>) -> Result<()> {
         let mut st = lock(&self.state);
+        let st = &mut *st;
         let len = data.len();
         let bad = |detail: String| Error::Protocol { from: format!("rank {src}"), detail };
         if offset.checked_add(len).is_none_or(|end| end > total) {
@@ -463,17 +495,86 @@ impl Mailbox {
         }
         p.got += len;
         p.frames += 1;
-        if len > 0 {
+        if p.landed {
+            // The rest of a landed message whose zone was withdrawn: count it, drop it.
+            st.buffered -= len;
+        } else if len > 0 {
+            p.buffered += len;
             p.parts.push((offset, data));
         }
         if p.complete() && p.abandoned {
+            st.buffered -= p.buffered;
             q.msgs.remove(&seq);
-            st.buffered -= total;
             self.space.notify_all();
+        }
+        self.cv.notify_all();
+        Ok(())
+    }
+
+    /// Posts a receive whose bytes may be written by the backend straight into `dst..dst+len`
+    /// (the message must then be exactly `len` bytes; otherwise it is buffered as usual and
+    /// the wait reports its real length). The handle's [`RecvBuf::is_landed`] says which
+    /// happened.
+    ///
+    /// # Safety
+    /// `dst..dst+len` must be valid for writes and neither read nor written by anyone else
+    /// until the handle has been waited on successfully or dropped; the handle must not be
+    /// leaked (`mem::forget`), since dropping it is what withdraws the zone and waits for a
+    /// writer in progress.
+    pub unsafe fn post_into(self: &Arc<Self>, src: usize, tag: Tag, dst: *mut u8, len: usize) -> RecvHandle {
+        let mut st = lock(&self.state);
+        let q = st.queues.entry((src, tag)).or_default();
+        let seq = q.next_claim;
+        q.next_claim += 1;
+        let p = q.msgs.entry(seq).or_default();
+        // Parts that were already buffered keep the whole message on the buffered path.
+        if p.frames == 0 && p.writers == 0 {
+            p.zone = Some((dst as usize, len));
+        }
+        RecvHandle { mailbox: self.clone(), src, tag, seq, done: false }
+    }
+
+    /// Backend side: asks where to write `len` bytes at `offset` of message `seq` (of `total`
+    /// bytes). `Some(ptr)` means: write exactly there, then call [`Mailbox::land_done`];
+    /// `None` means: buffer the part and [`Mailbox::deliver`] it. Overlapping or oversized
+    /// parts are a protocol error.
+    pub fn land(&self, src: usize, tag: Tag, seq: u64, total: usize, offset: usize, len: usize) -> Result<Option<*mut u8>> {
+        let mut st = lock(&self.state);
+        let Some(p) = st.queues.get_mut(&(src, tag)).and_then(|q| q.msgs.get_mut(&seq)) else { return Ok(None) };
+        let Some((base, zlen)) = p.zone else { return Ok(None) };
+        if zlen != total || p.abandoned || (p.frames > 0 && !p.landed) {
+            return Ok(None);
+        }
+        let end = offset.checked_add(len).filter(|&e| e <= total);
+        let end = end.ok_or_else(|| Error::Protocol {
+            from: format!("rank {src}"),
+            detail: format!("part {offset}+{len} overruns {total}"),
+        })?;
+        if len > 0 && p.claimed.iter().any(|&(a, b)| offset < b && a < end) {
+            return Err(Error::Protocol {
+                from: format!("rank {src}"),
+                detail: format!("part {offset}..{end} of message {seq} overlaps another"),
+            });
+        }
+        p.claimed.push((offset, end));
+        p.total = total;
+        p.landed = true;
+        p.writers += 1;
+        Ok(Some((base + offset) as *mut u8))
+    }
+
+    /// Backend side: a write granted by [`Mailbox::land`] finished (`ok`) or failed.
+    pub fn land_done(&self, src: usize, tag: Tag, seq: u64, len: usize, ok: bool) {
+        let mut st = lock(&self.state);
+        if let Some(p) = st.queues.get_mut(&(src, tag)).and_then(|q| q.msgs.get_mut(&seq)) {
+            p.writers -= 1;
+            if ok {
+                p.got += len;
+                p.frames += 1;
+            }
         }
         drop(st);
         self.cv.notify_all();
-        Ok(())
     }
 
     fn is_complete(&self, src: usize, tag: Tag, seq: u64) -> bool {
@@ -483,15 +584,25 @@ impl Mailbox {
 
     fn abandon(&self, src: usize, tag: Tag, seq: u64) {
         let mut st = lock(&self.state);
-        let Some(q) = st.queues.get_mut(&(src, tag)) else { return };
-        let p = q.msgs.entry(seq).or_default();
-        if p.complete() {
-            let total = p.total;
-            q.msgs.remove(&seq);
-            st.buffered -= total;
-            self.space.notify_all();
-        } else {
+        loop {
+            let Some(q) = st.queues.get_mut(&(src, tag)) else { return };
+            let p = q.msgs.entry(seq).or_default();
+            // Withdraw the landing zone; a writer already inside it must finish first (the
+            // caller's memory is released when we return). Writers are bounded: a failed or
+            // aborted link shuts its sockets, which ends any read in progress.
+            p.zone = None;
             p.abandoned = true;
+            if p.writers > 0 {
+                st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                continue;
+            }
+            if p.complete() {
+                let b = p.buffered;
+                q.msgs.remove(&seq);
+                st.buffered -= b;
+                self.space.notify_all();
+            }
+            return;
         }
     }
 
@@ -500,12 +611,17 @@ impl Mailbox {
         let mut st = lock(&self.state);
         loop {
             if let Some(q) = st.queues.get_mut(&(src, tag)) {
-                if q.msgs.get(&seq).is_some_and(Partial::complete) {
+                if q.msgs.get(&seq).is_some_and(|p| p.complete() && p.writers == 0) {
                     let mut p = q.msgs.remove(&seq).unwrap_or_default();
-                    st.buffered -= p.total;
+                    st.buffered -= p.buffered;
                     self.space.notify_all();
                     p.parts.sort_unstable_by_key(|(o, _)| *o);
-                    return Ok(RecvBuf { parts: std::mem::take(&mut p.parts), len: p.total, pool: Some(self.pool.clone()) });
+                    return Ok(RecvBuf {
+                        parts: std::mem::take(&mut p.parts),
+                        len: p.total,
+                        landed: p.landed,
+                        pool: Some(self.pool.clone()),
+                    });
                 }
             }
             if let Some(e) = &st.fatal {
