@@ -9,3 +9,12 @@ fn make(n: usize) -> Vec<Communicator> {
 }
 
 ironweave_transport::conformance_suite!(make);
+
+#[test]
+fn device_buffers_need_a_backend_that_can_touch_them() {
+    use ironweave_transport::{BufMut, DType, DeviceSlice, Error, ReduceOp};
+    let c = make(1).pop().unwrap();
+    let buf = BufMut::Device(DeviceSlice { ptr: 0x1000, len: 64, device: 0 });
+    let err = c.all_reduce_buf(buf, DType::F32, ReduceOp::Sum).unwrap_err();
+    assert!(matches!(err, Error::UnsupportedMemory { .. }), "{err}");
+}
