@@ -472,8 +472,19 @@ fn write_frame(s: &mut TcpStream, h: &FrameHeader, payload: &[u8], deadline: Ins
         b.extend_from_slice(payload);
         s.write_all(&b)
     } else {
-        s.write_all(&h.encode())?;
-        s.write_all(payload)
+        // Header and payload in one system call: no separate tiny segment for the header.
+        let hdr = h.encode();
+        let mut bufs = [std::io::IoSlice::new(&hdr), std::io::IoSlice::new(payload)];
+        let mut rest = &mut bufs[..];
+        while !rest.is_empty() {
+            match s.write_vectored(rest) {
+                Ok(0) => return Err(std::io::Error::new(std::io::ErrorKind::WriteZero, "socket accepted no bytes")),
+                Ok(n) => std::io::IoSlice::advance_slices(&mut rest, n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 }
 

@@ -734,20 +734,16 @@ impl Communicator {
                     got: send_counts[r] * es,
                 });
             }
-            let posted: Vec<_> = (1..n).map(|k| (r + n - k) % n).map(|p| Ok((p, self.cpost(p)?))).collect::<Result<_>>()?;
+            let mut landing = Landing::new(self, rb);
+            for p in (1..n).map(|k| (r + n - k) % n) {
+                landing.post(p, ro[p].clone())?;
+            }
             // Pairwise order spreads the load: at step k everybody sends to rank + k.
             for k in 1..n {
                 let p = (r + k) % n;
                 self.csend(p, &sb[so[p].clone()], dl)?;
             }
-            for (p, h) in posted {
-                let m = h.wait(dl)?;
-                if m.len() != ro[p].len() {
-                    return Err(Error::LengthMismatch { op: "all_to_all_v", peer: p, expected: ro[p].len(), got: m.len() });
-                }
-                m.copy_to(&mut rb[ro[p].clone()]);
-            }
-            Ok(())
+            landing.finish("all_to_all_v", dl)
         })
     }
 
@@ -821,6 +817,63 @@ impl Communicator {
 /// they are not broadcast again (which would race with and mask the original cause).
 fn from_peer(e: &Error) -> bool {
     matches!(e, Error::PeerLost { .. } | Error::PeerAborted { .. } | Error::PeerClosed { .. } | Error::Aborted { .. })
+}
+
+/// Receives into disjoint ranges of one buffer, straight into it where the backend can.
+///
+/// Holds the buffer's unique borrow for its whole life and touches it only through `base`. If it
+/// is dropped with receives still pending (an error on the way), it aborts the link first so no
+/// backend writer stays inside a zone, then drops the handles (which wait for such writers).
+struct Landing<'a> {
+    comm: &'a Communicator,
+    base: *mut u8,
+    len: usize,
+    pending: Vec<(usize, Range<usize>, RecvHandle)>,
+    _buf: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Landing<'a> {
+    fn new(comm: &'a Communicator, buf: &'a mut [u8]) -> Self {
+        Landing { comm, base: buf.as_mut_ptr(), len: buf.len(), pending: Vec::new(), _buf: std::marker::PhantomData }
+    }
+
+    /// Posts the receive of the next message from group rank `peer` into `range`.
+    fn post(&mut self, peer: usize, range: Range<usize>) -> Result<()> {
+        assert!(range.end <= self.len && !self.pending.iter().any(|(_, r, _)| r.start < range.end && range.start < r.end));
+        let c = self.comm;
+        // SAFETY: `range` lies inside the buffer borrowed for 'a and overlaps no other pending
+        // zone (asserted above); the handle is kept in `self.pending` and is waited on or
+        // dropped (after an abort) before `self`, and with it the borrow, ends.
+        let h = unsafe { c.l().irecv_into(c.members[peer], c.coll_tag(), self.base.add(range.start), range.len()) }?;
+        self.pending.push((peer, range, h));
+        Ok(())
+    }
+
+    /// Waits for every receive, copying the ones the backend could not land.
+    fn finish(mut self, op: &'static str, dl: Instant) -> Result<()> {
+        while !self.pending.is_empty() {
+            let (peer, r, h) = self.pending.remove(0);
+            let m = h.wait(dl)?;
+            if m.len() != r.len() {
+                return Err(Error::LengthMismatch { op, peer, expected: r.len(), got: m.len() });
+            }
+            if !m.is_landed() {
+                // SAFETY: `r` is inside the borrowed buffer and its zone's handle completed, so
+                // nobody else writes these bytes.
+                m.copy_to(unsafe { std::slice::from_raw_parts_mut(self.base.add(r.start), r.len()) });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Landing<'_> {
+    fn drop(&mut self) {
+        if !self.pending.is_empty() {
+            self.comm.l().abort("a collective failed with receives still pending");
+            self.pending.clear();
+        }
+    }
 }
 
 /// What a ring step does with what it receives.
