@@ -1,6 +1,6 @@
 //! `cargo xtask`: ironweave's benchmark and CI helper.
 //!
-//! `cargo xtask bench collectives [--ranks 2,4] [--sizes 1M,16M,64M] [--ops ...] [--min-time S]`
+//! `cargo xtask bench collectives [--ranks 2,4] [--sizes 1M,16M,64M] [--ops ...] [--min-time S] [--repeat K]`
 //! runs, in one invocation, ironweave's TCP backend, OpenMPI forced onto TCP
 //! (`--mca btl tcp,self`), OpenMPI's default shared-memory path, and a single-process memcpy
 //! of the same size; writes `target/bench/collectives.json` and prints a Markdown table for
@@ -64,14 +64,14 @@ fn bench_collectives(args: &[String]) -> Result<()> {
     let sizes = flag(args, "--sizes", "1M,16M,64M");
     let ops = flag(args, "--ops", "allreduce,allgather,reducescatter,alltoall");
     let min_time = flag(args, "--min-time", "0.5");
+    let repeat: usize = flag(args, "--repeat", "3").parse().context("--repeat")?;
     let tdir = target_dir();
     let out_dir = tdir.join("bench");
     std::fs::create_dir_all(&out_dir)?;
 
     eprintln!("xtask: building ironweave (release)");
-    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(["build", "--release", "-p", "ironweave"])
-        .current_dir(root()))?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    run(Command::new(cargo).args(["build", "--release", "-p", "ironweave"]).current_dir(root()))?;
     let iw = tdir.join("release").join("ironweave");
 
     eprintln!("xtask: building the OpenMPI peer with mpicc");
@@ -80,77 +80,92 @@ fn bench_collectives(args: &[String]) -> Result<()> {
         .context("mpicc failed: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev)")?;
     let size_bytes: Vec<String> = sizes.split(',').map(|s| parse_size(s).map(|b| b.to_string())).collect::<Result<_>>()?;
 
+    // Rounds interleave the three sides so that drift on a shared machine hits them alike;
+    // each table row is the median of its rounds.
     let mut rows: Vec<Value> = Vec::new();
-    for &n in &ranks {
-        eprintln!("xtask: ironweave tcp, {n} ranks");
-        let json_path = out_dir.join(format!("ironweave-{n}.json"));
-        run(Command::new(&iw)
-            .args(["bench", "collectives", "--ranks", &n.to_string(), "--backend", "tcp", "--ops", &ops, "--sizes", &sizes])
-            .args(["--min-time", &min_time, "--json"])
-            .arg(&json_path))?;
-        let iw_rows: Vec<Value> = serde_json::from_slice(&std::fs::read(&json_path)?)?;
-        for (label, mca) in
-            [("ompi-tcp", vec!["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]), ("ompi-default", vec![])]
-        {
-            eprintln!("xtask: OpenMPI ({label}), {n} ranks");
-            let mut c = Command::new("mpirun");
-            c.args(["--allow-run-as-root", "--oversubscribe", "-np", &n.to_string()])
-                .args(&mca)
-                .arg(&mpi_bin)
-                .args([label, &min_time]);
-            c.args(ops.split(',')).arg("--").args(&size_bytes);
-            for line in run(&mut c)?.lines().filter(|l| l.starts_with('{')) {
-                let v: Value = serde_json::from_str(line)?;
-                rows.push(v);
+    for round in 0..repeat {
+        for &n in &ranks {
+            eprintln!("xtask: round {}/{repeat}: ironweave tcp, {n} ranks", round + 1);
+            let json_path = out_dir.join(format!("ironweave-{n}.json"));
+            run(Command::new(&iw)
+                .args(["bench", "collectives", "--ranks", &n.to_string(), "--backend", "tcp", "--ops", &ops, "--sizes", &sizes])
+                .args(["--min-time", &min_time, "--json"])
+                .arg(&json_path))?;
+            let iw_rows: Vec<Value> = serde_json::from_slice(&std::fs::read(&json_path)?)?;
+            for r in iw_rows {
+                rows.push(json!({
+                    "peer": "ironweave-tcp", "op": r["op"], "bytes": r["bytes"], "ranks": r["ranks"], "iters": r["iters"],
+                    "time_us": r["time_us"], "verified": r["verified"], "memcpy_gbps": r["memcpy_gbps"], "round": round,
+                }));
+            }
+            for (label, mca) in
+                [("ompi-tcp", vec!["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]), ("ompi-default", vec![])]
+            {
+                eprintln!("xtask: round {}/{repeat}: OpenMPI ({label}), {n} ranks", round + 1);
+                let mut c = Command::new("mpirun");
+                c.args(["--allow-run-as-root", "--oversubscribe", "-np", &n.to_string()])
+                    .args(&mca)
+                    .arg(&mpi_bin)
+                    .args([label, &min_time]);
+                c.args(ops.split(',')).arg("--").args(&size_bytes);
+                for line in run(&mut c)?.lines().filter(|l| l.starts_with('{')) {
+                    let mut v: Value = serde_json::from_str(line)?;
+                    v["round"] = json!(round);
+                    rows.push(v);
+                }
             }
         }
-        for r in iw_rows {
-            rows.push(json!({
-                "peer": "ironweave-tcp", "op": r["op"], "bytes": r["bytes"], "ranks": r["ranks"], "iters": r["iters"],
-                "time_us": r["time_us"], "verified": r["verified"], "memcpy_gbps": r["memcpy_gbps"],
-            }));
-        }
     }
-    let busbw = |r: &Value| -> f64 {
+    for r in rows.iter_mut() {
         let n = r["ranks"].as_f64().unwrap_or(1.0);
         let f = match r["op"].as_str().unwrap_or("") {
             "allreduce" => 2.0 * (n - 1.0) / n,
             "broadcast" => 1.0,
             _ => (n - 1.0) / n,
         };
-        r["bytes"].as_f64().unwrap_or(0.0) / (r["time_us"].as_f64().unwrap_or(f64::INFINITY) * 1e-6) / 1e9 * f
-    };
-    for r in rows.iter_mut() {
-        let b = busbw(r);
+        let b = r["bytes"].as_f64().unwrap_or(0.0) / (r["time_us"].as_f64().unwrap_or(f64::INFINITY) * 1e-6) / 1e9 * f;
         r["busbw_gbps"] = json!(b);
     }
     std::fs::write(out_dir.join("collectives.json"), serde_json::to_vec_pretty(&rows)?)?;
 
-    let find = |peer: &str, op: &str, bytes: u64, n: usize| {
-        rows.iter().find(|r| {
-            r["peer"] == peer && r["op"] == op && r["bytes"].as_u64() == Some(bytes) && r["ranks"].as_u64() == Some(n as u64)
-        })
+    let matching = |peer: &str, op: &str, bytes: u64, n: usize| -> Vec<&Value> {
+        rows.iter()
+            .filter(|r| {
+                r["peer"] == peer && r["op"] == op && r["bytes"].as_u64() == Some(bytes) && r["ranks"].as_u64() == Some(n as u64)
+            })
+            .collect()
     };
-    let mut table = String::from(
-        "| op | size | ranks | ironweave tcp busbw (GB/s) | OpenMPI tcp busbw | OpenMPI default (shm) busbw | memcpy (GB/s) | ironweave / OpenMPI tcp | ironweave / OpenMPI shm | ironweave / memcpy | all verified |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
-    );
+    let median = |peer: &str, op: &str, bytes: u64, n: usize, key: &str| -> f64 {
+        let mut v: Vec<f64> =
+            matching(peer, op, bytes, n).iter().filter_map(|r| r[key].as_f64()).filter(|x| x.is_finite()).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let verified = |peer: &str, op: &str, bytes: u64, n: usize| {
+        let m = matching(peer, op, bytes, n);
+        !m.is_empty() && m.iter().all(|r| r["verified"] == json!(true))
+    };
+    let mut table = format!("Median of {repeat} interleaved rounds, busbw in GB/s (nccl-tests definition).\n\n");
+    table.push_str("| op | size | ranks | ironweave tcp | OpenMPI tcp | OpenMPI default (shm) | memcpy | ironweave / OpenMPI tcp | ironweave / OpenMPI shm | ironweave / memcpy | all verified |\n");
+    table.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     for &n in &ranks {
-        for r in rows.iter().filter(|r| r["peer"] == "ironweave-tcp" && r["ranks"].as_u64() == Some(n as u64)) {
+        let firsts = rows
+            .iter()
+            .filter(|r| r["peer"] == "ironweave-tcp" && r["ranks"].as_u64() == Some(n as u64) && r["round"] == json!(0));
+        for r in firsts {
             let (op, bytes) = (r["op"].as_str().unwrap_or(""), r["bytes"].as_u64().unwrap_or(0));
-            let iw = busbw(r);
-            let ot = find("ompi-tcp", op, bytes, n).map(busbw).unwrap_or(f64::NAN);
-            let od = find("ompi-default", op, bytes, n).map(busbw).unwrap_or(f64::NAN);
-            let mc = r["memcpy_gbps"].as_f64().unwrap_or(f64::NAN);
-            let verified = [Some(r), find("ompi-tcp", op, bytes, n), find("ompi-default", op, bytes, n)]
-                .iter()
-                .all(|x| x.is_some_and(|x| x["verified"] == json!(true)));
+            let iw = median("ironweave-tcp", op, bytes, n, "busbw_gbps");
+            let ot = median("ompi-tcp", op, bytes, n, "busbw_gbps");
+            let od = median("ompi-default", op, bytes, n, "busbw_gbps");
+            let mc = median("ironweave-tcp", op, bytes, n, "memcpy_gbps");
+            let ok = ["ironweave-tcp", "ompi-tcp", "ompi-default"].iter().all(|p| verified(p, op, bytes, n));
             table.push_str(&format!(
                 "| {op} | {} | {n} | {iw:.3} | {ot:.3} | {od:.3} | {mc:.2} | {:.2}x | {:.2}x | {:.3} | {} |\n",
                 human(bytes),
                 iw / ot,
                 iw / od,
                 iw / mc,
-                if verified { "yes" } else { "NO" }
+                if ok { "yes" } else { "NO" }
             ));
         }
     }
