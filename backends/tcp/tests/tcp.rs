@@ -88,3 +88,22 @@ fn bad_link_configuration_is_a_clear_error() {
     assert!(parse_links("a=not-an-ip").is_err());
     assert!(parse_links("justaname").is_err());
 }
+
+#[test]
+fn landing_and_buffering_never_split_a_message() {
+    // Striped messages whose parts race with the posting of their landing zone: rank 1 posts
+    // later and later, so that some parts of a message arrive before the zone exists and
+    // others after. Every result is checked.
+    let cfg = TcpConfig { conns_per_peer: 4, stripe_min_bytes: 1024, ..TcpConfig::default() };
+    run_all(common::world_with(2, cfg), |c| {
+        for i in 0..100u64 {
+            if c.rank() == 1 {
+                let until = std::time::Instant::now() + std::time::Duration::from_micros(60 * (i % 50));
+                while std::time::Instant::now() < until {
+                    std::hint::spin_loop();
+                }
+            }
+            check_collective::<i32>(c, Case::AllToAll, 2 << 20, ReduceOp::Sum, i, true).unwrap();
+        }
+    });
+}

@@ -143,6 +143,9 @@ fn rows<T: Element>(c: &Communicator, backend: &str, ops: &[String], sizes: &[St
             }
             // Verification: one call on patterned data, checked element by element.
             let check = check_collective::<T>(c, case, count, ReduceOp::Sum, 0x5eed ^ count as u64, true);
+            if let Err(e) = &check {
+                eprintln!("rank {}: {op} {} failed verification: {e}", c.rank(), human(count * es));
+            }
             let mut flag = [i32::from(check.is_ok())];
             c.all_reduce(&mut flag, ReduceOp::Min)?;
             let time = time_op::<T>(c, case, count, min_time)?;

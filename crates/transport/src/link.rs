@@ -401,6 +401,9 @@ struct Partial {
     writers: usize,
     /// The message goes (or went) to the zone rather than to `parts`.
     landed: bool,
+    /// A part was turned away from landing: the whole message takes the buffered path (a
+    /// zone posted later must not receive the other parts, or the two halves would split).
+    buffering: bool,
 }
 
 impl Partial {
@@ -527,8 +530,8 @@ impl Mailbox {
         let seq = q.next_claim;
         q.next_claim += 1;
         let p = q.msgs.entry(seq).or_default();
-        // Parts that were already buffered keep the whole message on the buffered path.
-        if p.frames == 0 && p.writers == 0 {
+        // A message that already started on the buffered path stays there.
+        if !p.buffering && !p.landed && p.frames == 0 {
             p.zone = Some((dst as usize, len));
         }
         RecvHandle { mailbox: self.clone(), src, tag, seq, done: false }
@@ -540,11 +543,15 @@ impl Mailbox {
     /// parts are a protocol error.
     pub fn land(&self, src: usize, tag: Tag, seq: u64, total: usize, offset: usize, len: usize) -> Result<Option<*mut u8>> {
         let mut st = lock(&self.state);
-        let Some(p) = st.queues.get_mut(&(src, tag)).and_then(|q| q.msgs.get_mut(&seq)) else { return Ok(None) };
-        let Some((base, zlen)) = p.zone else { return Ok(None) };
-        if zlen != total || p.abandoned || (p.frames > 0 && !p.landed) {
+        let p = st.queues.entry((src, tag)).or_default().msgs.entry(seq).or_default();
+        let zone = p.zone.filter(|&(_, zlen)| zlen == total && !p.abandoned && !p.buffering);
+        let Some((base, _)) = zone else {
+            if !p.landed {
+                // Decided under the lock: this message is buffered, whatever is posted later.
+                p.buffering = true;
+            }
             return Ok(None);
-        }
+        };
         let end = offset.checked_add(len).filter(|&e| e <= total);
         let end = end.ok_or_else(|| Error::Protocol {
             from: format!("rank {src}"),
@@ -665,5 +672,99 @@ impl Mailbox {
     /// The failure, if the mailbox failed.
     pub fn failure(&self) -> Option<Error> {
         lock(&self.state).fatal.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(10)
+    }
+
+    #[test]
+    fn receives_match_sequence_numbers_not_arrival_order() {
+        let mb = Arc::new(Mailbox::new(0, 2, 1, usize::MAX));
+        let (a, b) = (mb.post(1, Tag(5)), mb.post(1, Tag(5)));
+        mb.deliver(1, Tag(5), 1, 3, 0, b"two".to_vec()).unwrap();
+        mb.deliver(1, Tag(5), 0, 3, 0, b"one".to_vec()).unwrap();
+        assert_eq!(b.wait(soon()).unwrap().into_vec(), b"two");
+        assert_eq!(a.wait(soon()).unwrap().into_vec(), b"one");
+    }
+
+    #[test]
+    fn parts_reassemble_and_bad_parts_are_protocol_errors() {
+        let mb = Arc::new(Mailbox::new(0, 2, 1, usize::MAX));
+        let h = mb.post(1, Tag(1));
+        mb.deliver(1, Tag(1), 0, 6, 3, b"def".to_vec()).unwrap();
+        assert!(!h.is_ready());
+        mb.deliver(1, Tag(1), 0, 6, 0, b"abc".to_vec()).unwrap();
+        assert_eq!(h.wait(soon()).unwrap().into_vec(), b"abcdef");
+        assert!(matches!(mb.deliver(1, Tag(1), 1, 4, 2, b"xyz".to_vec()), Err(Error::Protocol { .. })));
+        mb.deliver(1, Tag(1), 2, 4, 0, b"ab".to_vec()).unwrap();
+        assert!(matches!(mb.deliver(1, Tag(1), 2, 5, 2, b"cd".to_vec()), Err(Error::Protocol { .. })));
+    }
+
+    #[test]
+    fn buffering_is_bounded_until_the_consumer_takes_data() {
+        let mb = Arc::new(Mailbox::new(0, 2, 1, 100));
+        assert!(mb.reserve(60));
+        mb.deliver(1, Tag(0), 0, 60, 0, vec![1; 60]).unwrap();
+        let second_in = Arc::new(AtomicBool::new(false));
+        let (mb2, flag) = (mb.clone(), second_in.clone());
+        let t = std::thread::spawn(move || {
+            assert!(mb2.reserve(60));
+            flag.store(true, Ordering::SeqCst);
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!second_in.load(Ordering::SeqCst), "a reader went past the byte budget");
+        assert_eq!(mb.post(1, Tag(0)).wait(soon()).unwrap().len(), 60);
+        t.join().unwrap();
+        assert!(second_in.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn landing_zones_receive_in_place_and_reject_overlaps() {
+        let mb = Arc::new(Mailbox::new(0, 2, 1, usize::MAX));
+        let mut buf = vec![0u8; 8];
+        // SAFETY: `buf` outlives the handle, which is waited on below, and is not touched
+        // until then.
+        let h = unsafe { mb.post_into(1, Tag(2), buf.as_mut_ptr(), buf.len()) };
+        let p = mb.land(1, Tag(2), 0, 8, 4, 4).unwrap().unwrap();
+        assert!(matches!(mb.land(1, Tag(2), 0, 8, 2, 4), Err(Error::Protocol { .. })));
+        // SAFETY: `land` granted 4 bytes at `p` inside `buf`.
+        unsafe { std::ptr::copy_nonoverlapping(b"5678".as_ptr(), p, 4) };
+        mb.land_done(1, Tag(2), 0, 4, true);
+        let p = mb.land(1, Tag(2), 0, 8, 0, 4).unwrap().unwrap();
+        // SAFETY: as above, the first half.
+        unsafe { std::ptr::copy_nonoverlapping(b"1234".as_ptr(), p, 4) };
+        mb.land_done(1, Tag(2), 0, 4, true);
+        let m = h.wait(soon()).unwrap();
+        assert!(m.is_landed());
+        assert_eq!(buf, b"12345678");
+        // A message of another length is buffered, not landed.
+        let mut small = vec![0u8; 2];
+        // SAFETY: `small` outlives the handle, which is waited on below.
+        let h = unsafe { mb.post_into(1, Tag(2), small.as_mut_ptr(), 2) };
+        assert!(mb.land(1, Tag(2), 1, 3, 0, 3).unwrap().is_none());
+        mb.deliver(1, Tag(2), 1, 3, 0, b"abc".to_vec()).unwrap();
+        let m = h.wait(soon()).unwrap();
+        assert!(!m.is_landed() && m.len() == 3);
+        assert_eq!(small, [0, 0]);
+    }
+
+    #[test]
+    fn a_failure_reaches_every_waiter() {
+        let mb = Arc::new(Mailbox::new(0, 3, 1, usize::MAX));
+        let h = mb.post(2, Tag(0));
+        let mb2 = mb.clone();
+        let t = std::thread::spawn(move || h.wait(soon()));
+        assert!(mb.fail(Error::PeerLost { rank: 1, detail: "test".into() }));
+        assert!(!mb.fail(Error::Aborted { reason: "later".into() }));
+        assert!(matches!(t.join().unwrap(), Err(Error::PeerLost { rank: 1, .. })));
+        assert!(matches!(mb2.post(1, Tag(0)).wait(soon()), Err(Error::PeerLost { rank: 1, .. })));
     }
 }
