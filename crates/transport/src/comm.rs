@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::dtype::{finish_avg, reduce_into, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
-use crate::link::{BufMut, Link, LinkInfo, MemKind, RecvBuf, RecvHandle, SendHandle, Tag};
+use crate::link::{Buf, BufMut, Link, LinkInfo, MemKind, NativeCollectives, RecvBuf, RecvHandle, SendHandle, Tag};
 
 /// Default deadline of every blocking call.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -475,13 +475,22 @@ impl Communicator {
         Ok(())
     }
 
-    fn check_host<'a>(&self, buf: BufMut<'a>) -> Result<&'a mut [u8]> {
-        match buf {
-            BufMut::Host(b) => Ok(b),
-            BufMut::Device(_) => {
-                Err(Error::UnsupportedMemory { link: self.l().info().name.clone(), memory: buf.memory().to_string() })
-            }
+    /// The backend's native collectives, for buffers that are not in host memory (the
+    /// point-to-point algorithms only touch host memory). `None` means: use the host path.
+    fn native_for(&self, mems: &[MemKind]) -> Result<Option<&dyn NativeCollectives>> {
+        let Some(&mem) = mems.iter().find(|&&m| m != MemKind::Host) else { return Ok(None) };
+        match self.l().native_collectives() {
+            // Native collectives run on the backend's own world communicator.
+            Some(n) if self.size() == self.l().size() => Ok(Some(n)),
+            _ => Err(Error::UnsupportedMemory { link: self.l().info().name.clone(), memory: mem.to_string() }),
         }
+    }
+
+    fn check_blocks(op: &str, whole: usize, block: usize, n: usize, whole_name: &str) -> Result<()> {
+        if whole == block * n {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!("{op} {whole_name} holds {whole} bytes but {n} ranks × {block} bytes were expected")))
     }
 
     // ---------------------------------------------------------------- collectives
@@ -489,12 +498,11 @@ impl Communicator {
     /// All-reduce on a buffer in host or device memory (device memory needs a backend with
     /// native collectives, such as NCCL).
     pub fn all_reduce_buf(&self, buf: BufMut<'_>, dtype: DType, op: ReduceOp) -> Result<()> {
-        if buf.memory() != MemKind::Host {
-            if let (Some(native), true) = (self.l().native_collectives(), self.size() == self.l().size()) {
-                return native.all_reduce(buf, dtype, op);
-            }
-        }
-        let buf = self.check_host(buf)?;
+        let buf = match (self.native_for(&[buf.memory()])?, buf) {
+            (Some(native), buf) => return native.all_reduce(buf, dtype, op),
+            (None, BufMut::Host(b)) => b,
+            (None, BufMut::Device(_)) => unreachable!("native_for refuses device memory without native collectives"),
+        };
         self.guarded("all_reduce", |dl| {
             if buf.len() % dtype.size() != 0 {
                 return Err(Error::InvalidArgument(format!("buffer of {} bytes is not a whole number of {dtype}", buf.len())));
@@ -524,10 +532,18 @@ impl Communicator {
 
     /// Broadcast of `buf` from group rank `root` to every rank.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.broadcast_bytes(bytemuck::cast_slice_mut(buf), root, std::mem::size_of::<T>())
+        self.broadcast_buf(BufMut::Host(bytemuck::cast_slice_mut(buf)), root)
     }
 
-    fn broadcast_bytes(&self, buf: &mut [u8], root: usize, es: usize) -> Result<()> {
+    /// Broadcast of a host or device buffer (device memory needs native collectives).
+    pub fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        let buf = match (self.native_for(&[buf.memory()])?, buf) {
+            (Some(native), buf) => return native.broadcast(buf, root),
+            (None, BufMut::Host(b)) => b,
+            (None, BufMut::Device(_)) => unreachable!("native_for refuses device memory without native collectives"),
+        };
+        // Broadcast moves bytes, never splits elements apart in a way that matters.
+        let es = 1;
         self.guarded("broadcast", |dl| {
             let n = self.size();
             if root >= n {
@@ -584,17 +600,19 @@ impl Communicator {
     /// All-gather: every rank contributes `input`; `output` (size × input) receives all
     /// contributions in rank order.
     pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
-        let (inb, outb): (&[u8], &mut [u8]) = (bytemuck::cast_slice(input), bytemuck::cast_slice_mut(output));
+        self.all_gather_buf(Buf::Host(bytemuck::cast_slice(input)), BufMut::Host(bytemuck::cast_slice_mut(output)))
+    }
+
+    /// All-gather on host or device buffers (device memory needs native collectives).
+    pub fn all_gather_buf(&self, input: Buf<'_>, output: BufMut<'_>) -> Result<()> {
+        let (inb, outb) = match (self.native_for(&[input.memory(), output.memory()])?, input, output) {
+            (Some(native), i, o) => return native.all_gather(i, o),
+            (None, Buf::Host(i), BufMut::Host(o)) => (i, o),
+            _ => unreachable!("native_for refuses device memory without native collectives"),
+        };
         self.guarded("all_gather", |dl| {
             let n = self.size();
-            if outb.len() != inb.len() * n {
-                return Err(Error::InvalidArgument(format!(
-                    "all_gather output holds {} bytes but {} ranks × {} bytes were expected",
-                    outb.len(),
-                    n,
-                    inb.len()
-                )));
-            }
+            Self::check_blocks("all_gather", outb.len(), inb.len(), n, "output")?;
             let m = inb.len();
             let r = self.me;
             outb[r * m..(r + 1) * m].copy_from_slice(inb);
@@ -647,17 +665,22 @@ impl Communicator {
     /// Reduce-scatter: `input` holds size × `output.len()` elements; rank i receives the
     /// reduction of every rank's block i.
     pub fn reduce_scatter<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()> {
-        let (inb, outb): (&[u8], &mut [u8]) = (bytemuck::cast_slice(input), bytemuck::cast_slice_mut(output));
-        let dtype = T::DTYPE;
+        let (i, o) = (Buf::Host(bytemuck::cast_slice(input)), BufMut::Host(bytemuck::cast_slice_mut(output)));
+        self.reduce_scatter_buf(i, o, T::DTYPE, op)
+    }
+
+    /// Reduce-scatter on host or device buffers (device memory needs native collectives).
+    pub fn reduce_scatter_buf(&self, input: Buf<'_>, output: BufMut<'_>, dtype: DType, op: ReduceOp) -> Result<()> {
+        let (inb, outb) = match (self.native_for(&[input.memory(), output.memory()])?, input, output) {
+            (Some(native), i, o) => return native.reduce_scatter(i, o, dtype, op),
+            (None, Buf::Host(i), BufMut::Host(o)) => (i, o),
+            _ => unreachable!("native_for refuses device memory without native collectives"),
+        };
         self.guarded("reduce_scatter", |dl| {
             let n = self.size();
-            if inb.len() != outb.len() * n {
-                return Err(Error::InvalidArgument(format!(
-                    "reduce_scatter input holds {} bytes but {} ranks × {} bytes were expected",
-                    inb.len(),
-                    n,
-                    outb.len()
-                )));
+            Self::check_blocks("reduce_scatter", inb.len(), outb.len(), n, "input")?;
+            if outb.len() % dtype.size() != 0 {
+                return Err(Error::InvalidArgument(format!("output of {} bytes is not a whole number of {dtype}", outb.len())));
             }
             let m = outb.len();
             let r = self.me;

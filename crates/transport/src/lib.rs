@@ -48,6 +48,6 @@ pub use dtype::{finish_avg, reduce_into, DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use link::{
-    BufMut, DeviceSlice, Link, LinkInfo, Mailbox, MemKind, NativeCollectives, RecvBuf, RecvHandle, SendCompleter, SendHandle,
-    SeqTable, SpeedSource, Tag,
+    Buf, BufMut, DeviceSlice, Link, LinkInfo, Mailbox, MemKind, NativeCollectives, RecvBuf, RecvHandle, SendCompleter,
+    SendHandle, SeqTable, SpeedSource, Tag,
 };

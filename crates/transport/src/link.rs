@@ -191,10 +191,17 @@ impl BufPool {
 }
 
 /// Operations a backend with its own collectives (NCCL) provides. The communicator calls
-/// them instead of the point-to-point algorithms when a link offers them.
+/// them instead of the point-to-point algorithms for buffers outside host memory, on the
+/// backend's world group (sub-groups from `split` need the backend's own split, later).
 pub trait NativeCollectives: Send + Sync {
     /// In-place all-reduce over the link's whole world.
     fn all_reduce(&self, buf: BufMut<'_>, dtype: crate::DType, op: crate::ReduceOp) -> Result<()>;
+    /// Broadcast from world rank `root`.
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
+    /// All-gather: `output` holds world-size × `input`.
+    fn all_gather(&self, input: Buf<'_>, output: BufMut<'_>) -> Result<()>;
+    /// Reduce-scatter: `input` holds world-size × `output`.
+    fn reduce_scatter(&self, input: Buf<'_>, output: BufMut<'_>, dtype: crate::DType, op: crate::ReduceOp) -> Result<()>;
 }
 
 /// A device buffer handed through the API untouched (interpreted by a device backend).
@@ -206,6 +213,25 @@ pub struct DeviceSlice {
     pub len: usize,
     /// Device ordinal.
     pub device: u32,
+}
+
+/// A read-only buffer in host or device memory.
+#[derive(Debug, Clone, Copy)]
+pub enum Buf<'a> {
+    /// Host bytes.
+    Host(&'a [u8]),
+    /// Device bytes.
+    Device(DeviceSlice),
+}
+
+impl Buf<'_> {
+    /// Where the buffer lives.
+    pub fn memory(&self) -> MemKind {
+        match self {
+            Buf::Host(_) => MemKind::Host,
+            Buf::Device(d) => MemKind::Device(d.device),
+        }
+    }
 }
 
 /// A mutable buffer in host or device memory.
