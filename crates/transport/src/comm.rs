@@ -365,6 +365,13 @@ impl Communicator {
         out
     }
 
+    /// Chunks sent and received at step `s` of a ring reduce-scatter that ends with chunk `me`
+    /// fully reduced on this rank.
+    fn reduce_scatter_step(&self, s: usize) -> (usize, usize) {
+        let (n, r) = (self.size(), self.me);
+        ((r + 2 * n - s - 1) % n, (r + 2 * n - s - 2) % n)
+    }
+
     /// In-place ring reduce-scatter: afterwards chunk `me` holds the full reduction.
     fn ring_reduce_scatter(
         &self,
@@ -375,10 +382,8 @@ impl Communicator {
         dl: Instant,
     ) -> Result<()> {
         let n = self.size();
-        let r = self.me;
         for s in 0..n - 1 {
-            let si = (r + 2 * n - s - 1) % n;
-            let ri = (r + 2 * n - s - 2) % n;
+            let (si, ri) = self.reduce_scatter_step(s);
             let (send, recv) = split_two(buf, chunks[si].clone(), chunks[ri].clone());
             self.ring_step(
                 "reduce_scatter",
@@ -401,14 +406,12 @@ impl Communicator {
         dl: Instant,
     ) -> Result<()> {
         let n = self.size();
-        let r = self.me;
         let m = output.len();
         let block = |i: usize| &input[i * m..(i + 1) * m];
         let mut sending = Vec::new();
         let mut next = vec![0u8; if n > 2 { m } else { 0 }];
         for s in 0..n - 1 {
-            let si = (r + 2 * n - s - 1) % n;
-            let ri = (r + 2 * n - s - 2) % n;
+            let (si, ri) = self.reduce_scatter_step(s);
             let send: &[u8] = if s == 0 { block(si) } else { &sending };
             let dst: &mut [u8] = if s == n - 2 { &mut *output } else { &mut next };
             let local = block(ri);
