@@ -34,6 +34,8 @@ pub struct LinkSpec {
     pub name: String,
     /// Address to bind; unspecified (0.0.0.0) means "the address that routes to the master".
     pub bind: IpAddr,
+    /// Declared rate in bytes per second (`name=ip@1gbit`), if known.
+    pub rate_bytes_per_s: Option<u64>,
 }
 
 /// Tunables of the TCP backend.
@@ -102,16 +104,36 @@ impl TcpConfig {
     }
 }
 
-/// Parses `name=ip[,name=ip...]`.
+/// Parses `name=ip[@rate][,name=ip[@rate]...]`; rates as `tc` writes them (`1gbit`,
+/// `300mbit`, `500kbit`, `1000000bit`).
 pub fn parse_links(v: &str) -> Result<Vec<LinkSpec>> {
     v.split(',')
         .filter(|s| !s.trim().is_empty())
         .map(|item| {
-            let (name, ip) = item.split_once('=').ok_or_else(|| Error::Config(format!("link {item:?}: expected name=ip")))?;
+            let (name, rest) =
+                item.split_once('=').ok_or_else(|| Error::Config(format!("link {item:?}: expected name=ip[@rate]")))?;
+            let (ip, rate) = match rest.split_once('@') {
+                Some((ip, rate)) => (ip, Some(parse_rate(rate)?)),
+                None => (rest, None),
+            };
             let bind = ip.trim().parse().map_err(|_| Error::Config(format!("link {name:?}: {ip:?} is not an IP address")))?;
-            Ok(LinkSpec { name: name.trim().to_string(), bind })
+            Ok(LinkSpec { name: name.trim().to_string(), bind, rate_bytes_per_s: rate })
         })
         .collect()
+}
+
+/// Parses a rate like `1gbit`, `300mbit`, `64kbit` or `2500bit` into bytes per second.
+pub fn parse_rate(s: &str) -> Result<u64> {
+    let t = s.trim().to_ascii_lowercase();
+    let (num, mul) = [("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)]
+        .iter()
+        .find_map(|(suf, m)| t.strip_suffix(suf).map(|n| (n.to_string(), *m)))
+        .ok_or_else(|| Error::Config(format!("rate {s:?}: expected a number with gbit, mbit, kbit or bit")))?;
+    let v: f64 = num.trim().parse().map_err(|_| Error::Config(format!("rate {s:?}: {num:?} is not a number")))?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(Error::Config(format!("rate {s:?} must be positive")));
+    }
+    Ok((v * mul / 8.0) as u64)
 }
 
 /// Joins the job described by the environment and returns the world communicator over TCP.
@@ -141,8 +163,11 @@ fn route_to(master: SocketAddr) -> IpAddr {
 
 /// Opens every link of `cfg` to every peer, exchanging addresses through `rv`.
 pub fn connect_links(env: &JobEnv, rv: &mut Rendezvous, cfg: &TcpConfig) -> Result<Vec<Arc<TcpLink>>> {
-    let specs =
-        if cfg.links.is_empty() { vec![LinkSpec { name: "tcp".into(), bind: route_to(env.master) }] } else { cfg.links.clone() };
+    let specs = if cfg.links.is_empty() {
+        vec![LinkSpec { name: "tcp".into(), bind: route_to(env.master), rate_bytes_per_s: None }]
+    } else {
+        cfg.links.clone()
+    };
     let mut listeners = Vec::new();
     let mut mine = String::new();
     for s in &specs {
@@ -220,7 +245,7 @@ pub fn connect_links(env: &JobEnv, rv: &mut Rendezvous, cfg: &TcpConfig) -> Resu
         for (peer, c, s) in accepted? {
             streams[peer][c] = Some(s);
         }
-        out.push(TcpLink::start(spec.name.clone(), rank, size, streams, cfg)?);
+        out.push(TcpLink::start(spec, rank, size, streams, cfg)?);
     }
     Ok(out)
 }
@@ -316,7 +341,7 @@ pub struct TcpLink {
 
 impl TcpLink {
     fn start(
-        name: String,
+        spec: &LinkSpec,
         rank: usize,
         size: usize,
         streams: Vec<Vec<Option<TcpStream>>>,
@@ -341,11 +366,12 @@ impl TcpLink {
             peers.push(Some(Peer { conns: cs, rr: AtomicUsize::new(0), sender: Mutex::new(None) }));
         }
         let info = LinkInfo {
-            name: format!("tcp:{name}"),
+            name: format!("tcp:{}", spec.name),
             backend: "tcp",
-            bandwidth_bytes_per_s: 1.25e9,
+            // Without a declared rate the figures are placeholders (the probe measures them).
+            bandwidth_bytes_per_s: spec.rate_bytes_per_s.map_or(1.25e9, |r| r as f64),
             latency_s: 20e-6,
-            speed_source: SpeedSource::Unknown,
+            speed_source: if spec.rate_bytes_per_s.is_some() { SpeedSource::Declared } else { SpeedSource::Unknown },
             memory: vec![MemKind::Host],
         };
         let shared = Arc::new(Shared {

@@ -87,6 +87,10 @@ fn two_links_run_collectives_at_the_same_time() {
 fn bad_link_configuration_is_a_clear_error() {
     assert!(parse_links("a=not-an-ip").is_err());
     assert!(parse_links("justaname").is_err());
+    assert!(parse_links("a=10.0.0.1@fast").is_err());
+    assert!(parse_links("a=10.0.0.1@0mbit").is_err());
+    let l = parse_links("a=10.0.0.1@1gbit,b=10.1.0.1@300mbit,c=127.0.0.1").unwrap();
+    assert_eq!(l.iter().map(|l| l.rate_bytes_per_s).collect::<Vec<_>>(), [Some(125_000_000), Some(37_500_000), None]);
 }
 
 #[test]

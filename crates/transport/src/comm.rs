@@ -83,13 +83,15 @@ fn mix(a: u32, b: u64) -> u32 {
 /// ([`Communicator::on_link`]) may run collectives concurrently.
 #[derive(Debug)]
 pub struct Communicator {
-    links: Arc<[Arc<dyn Link>]>,
+    pub(crate) links: Arc<[Arc<dyn Link>]>,
     link: usize,
     members: Arc<[usize]>,
     me: usize,
     ctx: u32,
     splits: AtomicU32,
-    opts: CommOptions,
+    pub(crate) opts: CommOptions,
+    /// Fractions per link when collectives are split over all links (see `stripe.rs`).
+    pub(crate) stripe: Option<Arc<[f64]>>,
 }
 
 impl Communicator {
@@ -113,6 +115,7 @@ impl Communicator {
             ctx: 1,
             splits: AtomicU32::new(0),
             opts,
+            stripe: None,
         })
     }
 
@@ -154,6 +157,11 @@ impl Communicator {
     /// The same group on link `i`, with its own tag space: collectives on two views over
     /// two links may run at the same time from two threads.
     pub fn on_link(&self, i: usize) -> Result<Communicator> {
+        self.view(i, 0xffff_0000)
+    }
+
+    /// The same group bound to link `i`, unstriped, in a tag space derived from `salt`.
+    pub(crate) fn view(&self, i: usize, salt: u64) -> Result<Communicator> {
         if i >= self.links.len() {
             return Err(Error::InvalidArgument(format!("link index {i} but the communicator has {} links", self.links.len())));
         }
@@ -162,9 +170,10 @@ impl Communicator {
             link: i,
             members: self.members.clone(),
             me: self.me,
-            ctx: mix(self.ctx, 0xffff_0000 + i as u64),
+            ctx: mix(self.ctx, salt + i as u64),
             splits: AtomicU32::new(0),
             opts: self.opts.clone(),
+            stripe: None,
         })
     }
 
@@ -218,15 +227,22 @@ impl Communicator {
         self.deadline()
     }
 
-    /// Sends typed elements.
+    /// Sends typed elements (split over all links on a striped communicator).
     pub fn send<T: Element>(&self, peer: usize, tag: u32, data: &[T]) -> Result<()> {
-        self.send_bytes(peer, tag, bytemuck::cast_slice(data))
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        match self.stripe_plan(bytes.len()) {
+            Some(Ok(())) => self.striped_send(peer, tag, bytes),
+            _ => self.send_bytes(peer, tag, bytes),
+        }
     }
 
     /// Receives exactly `out.len()` elements; a message of another length is an error.
     pub fn recv<T: Element>(&self, peer: usize, tag: u32, out: &mut [T]) -> Result<()> {
-        let m = self.irecv_bytes(peer, tag)?.wait(self.deadline())?;
         let dst: &mut [u8] = bytemuck::cast_slice_mut(out);
+        if let Some(Ok(())) = self.stripe_plan(dst.len()) {
+            return self.striped_recv(peer, tag, dst);
+        }
+        let m = self.irecv_bytes(peer, tag)?.wait(self.deadline())?;
         if m.len() != dst.len() {
             return Err(Error::LengthMismatch { op: "recv", peer, expected: dst.len(), got: m.len() });
         }
@@ -506,6 +522,11 @@ impl Communicator {
             (None, BufMut::Host(b)) => b,
             (None, BufMut::Device(_)) => unreachable!("native_for refuses device memory without native collectives"),
         };
+        match self.stripe_plan(buf.len()) {
+            Some(Ok(())) if buf.len() % dtype.size() == 0 => return self.striped_all_reduce(buf, dtype, op),
+            Some(Err(lane)) => return self.view(lane, 0xfffd_0000)?.all_reduce_buf(BufMut::Host(buf), dtype, op),
+            _ => {}
+        }
         self.guarded("all_reduce", |dl| {
             if buf.len() % dtype.size() != 0 {
                 return Err(Error::InvalidArgument(format!("buffer of {} bytes is not a whole number of {dtype}", buf.len())));
@@ -545,6 +566,11 @@ impl Communicator {
             (None, BufMut::Host(b)) => b,
             (None, BufMut::Device(_)) => unreachable!("native_for refuses device memory without native collectives"),
         };
+        match self.stripe_plan(buf.len()) {
+            Some(Ok(())) => return self.striped_broadcast(buf, root),
+            Some(Err(lane)) => return self.view(lane, 0xfffd_0000)?.broadcast_buf(BufMut::Host(buf), root),
+            None => {}
+        }
         // Broadcast moves bytes, never splits elements apart in a way that matters.
         let es = 1;
         self.guarded("broadcast", |dl| {
@@ -613,6 +639,11 @@ impl Communicator {
             (None, Buf::Host(i), BufMut::Host(o)) => (i, o),
             _ => unreachable!("native_for refuses device memory without native collectives"),
         };
+        match self.stripe_plan(outb.len()) {
+            Some(Ok(())) if outb.len() == inb.len() * self.size() => return self.striped_all_gather(inb, outb),
+            Some(Err(lane)) => return self.view(lane, 0xfffd_0000)?.all_gather_buf(Buf::Host(inb), BufMut::Host(outb)),
+            _ => {}
+        }
         self.guarded("all_gather", |dl| {
             let n = self.size();
             Self::check_blocks("all_gather", outb.len(), inb.len(), n, "output")?;
@@ -679,6 +710,15 @@ impl Communicator {
             (None, Buf::Host(i), BufMut::Host(o)) => (i, o),
             _ => unreachable!("native_for refuses device memory without native collectives"),
         };
+        match self.stripe_plan(inb.len()) {
+            Some(Ok(())) if inb.len() == outb.len() * self.size() && outb.len() % dtype.size() == 0 => {
+                return self.striped_reduce_scatter(inb, outb, dtype, op)
+            }
+            Some(Err(lane)) => {
+                return self.view(lane, 0xfffd_0000)?.reduce_scatter_buf(Buf::Host(inb), BufMut::Host(outb), dtype, op)
+            }
+            _ => {}
+        }
         self.guarded("reduce_scatter", |dl| {
             let n = self.size();
             Self::check_blocks("reduce_scatter", inb.len(), outb.len(), n, "input")?;
@@ -729,6 +769,15 @@ impl Communicator {
         recv: &mut [T],
         recv_counts: &[usize],
     ) -> Result<()> {
+        let n = self.size();
+        let counts_ok = send_counts.len() == n
+            && recv_counts.len() == n
+            && send_counts.iter().sum::<usize>() == send.len()
+            && recv_counts.iter().sum::<usize>() == recv.len();
+        if self.stripe.is_some() && counts_ok {
+            // Always striped: a lane with nothing to send here may have data coming.
+            return self.striped_all_to_all_v(send, send_counts, recv, recv_counts);
+        }
         let (sb, rb): (&[u8], &mut [u8]) = (bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv));
         let es = std::mem::size_of::<T>();
         self.guarded("all_to_all_v", |dl| {
@@ -830,6 +879,7 @@ impl Communicator {
             ctx: mix(mix(self.ctx, u64::from(nth)), u64::from(color)),
             splits: AtomicU32::new(0),
             opts: self.opts.clone(),
+            stripe: self.stripe.clone(),
         })
     }
 

@@ -39,7 +39,9 @@ mod error;
 pub mod handshake;
 pub mod inproc;
 mod link;
+pub mod probe;
 pub mod rendezvous;
+mod stripe;
 pub mod testing;
 pub mod wire;
 

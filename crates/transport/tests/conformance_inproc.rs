@@ -103,3 +103,39 @@ mod native {
         assert_eq!(link.calls.load(Ordering::SeqCst), 4, "host buffers take the point-to-point path");
     }
 }
+
+/// The same contract on a striped communicator over two in-process links (70% / 30%).
+mod striped {
+    use ironweave_transport::{inproc, CommOptions, Communicator};
+    use std::time::Duration;
+
+    fn make(n: usize) -> Vec<Communicator> {
+        let opts = CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() };
+        let (a, b) = (inproc::world(n), inproc::world(n));
+        a.into_iter()
+            .zip(b)
+            .map(|(la, lb)| Communicator::new(vec![la, lb], opts.clone()).unwrap().striped(Some(vec![0.7, 0.3])).unwrap())
+            .collect()
+    }
+
+    ironweave_transport::conformance_suite!(make);
+
+    #[test]
+    fn counts_split_exactly_and_bad_fractions_are_refused() {
+        let c = make(1).pop().unwrap();
+        for n in [0usize, 1, 2, 3, 10, 1001] {
+            let parts = c.stripe_counts(n);
+            assert_eq!(parts.iter().sum::<usize>(), n);
+            assert!(parts[0] >= parts[1]);
+        }
+        assert_eq!(c.stripe_counts(10), vec![7, 3]);
+        let plain = Communicator::new(inproc::world(1), CommOptions::default()).unwrap();
+        assert!(plain.striped(Some(vec![0.5, 0.5])).is_err(), "one link, two fractions");
+        let two =
+            Communicator::new(vec![inproc::world(1).pop().unwrap(), inproc::world(1).pop().unwrap()], CommOptions::default())
+                .unwrap();
+        assert!(two.striped(Some(vec![-1.0, 2.0])).is_err());
+        assert!(two.striped(Some(vec![0.0, 0.0])).is_err());
+        assert_eq!(two.striped(None).unwrap().stripe_fractions(), Some(&[0.5, 0.5][..]));
+    }
+}
