@@ -17,7 +17,8 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("bench") => match args.get(1).map(String::as_str) {
             Some("collectives") => bench_collectives(&args[2..]),
-            other => bail!("unknown benchmark {other:?}; available: collectives"),
+            Some("links") => bench_links(&args[2..]),
+            other => bail!("unknown benchmark {other:?}; available: collectives, links"),
         },
         _ => {
             eprintln!(
@@ -172,6 +173,139 @@ fn bench_collectives(args: &[String]) -> Result<()> {
     println!("{table}");
     std::fs::write(out_dir.join("collectives.md"), &table)?;
     eprintln!("xtask: wrote {} and collectives.md", out_dir.join("collectives.json").display());
+    Ok(())
+}
+
+/// `cargo xtask bench links [--topology FILE] [--sizes 16M,64M] [--min-time S]` (root): on the
+/// emulated cluster, all-gather and reduce-scatter between two hosts over link A alone, link B
+/// alone and both (striped by rate), with iperf3 on each link and the probe as references.
+fn bench_links(args: &[String]) -> Result<()> {
+    let topo = flag(args, "--topology", "topologies/2host-2link.toml");
+    let sizes = flag(args, "--sizes", "16M,64M");
+    let min_time = flag(args, "--min-time", "1");
+    let tdir = target_dir();
+    let out_dir = tdir.join("bench");
+    std::fs::create_dir_all(&out_dir)?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    run(Command::new(cargo).args(["build", "--release", "-p", "ironweave"]).current_dir(root()))?;
+    let iw = tdir.join("release").join("ironweave");
+    let topo_path = root().join(&topo);
+    let topo_arg = topo_path.to_string_lossy().into_owned();
+    let text = std::fs::read_to_string(&topo_path).with_context(|| format!("reading {topo}"))?;
+    // The two links of the file, by name and rate (the CLI validates the whole file).
+    let links: Vec<(String, String)> = text
+        .split("[[links]]")
+        .skip(1)
+        .map(|sec| {
+            let get = |k: &str| {
+                sec.lines()
+                    .find_map(|l| {
+                        l.trim()
+                            .strip_prefix(k)
+                            .and_then(|r| r.trim().strip_prefix('='))
+                            .map(|v| v.trim().trim_matches('"').to_string())
+                    })
+                    .unwrap_or_default()
+            };
+            (get("name"), get("rate"))
+        })
+        .collect();
+    let name = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("name").and_then(|r| r.trim().strip_prefix('=')))
+        .map(|v| v.trim().trim_matches('"').to_string());
+    let name = name.context("topology without a name")?;
+    if links.len() != 2 {
+        bail!("bench links wants a topology with exactly two links");
+    }
+    let _ = Command::new(&iw).args(["cluster", "down", "--topology", &topo_arg]).output();
+    run(Command::new(&iw).args(["cluster", "up", "--topology", &topo_arg]))?;
+    let result = (|| -> Result<String> {
+        let ns = |h: usize| format!("iw-{name}-h{h}");
+        // iperf3 per link, one direction, host 0 -> host 1: the ceiling of one direction.
+        let mut iperf = Vec::new();
+        for (l, _) in links.iter().enumerate() {
+            let (src, dst) = (format!("10.231.{}.1", l + 1), format!("10.231.{}.2", l + 1));
+            run(Command::new("ip").args(["netns", "exec", &ns(1), "iperf3", "-s", "-1", "-D", "-B", &dst, "-p", "5299"]))?;
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            let out = run(Command::new("ip").args([
+                "netns",
+                "exec",
+                &ns(0),
+                "iperf3",
+                "-J",
+                "-t",
+                "3",
+                "-p",
+                "5299",
+                "-c",
+                &dst,
+                "-B",
+                &src,
+            ]))?;
+            let v: Value = serde_json::from_str(&out)?;
+            iperf.push(v["end"]["sum_received"]["bits_per_second"].as_f64().unwrap_or(f64::NAN) / 8.0 / 1e9);
+        }
+        eprintln!("xtask: probe");
+        let probe_path = out_dir.join("probe.json");
+        run(Command::new(&iw).args(["cluster", "probe", "--topology", &topo_arg, "--json"]).arg(&probe_path))?;
+        let probes: Vec<Value> = serde_json::from_slice(&std::fs::read(&probe_path)?)?;
+        let mut rows: Vec<(String, Vec<Value>)> = Vec::new();
+        for sel in [links[0].0.as_str(), links[1].0.as_str(), "all"] {
+            eprintln!("xtask: ironweave over {sel}");
+            let path = out_dir.join(format!("links-{sel}.json"));
+            run(Command::new(&iw)
+                .args(["bench", "collectives", "--topology", &topo_arg, "--ranks-per-host", "1", "--link", sel])
+                .args(["--ops", "allgather,reducescatter", "--sizes", &sizes, "--min-time", &min_time, "--json"])
+                .arg(&path))?;
+            rows.push((sel.to_string(), serde_json::from_slice(&std::fs::read(&path)?)?));
+        }
+        let rate = |r: &str| -> f64 {
+            let r = r.to_ascii_lowercase();
+            let (n, m) = [("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)]
+                .iter()
+                .find_map(|(s, m)| r.strip_suffix(s).map(|n| (n.to_string(), *m)))
+                .unwrap_or((r.clone(), 1.0));
+            n.parse::<f64>().unwrap_or(f64::NAN) * m / 8.0 / 1e9
+        };
+        let (ra, rb) = (rate(&links[0].1), rate(&links[1].1));
+        let mut t = format!(
+            "Link rates: {} = {} ({ra:.4} GB/s), {} = {} ({rb:.4} GB/s); iperf3 one direction: {:.4} and {:.4} GB/s. busbw in GB/s.\n\n",
+            links[0].0, links[0].1, links[1].0, links[1].1, iperf[0], iperf[1]
+        );
+        t.push_str(&format!("| op | size | {} alone | {} alone | both (striped by rate) | both / (rate A + rate B) | both / (iperf A + iperf B) | both / faster single | verified |\n|---|---:|---:|---:|---:|---:|---:|---:|---|\n", links[0].0, links[1].0));
+        for (k, r) in rows[0].1.iter().enumerate() {
+            let bw = |i: usize| rows[i].1[k]["busbw_gbps"].as_f64().unwrap_or(f64::NAN);
+            let ok = (0..3).all(|i| rows[i].1[k]["verified"] == json!(true));
+            let (a, b, both) = (bw(0), bw(1), bw(2));
+            t.push_str(&format!(
+                "| {} | {} | {a:.4} | {b:.4} | {both:.4} | {:.2}x | {:.2}x | {:.2}x | {} |\n",
+                r["op"].as_str().unwrap_or(""),
+                human(r["bytes"].as_u64().unwrap_or(0)),
+                both / (ra + rb),
+                both / (iperf[0] + iperf[1]),
+                both / a.max(b),
+                if ok { "yes" } else { "NO" }
+            ));
+        }
+        t.push_str("\nProbe (host 0 -> host 1):\n\n| link | declared (Mbit/s) | measured (Mbit/s) | measured / declared | latency (us) |\n|---|---:|---:|---:|---:|\n");
+        for p in &probes {
+            let d = p["declared_bytes_per_s"].as_f64().unwrap_or(f64::NAN) * 8.0 / 1e6;
+            let m = p["bandwidth_bytes_per_s"].as_f64().unwrap_or(f64::NAN) * 8.0 / 1e6;
+            t.push_str(&format!(
+                "| {} | {d:.0} | {m:.0} | {:.3} | {:.1} |\n",
+                p["name"].as_str().unwrap_or(""),
+                m / d,
+                p["latency_s"].as_f64().unwrap_or(0.0) * 1e6
+            ));
+        }
+        Ok(t)
+    })();
+    let down = run(Command::new(&iw).args(["cluster", "down", "--topology", &topo_arg]));
+    let table = result?;
+    down?;
+    println!("{table}");
+    std::fs::write(out_dir.join("links.md"), &table)?;
     Ok(())
 }
 

@@ -326,8 +326,10 @@ struct Shared {
     mailbox: Arc<Mailbox>,
     seqs: SeqTable,
     closing: AtomicBool,
-    /// Set by the first failure, which is told to every peer before anyone can observe it.
-    failed_once: AtomicBool,
+    /// Set by the first failure, which is told to every peer before anyone can observe it;
+    /// held while telling, so that a concurrent failure (and the socket shutdown of an abort)
+    /// waits until the cause is on the wire.
+    cause_sent: Mutex<bool>,
     cfg: TcpConfig,
 }
 
@@ -381,7 +383,7 @@ impl TcpLink {
             mailbox: Arc::new(Mailbox::new(rank, size, conns, cfg.buffer_cap_bytes)),
             seqs: SeqTable::default(),
             closing: AtomicBool::new(false),
-            failed_once: AtomicBool::new(false),
+            cause_sent: Mutex::new(false),
             cfg: cfg.clone(),
         });
         let mut readers = Vec::new();
@@ -562,7 +564,9 @@ impl Shared {
     /// so it precedes any later close on the same socket) *before* the mailbox fails: a rank
     /// that exits after seeing the failure can then never be mistaken for its cause.
     fn fail_with(&self, err: Error, culprit: Option<usize>) {
-        if !self.failed_once.swap(true, Ordering::SeqCst) {
+        let mut sent = self.cause_sent.lock().unwrap_or_else(|e| e.into_inner());
+        if !*sent {
+            *sent = true;
             let body = encode_cause(self.rank, &err);
             let h = FrameHeader {
                 kind: FrameKind::Abort,
@@ -590,6 +594,7 @@ impl Shared {
                 }
             }
         }
+        drop(sent);
         self.mailbox.fail(err);
     }
 

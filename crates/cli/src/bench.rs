@@ -107,8 +107,17 @@ pub fn memcpy_gbps(bytes: usize) -> f64 {
 }
 
 /// The per-rank part: runs inside every launched process.
-pub fn worker(backend: &str, ops: &[String], sizes: &[String], dtype: &str, min_time: f64, out: Option<&str>) -> Result<()> {
-    let comm = crate::backend::connect(backend).context("joining the job")?;
+pub fn worker(
+    backend: &str,
+    link: &str,
+    ops: &[String],
+    sizes: &[String],
+    dtype: &str,
+    min_time: f64,
+    out: Option<&str>,
+) -> Result<()> {
+    let world = crate::backend::connect(backend).context("joining the job")?;
+    let comm = select_link(&world, link)?;
     let d = DType::parse(dtype).context("dtype")?;
     let rows = match d {
         DType::F32 => rows::<f32>(&comm, backend, ops, sizes, min_time)?,
@@ -126,6 +135,28 @@ pub fn worker(backend: &str, ops: &[String], sizes: &[String], dtype: &str, min_
     }
     comm.barrier()?;
     Ok(())
+}
+
+/// `""`: the communicator as it is; `all`: striped over every link (fractions from the
+/// links' rates); a link name: only that link.
+pub fn select_link(world: &Communicator, link: &str) -> Result<Communicator> {
+    match link {
+        "" => Ok(world.on_link(0)?),
+        "all" => Ok(world.striped(None)?),
+        // `all:0.7,0.3`: striped with explicit fractions.
+        l if l.starts_with("all:") => {
+            let f: Vec<f64> =
+                l[4..].split(',').map(|x| x.trim().parse().context("--link all:F1,F2,...")).collect::<Result<_>>()?;
+            Ok(world.striped(Some(f))?)
+        }
+        name => {
+            let infos = world.links();
+            let i = infos.iter().position(|l| l.name == name || l.name.strip_prefix("tcp:") == Some(name));
+            let names: Vec<&str> = infos.iter().map(|l| l.name.as_str()).collect();
+            let i = i.with_context(|| format!("no link named {name:?}; this job has {names:?}"))?;
+            Ok(world.on_link(i)?)
+        }
+    }
 }
 
 fn rows<T: Element>(c: &Communicator, backend: &str, ops: &[String], sizes: &[String], min_time: f64) -> Result<Vec<Row>> {

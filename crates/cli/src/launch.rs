@@ -51,6 +51,9 @@ pub struct LaunchSpec {
     pub env: Vec<(String, String)>,
     /// Stop everything after this long (None: no limit).
     pub timeout: Option<Duration>,
+    /// Run on an emulated cluster: each rank inside its host's namespace, `ranks_per_host` per
+    /// host, one TCP link per topology link.
+    pub topology: Option<(crate::cluster::Topology, usize)>,
 }
 
 /// How the job ended.
@@ -105,14 +108,37 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     let job = format!("iw-{}-{port}", std::process::id());
     let mut children: Vec<Option<Child>> = Vec::new();
     let mut pumps = Vec::new();
+    let master = match &spec.topology {
+        Some((t, k)) => {
+            if spec.ranks != t.hosts * k {
+                bail!("{} ranks do not fit {} hosts x {k} ranks per host", spec.ranks, t.hosts);
+            }
+            t.addr(0, 0)
+        }
+        None => "127.0.0.1".to_string(),
+    };
     for rank in 0..spec.ranks {
-        let mut cmd = Command::new(&spec.program);
+        let mut cmd = match &spec.topology {
+            Some((t, k)) => {
+                let h = rank / k;
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &t.host_ns(h), &spec.program])
+                    .env("IRONWEAVE_TCP_LINKS", t.tcp_links_env(h))
+                    .env("IRONWEAVE_HOST", h.to_string());
+                c
+            }
+            None => Command::new(&spec.program),
+        };
+        let (local, local_size) = match &spec.topology {
+            Some((_, k)) => (rank % k, *k),
+            None => (rank, spec.ranks),
+        };
         cmd.args(&spec.args)
             .env("IRONWEAVE_RANK", rank.to_string())
             .env("IRONWEAVE_WORLD_SIZE", spec.ranks.to_string())
-            .env("IRONWEAVE_LOCAL_RANK", rank.to_string())
-            .env("IRONWEAVE_LOCAL_WORLD_SIZE", spec.ranks.to_string())
-            .env("IRONWEAVE_MASTER_ADDR", "127.0.0.1")
+            .env("IRONWEAVE_LOCAL_RANK", local.to_string())
+            .env("IRONWEAVE_LOCAL_WORLD_SIZE", local_size.to_string())
+            .env("IRONWEAVE_MASTER_ADDR", &master)
             .env("IRONWEAVE_MASTER_PORT", port.to_string())
             .env("IRONWEAVE_JOB_ID", &job)
             .env("IRONWEAVE_SECRET", &secret)

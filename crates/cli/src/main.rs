@@ -3,6 +3,7 @@
 
 mod backend;
 mod bench;
+mod cluster;
 mod launch;
 mod selftest;
 
@@ -22,9 +23,15 @@ struct Cli {
 enum Cmd {
     /// Start N local ranks of PROGRAM with the job in their environment.
     Launch {
-        /// Number of ranks.
+        /// Number of ranks (default with --topology: hosts x --ranks-per-host).
         #[arg(short = 'n', long = "ranks")]
-        ranks: usize,
+        ranks: Option<usize>,
+        /// Run on the emulated cluster of this topology file (see `ironweave cluster up`).
+        #[arg(long)]
+        topology: Option<std::path::PathBuf>,
+        /// Ranks per emulated host.
+        #[arg(long, default_value_t = 1)]
+        ranks_per_host: usize,
         /// Backend the ranks should use (exported as IRONWEAVE_BACKEND).
         #[arg(long, default_value = "tcp")]
         backend: String,
@@ -43,11 +50,18 @@ enum Cmd {
         #[command(subcommand)]
         what: BenchCmd,
     },
+    /// An emulated cluster: hosts in network namespaces joined by rate-limited links.
+    Cluster {
+        #[command(subcommand)]
+        what: ClusterCmd,
+    },
     /// Per-rank body of `bench collectives` (started by it).
     #[command(hide = true)]
     BenchWorker {
         #[arg(long)]
         backend: String,
+        #[arg(long, default_value = "")]
+        link: String,
         #[arg(long, value_delimiter = ',')]
         ops: Vec<String>,
         #[arg(long, value_delimiter = ',')]
@@ -59,12 +73,50 @@ enum Cmd {
         #[arg(long)]
         out: Option<String>,
     },
+    /// Per-rank body of `cluster probe` (started by it).
+    #[command(hide = true)]
+    ProbeWorker {
+        #[arg(long)]
+        seconds: f64,
+        #[arg(long)]
+        out: String,
+    },
     /// Small rank programs used by the fault tests (ok, loop, mismatch).
     #[command(hide = true)]
     Selftest {
         scenario: String,
         #[arg(long, default_value = "tcp")]
         backend: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ClusterCmd {
+    /// Create the hosts and links (needs root).
+    Up {
+        #[arg(long)]
+        topology: std::path::PathBuf,
+    },
+    /// Remove what `up` created; succeeds when nothing is there.
+    Down {
+        #[arg(long)]
+        topology: std::path::PathBuf,
+    },
+    /// Show the hosts and links.
+    Status {
+        #[arg(long)]
+        topology: std::path::PathBuf,
+    },
+    /// Measure every link's latency and bandwidth between hosts 0 and 1.
+    Probe {
+        #[arg(long)]
+        topology: std::path::PathBuf,
+        /// Seconds of streaming per link.
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+        /// Write the measurements as JSON here.
+        #[arg(long)]
+        json: Option<String>,
     },
 }
 
@@ -93,6 +145,15 @@ enum BenchCmd {
         /// Write the rows as JSON here.
         #[arg(long)]
         json: Option<String>,
+        /// Run on the emulated cluster of this topology file.
+        #[arg(long)]
+        topology: Option<std::path::PathBuf>,
+        /// Ranks per emulated host (with --topology).
+        #[arg(long, default_value_t = 1)]
+        ranks_per_host: usize,
+        /// Which link: a link name, `all` (striped over every link by rate), or the default link.
+        #[arg(long, default_value = "")]
+        link: String,
     },
 }
 
@@ -108,12 +169,88 @@ fn main() {
     std::process::exit(code);
 }
 
+fn cluster_cmd(what: ClusterCmd) -> Result<i32> {
+    match what {
+        ClusterCmd::Up { topology } => {
+            let t = cluster::Topology::load(&topology)?;
+            cluster::up(&t)?;
+            cluster::status(&t)?;
+            Ok(0)
+        }
+        ClusterCmd::Down { topology } => {
+            let t = cluster::Topology::load(&topology)?;
+            cluster::down(&t)?;
+            println!("cluster {:?}: down", t.name);
+            Ok(0)
+        }
+        ClusterCmd::Status { topology } => {
+            let t = cluster::Topology::load(&topology)?;
+            Ok(if cluster::status(&t)? { 0 } else { 3 })
+        }
+        ClusterCmd::Probe { topology, seconds, json } => {
+            let t = cluster::Topology::load(&topology)?;
+            if t.hosts < 2 {
+                bail!("probing needs at least two hosts");
+            }
+            if !cluster::status(&t)? {
+                bail!("cluster {:?} is not up: run `ironweave cluster up --topology {}`", t.name, topology.display());
+            }
+            let exe = std::env::current_exe().context("locating the ironweave binary")?;
+            let out = std::env::temp_dir().join(format!("ironweave-probe-{}.json", std::process::id()));
+            eprintln!("probing {} links between host 0 and host 1, {seconds} s of streaming each", t.links.len());
+            let spec = launch::LaunchSpec {
+                ranks: t.hosts,
+                program: exe.to_string_lossy().into_owned(),
+                args: vec![
+                    "probe-worker".into(),
+                    "--seconds".into(),
+                    seconds.to_string(),
+                    "--out".into(),
+                    out.to_string_lossy().into_owned(),
+                ],
+                prefix: true,
+                env: vec![],
+                timeout: None,
+                topology: Some((t.clone(), 1)),
+            };
+            launch::install_signal_handlers();
+            match launch::run(&spec)? {
+                launch::Outcome::Success => {}
+                other => bail!("the probe ranks did not finish: {other:?}"),
+            }
+            let text = std::fs::read(&out).with_context(|| format!("reading {}", out.display()))?;
+            let _ = std::fs::remove_file(&out);
+            let probes: Vec<ironweave_transport::probe::LinkProbe> = serde_json::from_slice(&text)?;
+            println!("| link | declared (Mbit/s) | measured (Mbit/s) | measured / declared | latency (us) |\n|---|---:|---:|---:|---:|");
+            for p in &probes {
+                let d = p.declared_bytes_per_s.map_or(f64::NAN, |d| d * 8.0 / 1e6);
+                let m = p.bandwidth_bytes_per_s * 8.0 / 1e6;
+                println!("| {} | {d:.0} | {m:.0} | {:.3} | {:.1} |", p.name, m / d, p.latency_s * 1e6);
+            }
+            if let Some(path) = json {
+                std::fs::write(&path, serde_json::to_vec_pretty(&probes)?).with_context(|| format!("writing {path}"))?;
+            }
+            Ok(0)
+        }
+    }
+}
+
 fn run(cli: Cli) -> Result<i32> {
     match cli.cmd {
-        Cmd::Launch { ranks, backend, timeout, no_prefix, command } => {
+        Cmd::Launch { ranks, topology, ranks_per_host, backend, timeout, no_prefix, command } => {
             backend::check(&backend)?;
+            let topology = match topology {
+                Some(p) => Some((cluster::Topology::load(&p)?, ranks_per_host.max(1))),
+                None => None,
+            };
+            let ranks = match (ranks, &topology) {
+                (Some(n), _) => n,
+                (None, Some((t, k))) => t.hosts * k,
+                (None, None) => bail!("give the number of ranks with -n (or a --topology)"),
+            };
             launch::install_signal_handlers();
             let spec = launch::LaunchSpec {
+                topology,
                 ranks,
                 program: command[0].clone(),
                 args: command[1..].to_vec(),
@@ -128,9 +265,16 @@ fn run(cli: Cli) -> Result<i32> {
                 launch::Outcome::TimedOut => 124,
             })
         }
-        Cmd::Bench { what: BenchCmd::Collectives { ranks, backend, ops, sizes, dtype, min_time, json } } => {
+        Cmd::Bench {
+            what: BenchCmd::Collectives { ranks, backend, ops, sizes, dtype, min_time, json, topology, ranks_per_host, link },
+        } => {
             backend::check(&backend)?;
             bench::check_args(&ops, &sizes, &dtype)?;
+            let topology = match topology {
+                Some(p) => Some((cluster::Topology::load(&p)?, ranks_per_host.max(1))),
+                None => None,
+            };
+            let ranks = topology.as_ref().map_or(ranks, |(t, k)| t.hosts * k);
             launch::install_signal_handlers();
             let exe = std::env::current_exe().context("locating the ironweave binary")?;
             let out = std::env::temp_dir().join(format!("ironweave-bench-{}.json", std::process::id()));
@@ -147,6 +291,8 @@ fn run(cli: Cli) -> Result<i32> {
                     "bench-worker".into(),
                     "--backend".into(),
                     backend.clone(),
+                    "--link".into(),
+                    link.clone(),
                     "--ops".into(),
                     ops.join(","),
                     "--sizes".into(),
@@ -161,6 +307,7 @@ fn run(cli: Cli) -> Result<i32> {
                 prefix: true,
                 env: vec![],
                 timeout: None,
+                topology,
             };
             match launch::run(&spec)? {
                 launch::Outcome::Success => {}
@@ -185,10 +332,24 @@ fn run(cli: Cli) -> Result<i32> {
             }
             Ok(0)
         }
-        Cmd::BenchWorker { backend, ops, sizes, dtype, min_time, out } => {
-            bench::worker(&backend, &ops, &sizes, &dtype, min_time, out.as_deref())?;
+        Cmd::BenchWorker { backend, link, ops, sizes, dtype, min_time, out } => {
+            bench::worker(&backend, &link, &ops, &sizes, &dtype, min_time, out.as_deref())?;
             Ok(0)
         }
+        Cmd::ProbeWorker { seconds, out } => {
+            let comm = backend::connect("tcp")?;
+            let mut probes = Vec::new();
+            for i in 0..comm.links().len() {
+                let p = ironweave_transport::probe::probe_link(&comm, i, 0, 1, Duration::from_secs_f64(seconds))?;
+                probes.extend(p);
+            }
+            if comm.rank() == 0 {
+                std::fs::write(&out, serde_json::to_vec_pretty(&probes)?).with_context(|| format!("writing {out}"))?;
+            }
+            comm.barrier()?;
+            Ok(0)
+        }
+        Cmd::Cluster { what } => cluster_cmd(what),
         Cmd::Selftest { scenario, backend } => {
             selftest::run(&scenario, &backend)?;
             Ok(0)

@@ -415,7 +415,7 @@ impl Communicator {
     /// chunk-sized accumulators; the last step reduces straight into `output` (block `me`).
     fn ring_reduce_scatter_out_of_place(
         &self,
-        input: &[u8],
+        blocks: &[&[u8]],
         output: &mut [u8],
         dtype: DType,
         op: ReduceOp,
@@ -423,7 +423,7 @@ impl Communicator {
     ) -> Result<()> {
         let n = self.size();
         let m = output.len();
-        let block = |i: usize| &input[i * m..(i + 1) * m];
+        let block = |i: usize| blocks[i];
         let mut sending = Vec::new();
         let mut next = vec![0u8; if n > 2 { m } else { 0 }];
         for s in 0..n - 1 {
@@ -446,17 +446,73 @@ impl Communicator {
         Ok(())
     }
 
-    /// In-place ring all-gather: rank i starts with chunk i, ends with all.
+    /// In-place ring all-gather over consecutive `chunks` covering `buf`: rank i starts with
+    /// chunk i, ends with all.
     fn ring_all_gather(&self, buf: &mut [u8], chunks: &[Range<usize>], dl: Instant) -> Result<()> {
+        let mut pieces = Vec::with_capacity(chunks.len());
+        let mut rest = buf;
+        for c in chunks {
+            debug_assert_eq!(c.start + rest.len(), chunks.last().map_or(0, |l| l.end), "chunks must be consecutive");
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(c.len());
+            pieces.push(head);
+            rest = tail;
+        }
+        self.ring_all_gather_pieces(&mut pieces, dl)
+    }
+
+    /// Ring all-gather over separate pieces (piece i is rank i's block); the pieces may live
+    /// anywhere, e.g. strided through a larger buffer.
+    fn ring_all_gather_pieces(&self, pieces: &mut [&mut [u8]], dl: Instant) -> Result<()> {
         let n = self.size();
         let r = self.me;
         for s in 0..n - 1 {
             let si = (r + n - s) % n;
             let ri = (r + 2 * n - s - 1) % n;
-            let (send, recv) = split_two(buf, chunks[si].clone(), chunks[ri].clone());
+            let (send, recv): (&[u8], &mut [u8]) = if si < ri {
+                let (lo, hi) = pieces.split_at_mut(ri);
+                (&*lo[si], &mut *hi[0])
+            } else {
+                let (lo, hi) = pieces.split_at_mut(si);
+                (&*hi[0], &mut *lo[ri])
+            };
             self.ring_step("all_gather", send, Sink::<fn(Range<usize>, &RecvBuf)>::Land(recv), dl)?;
         }
         Ok(())
+    }
+
+    /// All-gather where rank i's block is `pieces[i]` (every piece as long as `input`),
+    /// always by the ring. Used by striped communicators, whose per-link pieces are strided.
+    pub(crate) fn all_gather_pieces(&self, input: &[u8], pieces: &mut [&mut [u8]]) -> Result<()> {
+        self.guarded("all_gather", |dl| {
+            if pieces.len() != self.size() || pieces.iter().any(|p| p.len() != input.len()) {
+                return Err(Error::InvalidArgument("all_gather pieces do not match the group or the input".into()));
+            }
+            pieces[self.me].copy_from_slice(input);
+            if self.size() == 1 {
+                return Ok(());
+            }
+            self.ring_all_gather_pieces(pieces, dl)
+        })
+    }
+
+    /// Reduce-scatter where block j (for rank j) is `blocks[j]`, always by the ring. Used by
+    /// striped communicators, whose per-link blocks are strided.
+    pub(crate) fn reduce_scatter_blocks(&self, blocks: &[&[u8]], output: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        self.guarded("reduce_scatter", |dl| {
+            let n = self.size();
+            if blocks.len() != n || blocks.iter().any(|b| b.len() != output.len()) || output.len() % dtype.size() != 0 {
+                return Err(Error::InvalidArgument("reduce_scatter blocks do not match the group or the output".into()));
+            }
+            if n == 1 {
+                output.copy_from_slice(blocks[0]);
+            } else {
+                self.ring_reduce_scatter_out_of_place(blocks, output, dtype, op, dl)?;
+            }
+            if op == ReduceOp::Avg {
+                finish_avg(dtype, output, n);
+            }
+            Ok(())
+        })
     }
 
     /// Recursive doubling all-reduce; non-power-of-two sizes fold the extra ranks in first.
@@ -734,7 +790,8 @@ impl Communicator {
                 self.rd_all_reduce(&mut work, dtype, op, dl)?;
                 outb.copy_from_slice(&work[r * m..(r + 1) * m]);
             } else {
-                self.ring_reduce_scatter_out_of_place(inb, outb, dtype, op, dl)?;
+                let blocks: Vec<&[u8]> = (0..n).map(|j| &inb[j * m..(j + 1) * m]).collect();
+                self.ring_reduce_scatter_out_of_place(&blocks, outb, dtype, op, dl)?;
             }
             if op == ReduceOp::Avg {
                 finish_avg(dtype, outb, n);

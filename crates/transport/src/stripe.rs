@@ -9,7 +9,7 @@ use std::ops::Range;
 use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
-use crate::link::{Buf, BufMut};
+use crate::link::BufMut;
 
 impl Communicator {
     /// A view of this group that splits collectives over all its links: `fractions[i]` of the
@@ -130,22 +130,24 @@ impl Communicator {
     }
 
     pub(crate) fn striped_all_gather(&self, inb: &[u8], outb: &mut [u8]) -> Result<()> {
-        let (n, m) = (self.size(), inb.len());
+        let (n, m, k) = (self.size(), inb.len(), self.links.len());
         let ranges = self.stripe_ranges(m, 1);
         let active: Vec<bool> = ranges.iter().map(|r| !r.is_empty()).collect();
-        let gathered: Vec<std::sync::Mutex<Vec<u8>>> =
-            ranges.iter().map(|r| std::sync::Mutex::new(vec![0u8; n * r.len()])).collect();
-        self.run_lanes(&active, |lane, i| {
-            let mut out = gathered[i].lock().unwrap_or_else(|e| e.into_inner());
-            lane.all_gather_buf(Buf::Host(&inb[ranges[i].clone()]), BufMut::Host(&mut out))
-        })?;
-        for (r, g) in ranges.iter().zip(gathered) {
-            let g = g.into_inner().unwrap_or_else(|e| e.into_inner());
-            for j in 0..n {
-                outb[j * m + r.start..j * m + r.end].copy_from_slice(&g[j * r.len()..(j + 1) * r.len()]);
+        // Lane i owns piece i of every rank's block: strided, disjoint, no staging copy.
+        let mut lanes: Vec<Vec<&mut [u8]>> = (0..k).map(|_| Vec::with_capacity(n)).collect();
+        for block in outb.chunks_mut(m.max(1)).take(n) {
+            let mut rest = block;
+            for (i, r) in ranges.iter().enumerate() {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+                lanes[i].push(head);
+                rest = tail;
             }
         }
-        Ok(())
+        let lanes: Vec<std::sync::Mutex<Vec<&mut [u8]>>> = lanes.into_iter().map(std::sync::Mutex::new).collect();
+        self.run_lanes(&active, |lane, i| {
+            let mut pieces = lanes[i].lock().unwrap_or_else(|e| e.into_inner());
+            lane.all_gather_pieces(&inb[ranges[i].clone()], &mut pieces)
+        })
     }
 
     pub(crate) fn striped_reduce_scatter(&self, inb: &[u8], outb: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
@@ -155,8 +157,8 @@ impl Communicator {
         let pieces = Mut(split_by(outb, &ranges));
         self.run_lanes(&active, |lane, i| {
             let r = &ranges[i];
-            let input: Vec<u8> = (0..n).flat_map(|j| inb[j * m + r.start..j * m + r.end].iter().copied()).collect();
-            lane.reduce_scatter_buf(Buf::Host(&input), BufMut::Host(pieces.take(i)), dtype, op)
+            let blocks: Vec<&[u8]> = (0..n).map(|j| &inb[j * m + r.start..j * m + r.end]).collect();
+            lane.reduce_scatter_blocks(&blocks, pieces.take(i), dtype, op)
         })
     }
 
@@ -181,7 +183,10 @@ impl Communicator {
             let before = |p: &[usize]| p[..i].iter().sum::<usize>();
             let sc: Vec<usize> = (0..n).map(|j| sp[j][i]).collect();
             let rc: Vec<usize> = (0..n).map(|j| rp[j][i]).collect();
-            let s: Vec<T> = (0..n).flat_map(|j| send[so[j] + before(&sp[j])..][..sc[j]].iter().copied()).collect();
+            let mut s: Vec<T> = Vec::with_capacity(sc.iter().sum());
+            for j in 0..n {
+                s.extend_from_slice(&send[so[j] + before(&sp[j])..][..sc[j]]);
+            }
             let mut r = vec![T::zeroed(); rc.iter().sum()];
             lane.all_to_all_v(&s, &sc, &mut r, &rc)?;
             *received[i].lock().unwrap_or_else(|e| e.into_inner()) = r;

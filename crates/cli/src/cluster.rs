@@ -1,0 +1,224 @@
+//! `ironweave cluster up|down|status|probe`: an emulated cluster on one machine.
+//!
+//! Each host is a network namespace `iw-<name>-h<i>`; each link is a bridge `br<l>` in a switch
+//! namespace `iw-<name>-sw`, with one veth pair per host (the host end is named after the
+//! link, e.g. `a`, and carries `10.231.<l+1>.<i+1>/24` unless the topology gives a subnet). The
+//! host end's egress is shaped with `tc tbf` to the link's rate: independent, rate-limited
+//! links, so communication, not the CPU, is the bottleneck. `down` deletes exactly the
+//! namespaces `up` recorded (deleting a namespace deletes its interfaces).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+/// A topology file.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Topology {
+    /// Short name (letters, digits; at most 8), used in namespace names.
+    pub name: String,
+    /// Number of hosts.
+    pub hosts: usize,
+    /// The links every host has.
+    pub links: Vec<LinkDef>,
+}
+
+/// One link of a topology.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkDef {
+    /// Interface name inside each host (letters, digits; at most 6).
+    pub name: String,
+    /// Rate as `tc` writes it: `1gbit`, `300mbit`.
+    pub rate: String,
+    /// The link's /24 as `A.B.C.0/24` (default `10.231.<index+1>.0/24`).
+    #[serde(default)]
+    pub subnet: Option<String>,
+}
+
+impl Topology {
+    /// Reads and validates a topology file.
+    pub fn load(path: &Path) -> Result<Topology> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading topology {}", path.display()))?;
+        let t: Topology = toml::from_str(&text).with_context(|| format!("parsing topology {}", path.display()))?;
+        t.validate().with_context(|| format!("topology {}", path.display()))?;
+        Ok(t)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let ok = |s: &str, max: usize| !s.is_empty() && s.len() <= max && s.chars().all(|c| c.is_ascii_alphanumeric());
+        if !ok(&self.name, 8) {
+            bail!("name {:?}: use 1 to 8 letters or digits", self.name);
+        }
+        if !(1..=16).contains(&self.hosts) {
+            bail!("hosts = {}: use 1 to 16", self.hosts);
+        }
+        if self.links.is_empty() || self.links.len() > 8 {
+            bail!("{} links: use 1 to 8", self.links.len());
+        }
+        for (i, l) in self.links.iter().enumerate() {
+            if !ok(&l.name, 6) {
+                bail!("link {:?}: use 1 to 6 letters or digits", l.name);
+            }
+            if self.links[..i].iter().any(|m| m.name == l.name) {
+                bail!("link {:?} appears twice", l.name);
+            }
+            ironweave_tcp::parse_rate(&l.rate).map_err(|e| anyhow::anyhow!("link {:?}: {e}", l.name))?;
+            self.prefix(i)?;
+        }
+        Ok(())
+    }
+
+    /// The first three octets of link `l`'s subnet.
+    fn prefix(&self, l: usize) -> Result<String> {
+        match &self.links[l].subnet {
+            None => Ok(format!("10.231.{}", l + 1)),
+            Some(s) => {
+                let p = s.strip_suffix(".0/24").with_context(|| format!("subnet {s:?}: give a /24 as A.B.C.0/24"))?;
+                let octets: Vec<&str> = p.split('.').collect();
+                if octets.len() != 3 || octets.iter().any(|o| o.parse::<u8>().is_err()) {
+                    bail!("subnet {s:?}: give a /24 as A.B.C.0/24");
+                }
+                Ok(p.to_string())
+            }
+        }
+    }
+
+    /// Namespace of host `h`.
+    pub fn host_ns(&self, h: usize) -> String {
+        format!("iw-{}-h{h}", self.name)
+    }
+
+    fn switch_ns(&self) -> String {
+        format!("iw-{}-sw", self.name)
+    }
+
+    /// Address of host `h` on link `l`.
+    pub fn addr(&self, h: usize, l: usize) -> String {
+        format!("{}.{}", self.prefix(l).unwrap_or_default(), h + 1)
+    }
+
+    /// `IRONWEAVE_TCP_LINKS` for a rank on host `h`.
+    pub fn tcp_links_env(&self, h: usize) -> String {
+        self.links
+            .iter()
+            .enumerate()
+            .map(|(l, d)| format!("{}={}@{}", d.name, self.addr(h, l), d.rate))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn state_file(&self) -> PathBuf {
+        PathBuf::from(format!("/run/ironweave/cluster-{}.json", self.name))
+    }
+}
+
+fn require_root() -> Result<()> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the emulated cluster needs root (network namespaces, veth, tc): run as root or with sudo");
+    }
+    Ok(())
+}
+
+fn sh(args: &[&str]) -> Result<()> {
+    let out =
+        Command::new(args[0]).args(&args[1..]).output().with_context(|| format!("running {args:?} (is iproute2 installed?)"))?;
+    if !out.status.success() {
+        bail!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(())
+}
+
+fn existing_namespaces() -> Result<Vec<String>> {
+    let out = Command::new("ip").args(["netns", "list"]).output().context("running `ip netns list` (install iproute2)")?;
+    Ok(String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.split_whitespace().next()).map(str::to_string).collect())
+}
+
+/// Creates the cluster. Fails (and cleans up what it made) if any part cannot be created.
+pub fn up(t: &Topology) -> Result<()> {
+    require_root()?;
+    let have = existing_namespaces()?;
+    let ours: Vec<String> = (0..t.hosts).map(|h| t.host_ns(h)).chain([t.switch_ns()]).collect();
+    if let Some(ns) = ours.iter().find(|n| have.contains(n)) {
+        bail!("namespace {ns} already exists: cluster {:?} is up (run `ironweave cluster down --topology ...` first)", t.name);
+    }
+    let mut made = Vec::new();
+    let r = build(t, &mut made);
+    // Record before checking the result: `down` must find whatever was made.
+    std::fs::create_dir_all("/run/ironweave").ok();
+    std::fs::write(t.state_file(), serde_json::to_vec_pretty(&made)?).ok();
+    if let Err(e) = r {
+        let _ = down(t);
+        return Err(e.context(format!("cluster {:?} could not be created; removed what was made", t.name)));
+    }
+    Ok(())
+}
+
+fn build(t: &Topology, made: &mut Vec<String>) -> Result<()> {
+    let sw = t.switch_ns();
+    sh(&["ip", "netns", "add", &sw])?;
+    made.push(sw.clone());
+    sh(&["ip", "-n", &sw, "link", "set", "lo", "up"])?;
+    for h in 0..t.hosts {
+        let ns = t.host_ns(h);
+        sh(&["ip", "netns", "add", &ns])?;
+        made.push(ns.clone());
+        sh(&["ip", "-n", &ns, "link", "set", "lo", "up"])?;
+    }
+    for (l, link) in t.links.iter().enumerate() {
+        let br = format!("br{l}");
+        sh(&["ip", "-n", &sw, "link", "add", "name", &br, "type", "bridge"])?;
+        sh(&["ip", "-n", &sw, "link", "set", "dev", &br, "up"])?;
+        for h in 0..t.hosts {
+            let ns = t.host_ns(h);
+            let port = format!("l{l}h{h}");
+            sh(&["ip", "link", "add", "name", &link.name, "netns", &ns, "type", "veth", "peer", "name", &port, "netns", &sw])?;
+            sh(&["ip", "-n", &sw, "link", "set", "dev", &port, "master", &br])?;
+            sh(&["ip", "-n", &sw, "link", "set", "dev", &port, "up"])?;
+            sh(&["ip", "-n", &ns, "addr", "add", &format!("{}/24", t.addr(h, l)), "dev", &link.name])?;
+            sh(&["ip", "-n", &ns, "link", "set", "dev", &link.name, "up"])?;
+            sh(&[
+                "ip", "netns", "exec", &ns, "tc", "qdisc", "add", "dev", &link.name, "root", "tbf", "rate", &link.rate, "burst",
+                "256kb", "latency", "50ms",
+            ])?;
+        }
+    }
+    Ok(())
+}
+
+/// Removes what `up` made; succeeds when there is nothing to remove.
+pub fn down(t: &Topology) -> Result<()> {
+    require_root()?;
+    let recorded: Vec<String> =
+        std::fs::read(t.state_file()).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+    // Without a record (lost /run), our own naming still says what is ours.
+    let prefix = format!("iw-{}-", t.name);
+    let have = existing_namespaces()?;
+    let mut errors = Vec::new();
+    for ns in have.iter().filter(|n| recorded.contains(n) || n.starts_with(&prefix)) {
+        if let Err(e) = sh(&["ip", "netns", "del", ns]) {
+            errors.push(e.to_string());
+        }
+    }
+    let _ = std::fs::remove_file(t.state_file());
+    if !errors.is_empty() {
+        bail!("could not remove everything: {}", errors.join("; "));
+    }
+    Ok(())
+}
+
+/// Prints the hosts, their addresses and link rates.
+pub fn status(t: &Topology) -> Result<bool> {
+    let have = existing_namespaces()?;
+    let up = (0..t.hosts).all(|h| have.contains(&t.host_ns(h))) && have.contains(&t.switch_ns());
+    println!("cluster {:?}: {}", t.name, if up { "up" } else { "down" });
+    for h in 0..t.hosts {
+        let links: Vec<String> =
+            t.links.iter().enumerate().map(|(l, d)| format!("{}={} ({})", d.name, t.addr(h, l), d.rate)).collect();
+        println!("  host {h}: namespace {} {}", t.host_ns(h), links.join("  "));
+    }
+    Ok(up)
+}
