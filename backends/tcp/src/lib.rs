@@ -218,9 +218,11 @@ pub fn connect_links(env: &JobEnv, rv: &mut Rendezvous, cfg: &TcpConfig) -> Resu
     for (li, (spec, listener)) in specs.iter().zip(listeners).enumerate() {
         let expected = (size - 1 - rank) * conns;
         let c2 = creds.clone();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
         let acceptor = std::thread::Builder::new()
             .name(format!("iw-tcp-accept-{li}"))
-            .spawn(move || accept_all(listener, &c2, li as u16, expected, conns, deadline))
+            .spawn(move || accept_all(listener, &c2, li as u16, expected, conns, deadline, &stop2))
             .map_err(|e| Error::io("spawn acceptor", &e))?;
         let mut streams: Vec<Vec<Option<TcpStream>>> = (0..size).map(|_| (0..conns).map(|_| None).collect()).collect();
         let mut connect_err = None;
@@ -237,6 +239,10 @@ pub fn connect_links(env: &JobEnv, rv: &mut Rendezvous, cfg: &TcpConfig) -> Resu
                     }
                 }
             }
+        }
+        if connect_err.is_some() {
+            // Our own setup failed: do not wait out the acceptor's deadline.
+            stop.store(true, Ordering::SeqCst);
         }
         let accepted = acceptor.join().unwrap_or_else(|_| Err(Error::Config("acceptor thread panicked".into())));
         if let Some(e) = connect_err {
@@ -257,11 +263,15 @@ fn accept_all(
     expected: usize,
     conns: usize,
     deadline: Instant,
+    stop: &AtomicBool,
 ) -> Result<Vec<(usize, usize, TcpStream)>> {
     let mut got: Vec<(usize, usize, TcpStream)> = Vec::new();
     let mut dropped = 0usize;
     listener.set_nonblocking(true).map_err(|e| Error::io("listener", &e))?;
     while got.len() < expected {
+        if stop.load(Ordering::SeqCst) {
+            return Err(Error::Aborted { reason: "setup of this link was abandoned".into() });
+        }
         if Instant::now() >= deadline {
             return Err(Error::Timeout {
                 what: format!(
