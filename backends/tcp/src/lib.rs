@@ -533,15 +533,21 @@ impl Shared {
         let total = data.len() as u64;
         let one = |c: &Conn, off: usize, part: &[u8]| -> Result<()> {
             let h = FrameHeader { kind: FrameKind::Data, tag: tag.0, seq, total, offset: off as u64, len: part.len() as u64 };
-            let mut w = c.writer.lock().unwrap_or_else(|e| e.into_inner());
-            write_frame(&mut w, &h, part, deadline).map_err(|e| {
+            // The writer is released before the error is handled: failing the link tells the
+            // peers, which needs the writers.
+            let written = write_frame(&mut c.writer.lock().unwrap_or_else(|e| e.into_inner()), &h, part, deadline);
+            written.map_err(|e| {
                 // A partly written frame leaves the stream unusable: fail the link.
                 let err = if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
                     Error::Timeout { what: format!("send to rank {p}"), after: self.cfg.timeout }
-                } else if let Some(f) = self.mailbox.failure() {
-                    f
                 } else {
-                    Error::PeerLost { rank: p, detail: format!("send failed: {e}") }
+                    // A peer that closes on purpose sends the cause first, and its socket's
+                    // reader will deliver it: give the reader a moment before blaming the peer.
+                    let until = Instant::now() + Duration::from_millis(500);
+                    while self.mailbox.failure().is_none() && Instant::now() < until {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    self.mailbox.failure().unwrap_or_else(|| Error::PeerLost { rank: p, detail: format!("send failed: {e}") })
                 };
                 self.fail_with(err.clone(), Some(p));
                 err
@@ -697,15 +703,21 @@ impl Link for TcpLink {
 impl Drop for TcpLink {
     fn drop(&mut self) {
         let sh = &self.shared;
-        // Stop the sender threads after they drained their queues.
+        // Stop the sender threads after they drained their queues; on a failed link, shut the
+        // sockets first so that a sender stuck on a dead peer returns at once.
         for peer in sh.peers.iter().flatten() {
             peer.sender.lock().unwrap_or_else(|e| e.into_inner()).take();
+        }
+        let healthy = sh.mailbox.failure().is_none();
+        sh.closing.store(true, Ordering::SeqCst);
+        if !healthy {
+            for c in sh.peers.iter().flatten().flat_map(|p| &p.conns) {
+                let _ = c.control.shutdown(Shutdown::Both);
+            }
         }
         for h in self.senders.get_mut().unwrap_or_else(|e| e.into_inner()).drain(..) {
             let _ = h.join();
         }
-        let healthy = sh.mailbox.failure().is_none();
-        sh.closing.store(true, Ordering::SeqCst);
         if healthy {
             let h = FrameHeader { kind: FrameKind::Goodbye, tag: 0, seq: 0, total: 0, offset: 0, len: 0 };
             for peer in sh.peers.iter().flatten() {
