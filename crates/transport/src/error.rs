@@ -41,8 +41,8 @@ pub enum Error {
     /// The handshake with a peer failed (secret, job id, world size, version).
     #[error("handshake with {peer} rejected: {reason}")]
     HandshakeRejected { peer: String, reason: String },
-    /// The environment does not describe a job.
-    #[error("rendezvous configuration: {0}")]
+    /// The environment or configuration does not describe a usable job.
+    #[error("configuration: {0}")]
     Config(String),
     /// An operating-system I/O error.
     #[error("I/O error during {context}: {message}")]
