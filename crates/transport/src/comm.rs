@@ -242,10 +242,7 @@ impl Communicator {
         if let Some(Ok(())) = self.stripe_plan(dst.len()) {
             return self.striped_recv(peer, tag, dst);
         }
-        let m = self.irecv_bytes(peer, tag)?.wait(self.deadline())?;
-        if m.len() != dst.len() {
-            return Err(Error::LengthMismatch { op: "recv", peer, expected: dst.len(), got: m.len() });
-        }
+        let m = wait_exact(self.irecv_bytes(peer, tag)?, "recv", peer, dst.len(), self.deadline())?;
         m.copy_to(dst);
         Ok(())
     }
@@ -272,11 +269,7 @@ impl Communicator {
     }
 
     fn crecv_exact(&self, op: &'static str, peer: usize, expected: usize, dl: Instant) -> Result<RecvBuf> {
-        let m = self.cpost(peer)?.wait(dl)?;
-        if m.len() != expected {
-            return Err(Error::LengthMismatch { op, peer, expected, got: m.len() });
-        }
-        Ok(m)
+        wait_exact(self.cpost(peer)?, op, peer, expected, dl)
     }
 
     /// Segment lengths of a chunk: full segments then the remainder, always including the
@@ -329,10 +322,7 @@ impl Communicator {
             posted.push_back((r, h?));
         }
         let mut take = |h: RecvHandle, r: Range<usize>| -> Result<()> {
-            let m = h.wait(dl)?;
-            if m.len() != r.len() {
-                return Err(Error::LengthMismatch { op, peer: from, expected: r.len(), got: m.len() });
-            }
+            let m = wait_exact(h, op, from, r.len(), dl)?;
             match (land, &mut reduce) {
                 (Some(base), _) if !m.is_landed() => {
                     // SAFETY: `r` lies within the borrowed buffer (segments cover 0..recv_len)
@@ -537,10 +527,7 @@ impl Communicator {
             let partner = r ^ mask;
             let h = self.cpost(partner)?;
             self.csend(partner, buf, dl)?;
-            let m = h.wait(dl)?;
-            if m.len() != len {
-                return Err(Error::LengthMismatch { op: "all_reduce", peer: partner, expected: len, got: m.len() });
-            }
+            let m = wait_exact(h, "all_reduce", partner, len, dl)?;
             reduce_parts(dtype, buf, &m, op);
             mask <<= 1;
         }
@@ -671,10 +658,7 @@ impl Communicator {
                 let mine = chunks[self.me].clone();
                 let posted: Vec<_> = self.segments(mine.len()).map(|r| Ok((r, self.cpost(root)?))).collect::<Result<_>>()?;
                 for (r, h) in posted {
-                    let m = h.wait(dl)?;
-                    if m.len() != r.len() {
-                        return Err(Error::LengthMismatch { op: "broadcast", peer: root, expected: r.len(), got: m.len() });
-                    }
+                    let m = wait_exact(h, "broadcast", root, r.len(), dl)?;
                     m.copy_to(&mut buf[mine.start + r.start..mine.start + r.end]);
                 }
             }
@@ -722,15 +706,7 @@ impl Communicator {
                     let theirs = (partner & !(d - 1)) * m..((partner & !(d - 1)) + d) * m;
                     let h = self.cpost(partner)?;
                     self.csend(partner, &outb[mine], dl)?;
-                    let got = h.wait(dl)?;
-                    if got.len() != theirs.len() {
-                        return Err(Error::LengthMismatch {
-                            op: "all_gather",
-                            peer: partner,
-                            expected: theirs.len(),
-                            got: got.len(),
-                        });
-                    }
+                    let got = wait_exact(h, "all_gather", partner, theirs.len(), dl)?;
                     got.copy_to(&mut outb[theirs]);
                     d <<= 1;
                 }
@@ -742,10 +718,7 @@ impl Communicator {
                 self.csend(p, inb, dl)?;
             }
             for (p, h) in posted {
-                let got = h.wait(dl)?;
-                if got.len() != m {
-                    return Err(Error::LengthMismatch { op: "all_gather", peer: p, expected: m, got: got.len() });
-                }
+                let got = wait_exact(h, "all_gather", p, m, dl)?;
                 got.copy_to(&mut outb[p * m..(p + 1) * m]);
             }
             Ok(())
@@ -902,12 +875,10 @@ impl Communicator {
             let n = self.size();
             let mut k = 1;
             while k < n {
-                let h = self.cpost((self.me + n - k) % n)?;
+                let from = (self.me + n - k) % n;
+                let h = self.cpost(from)?;
                 self.csend((self.me + k) % n, &[], dl)?;
-                let m = h.wait(dl)?;
-                if !m.is_empty() {
-                    return Err(Error::LengthMismatch { op: "barrier", peer: (self.me + n - k) % n, expected: 0, got: m.len() });
-                }
+                wait_exact(h, "barrier", from, 0, dl)?;
                 k <<= 1;
             }
             Ok(())
@@ -944,6 +915,17 @@ impl Communicator {
     pub fn abort(&self, reason: &str) {
         self.l().abort(reason);
     }
+}
+
+/// Waits for a message that must be exactly `expected` bytes long (group rank `peer`, for
+/// the error): every receive of a known size goes through here, so a size disagreement
+/// between ranks is always a `LengthMismatch`.
+fn wait_exact(h: RecvHandle, op: &'static str, peer: usize, expected: usize, dl: Instant) -> Result<RecvBuf> {
+    let m = h.wait(dl)?;
+    if m.len() != expected {
+        return Err(Error::LengthMismatch { op, peer, expected, got: m.len() });
+    }
+    Ok(m)
 }
 
 /// Errors that a peer (or an earlier abort) caused: every rank learns of those by itself, so
@@ -986,10 +968,7 @@ impl<'a> Landing<'a> {
     fn finish(mut self, op: &'static str, dl: Instant) -> Result<()> {
         while !self.pending.is_empty() {
             let (peer, r, h) = self.pending.remove(0);
-            let m = h.wait(dl)?;
-            if m.len() != r.len() {
-                return Err(Error::LengthMismatch { op, peer, expected: r.len(), got: m.len() });
-            }
+            let m = wait_exact(h, op, peer, r.len(), dl)?;
             if !m.is_landed() {
                 // SAFETY: `r` is inside the borrowed buffer and its zone's handle completed, so
                 // nobody else writes these bytes.
