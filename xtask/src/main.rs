@@ -260,15 +260,9 @@ fn bench_links(args: &[String]) -> Result<()> {
                 .arg(&path))?;
             rows.push((sel.to_string(), serde_json::from_slice(&std::fs::read(&path)?)?));
         }
-        let rate = |r: &str| -> f64 {
-            let r = r.to_ascii_lowercase();
-            let (n, m) = [("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)]
-                .iter()
-                .find_map(|(s, m)| r.strip_suffix(s).map(|n| (n.to_string(), *m)))
-                .unwrap_or((r.clone(), 1.0));
-            n.parse::<f64>().unwrap_or(f64::NAN) * m / 8.0 / 1e9
-        };
-        let (ra, rb) = (rate(&links[0].1), rate(&links[1].1));
+        // Declared rates as the links themselves report them (parsed once, by the CLI).
+        let declared = |i: usize| probes.get(i).and_then(|p| p["declared_bytes_per_s"].as_f64()).unwrap_or(f64::NAN) / 1e9;
+        let (ra, rb) = (declared(0), declared(1));
         let mut t = format!(
             "Link rates: {} = {} ({ra:.4} GB/s), {} = {} ({rb:.4} GB/s); iperf3 one direction: {:.4} and {:.4} GB/s. busbw in GB/s.\n\n",
             links[0].0, links[0].1, links[1].0, links[1].1, iperf[0], iperf[1]
