@@ -5,6 +5,7 @@ mod backend;
 mod bench;
 mod cluster;
 mod launch;
+mod plan;
 mod selftest;
 
 use std::time::Duration;
@@ -50,6 +51,11 @@ enum Cmd {
         #[command(subcommand)]
         what: BenchCmd,
     },
+    /// Plan a parallel layout with a cost model and HiGHS.
+    Plan {
+        #[command(subcommand)]
+        what: PlanCmd,
+    },
     /// An emulated cluster: hosts in network namespaces joined by rate-limited links.
     Cluster {
         #[command(subcommand)]
@@ -88,6 +94,33 @@ enum Cmd {
         #[arg(long, default_value = "tcp")]
         backend: String,
     },
+}
+
+#[derive(Debug, Subcommand)]
+enum PlanCmd {
+    /// Oases: per sub-layer tensor-parallel degree and sub-batches, against Megatron.
+    Tmp(PlanArgs),
+    /// HSDP: per layer split of parameter traffic over the links, against FSDP.
+    Sdp(PlanArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct PlanArgs {
+    /// Model description (configs/models/*.toml).
+    #[arg(long)]
+    model: std::path::PathBuf,
+    /// Cluster description (configs/clusters/*.toml).
+    #[arg(long)]
+    cluster: std::path::PathBuf,
+    /// Measured compute throughputs overriding the analytic ones (TOML `[ops.<kind>] flops, seconds`).
+    #[arg(long)]
+    profile: Option<std::path::PathBuf>,
+    /// Also write the plan as JSON here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    /// TMP: solve with HiGHS branch and bound even where the exact chain algorithms apply.
+    #[arg(long)]
+    highs: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -350,6 +383,13 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Cmd::Cluster { what } => cluster_cmd(what),
+        Cmd::Plan { what } => {
+            match what {
+                PlanCmd::Tmp(a) => plan::tmp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref(), a.highs)?,
+                PlanCmd::Sdp(a) => plan::sdp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref())?,
+            }
+            Ok(0)
+        }
         Cmd::Selftest { scenario, backend } => {
             selftest::run(&scenario, &backend)?;
             Ok(0)

@@ -1,0 +1,166 @@
+//! `ironweave plan tmp|sdp`: read the descriptions, run a planner, print the plan against its
+//! baselines, optionally write it as JSON.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use ironweave_plan::chain::{Method, SolvedBy};
+use ironweave_plan::{sdp, tmp, ClusterDesc, CostModel, ModelDesc, ProfileTable};
+
+pub fn load_model(path: &Path) -> Result<ModelDesc> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading model file {}", path.display()))?;
+    ModelDesc::from_toml_str(&text).with_context(|| format!("in {}", path.display()))
+}
+
+pub fn load_cluster(path: &Path) -> Result<ClusterDesc> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading cluster file {}", path.display()))?;
+    ClusterDesc::from_toml_str(&text).with_context(|| format!("in {}", path.display()))
+}
+
+pub fn load_profile(path: Option<&Path>) -> Result<Option<ProfileTable>> {
+    let Some(path) = path else { return Ok(None) };
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading profile table {}", path.display()))?;
+    Ok(Some(toml::from_str(&text).with_context(|| format!("parsing profile table {}", path.display()))?))
+}
+
+fn ms(s: f64) -> String {
+    format!("{:.1} ms", s * 1e3)
+}
+
+pub fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
+    let bytes = serde_json::to_vec_pretty(value)?;
+    std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+/// Group consecutive sub-layers with the same choice: `L0.attn..L31.mlp  TP=4 k=2`.
+fn runs<T: PartialEq + Copy>(names: &[String], keys: &[T]) -> Vec<(String, String, T)> {
+    let mut out: Vec<(String, String, T)> = Vec::new();
+    for (n, &k) in names.iter().zip(keys) {
+        match out.last_mut() {
+            Some(last) if last.2 == k => last.1 = n.clone(),
+            _ => out.push((n.clone(), n.clone(), k)),
+        }
+    }
+    out
+}
+
+pub fn tmp(model: &Path, cluster: &Path, profile: Option<&Path>, json: Option<&Path>, highs_only: bool) -> Result<()> {
+    let (m, c) = (load_model(model)?, load_cluster(cluster)?);
+    let prof = load_profile(profile)?;
+    let mut cm = CostModel::new(&c);
+    cm.profile = prof.as_ref();
+    let opts = tmp::TmpOptions { solver: if highs_only { Method::Highs } else { Method::Auto }, ..Default::default() };
+    let t0 = Instant::now();
+    let problem = tmp::build(&m, &c, &cm, &opts)?;
+    let (sol, by) = problem.chain.solve(opts.solver, opts.time_limit_s, opts.mip_rel_gap)?;
+    let solve_s = t0.elapsed().as_secs_f64();
+    let plan = problem.plan(&m, &c, &sol, by, &opts)?;
+    println!(
+        "TMP plan (Oases) for {} on {} ({} devices, {:.1} B parameters); {} sub-layers x {} options solved in {:.3} s by {}",
+        plan.model,
+        plan.cluster,
+        plan.devices,
+        m.total_params() / 1e9,
+        problem.sublayers.len(),
+        problem.chain.choices.iter().map(|c| c.len()).max().unwrap_or(0),
+        solve_s,
+        match by {
+            SolvedBy::ShortestPath => "the chain shortest path (memory does not bind; exact)",
+            SolvedBy::ParetoDp => "the Pareto-label program (exact)",
+            SolvedBy::Highs => "HiGHS (ILP)",
+        }
+    );
+    let names: Vec<String> = plan.sublayers.iter().map(|s| s.name.clone()).collect();
+    let keys: Vec<(u32, u32)> = plan.sublayers.iter().map(|s| (s.tp, s.sub_batches)).collect();
+    println!("  sub-layers                 TP  sub-batches");
+    for (a, b, (tp, k)) in runs(&names, &keys) {
+        let span = if a == b { a } else { format!("{a}..{b}") };
+        println!("  {span:<26} {tp:>2}  {k}");
+    }
+    println!(
+        "  predicted iteration {}  (compute {}, exposed communication {}, of which resharding {})",
+        ms(plan.predicted_iter_s),
+        ms(plan.breakdown.compute_s),
+        ms(plan.breakdown.exposed_comm_s),
+        ms(plan.breakdown.reshard_s)
+    );
+    println!("  memory {:.1} GiB per device (budget {:.1} GiB)", plan.memory_gib, plan.memory_budget_gib);
+    println!();
+    println!("  {:<38} {:>12} {:>10} {:>9}", "configuration", "iteration", "memory", "speedup");
+    let row = |name: &str, it: f64, mem: f64| println!("  {name:<38} {:>12} {:>6.1} GiB {:>8.2}x", ms(it), mem, it / plan.predicted_iter_s);
+    row(&format!("{} (best uniform)", plan.megatron.name), plan.megatron.iter_s, plan.megatron.memory_gib);
+    match &plan.megatron_node {
+        Some(u) => row(&format!("{} (TP = devices per node)", u.name), u.iter_s, u.memory_gib),
+        None => println!("  Megatron TP={} (TP = devices per node)    does not fit in memory", c.devices_per_node),
+    }
+    if let Some(u) = &plan.uniform_overlap {
+        row(&u.name, u.iter_s, u.memory_gib);
+    }
+    row("Oases plan (this)", plan.predicted_iter_s, plan.memory_gib);
+    println!("  speedup over Megatron (best uniform TP): {:.2}x", plan.speedup_vs_megatron);
+    if let Some(p) = json {
+        write_json(p, &serde_json::json!({ "plan": plan, "solve_s": solve_s }))?;
+    }
+    Ok(())
+}
+
+pub fn sdp(model: &Path, cluster: &Path, profile: Option<&Path>, json: Option<&Path>) -> Result<()> {
+    let (m, c) = (load_model(model)?, load_cluster(cluster)?);
+    let prof = load_profile(profile)?;
+    let mut cm = CostModel::new(&c);
+    cm.profile = prof.as_ref();
+    let opts = sdp::SdpOptions::default();
+    let t0 = Instant::now();
+    let plan = sdp::plan(&m, &c, &cm, &opts)?;
+    let solve_s = t0.elapsed().as_secs_f64();
+    println!(
+        "SDP plan (HSDP) for {} on {} ({} devices, {:.1} B parameters); solved by HiGHS in {:.3} s",
+        plan.model,
+        plan.cluster,
+        plan.devices,
+        m.total_params() / 1e9,
+        solve_s
+    );
+    println!("  part gathered over {} (node-sharded) and over {} (sharded over all devices)", plan.links.0, plan.links.1);
+    let names: Vec<String> = plan.layers.iter().map(|l| l.name.clone()).collect();
+    let keys: Vec<u64> = plan.layers.iter().map(|l| (l.node_fraction * 1e4).round() as u64).collect();
+    println!("  layers            node-sharded  all-sharded");
+    for (a, b, k) in runs(&names, &keys) {
+        let span = if a == b { a } else { format!("{a}..{b}") };
+        let f = k as f64 / 1e4;
+        println!("  {span:<17} {:>11.1}% {:>11.1}%", f * 100.0, (1.0 - f) * 100.0);
+    }
+    println!(
+        "  predicted iteration {} (compute {}), memory {:.1} GiB per device (budget {:.1} GiB), {:.1}% of parameter traffic moved to {}",
+        ms(plan.predicted_iter_s),
+        ms(plan.compute_s),
+        plan.memory_gib,
+        plan.memory_budget_gib,
+        plan.node_fraction_overall * 100.0,
+        plan.links.0
+    );
+    println!();
+    println!("  {:<58} {:>12} {:>10} {:>9}", "configuration", "iteration", "memory", "speedup");
+    for b in [&plan.fsdp, &plan.hybrid] {
+        let fits = if b.fits { "" } else { "  (does not fit)" };
+        println!(
+            "  {:<58} {:>12} {:>6.1} GiB {:>8.2}x{fits}",
+            b.name,
+            ms(b.iter_s),
+            b.memory_gib,
+            b.iter_s / plan.predicted_iter_s
+        );
+    }
+    println!("  {:<58} {:>12} {:>6.1} GiB {:>8.2}x", "HSDP plan (this)", ms(plan.predicted_iter_s), plan.memory_gib, 1.0);
+    println!(
+        "  speedup over the best baseline that fits: {:.2}x; over FSDP FULL_SHARD: {:.2}x",
+        plan.speedup_vs_best_baseline, plan.speedup_vs_fsdp
+    );
+    if let Some(p) = json {
+        write_json(p, &serde_json::json!({ "plan": plan, "solve_s": solve_s }))?;
+    }
+    Ok(())
+}
