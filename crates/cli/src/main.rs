@@ -7,6 +7,7 @@ mod cluster;
 mod launch;
 mod plan;
 mod selftest;
+mod simulate;
 
 use std::time::Duration;
 
@@ -55,6 +56,13 @@ enum Cmd {
     Plan {
         #[command(subcommand)]
         what: PlanCmd,
+    },
+    /// Run a scenario (tp, sdp, ckpt) in the discrete-event simulator.
+    Simulate {
+        /// tp: Megatron vs the Oases plan; sdp: FSDP vs the HSDP plan; ckpt: five checkpoint strategies.
+        scenario: String,
+        #[command(flatten)]
+        args: simulate::SimArgs,
     },
     /// An emulated cluster: hosts in network namespaces joined by rate-limited links.
     Cluster {
@@ -383,6 +391,10 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Cmd::Cluster { what } => cluster_cmd(what),
+        Cmd::Simulate { scenario, args } => {
+            simulate::run(&scenario, &args)?;
+            Ok(0)
+        }
         Cmd::Plan { what } => {
             match what {
                 PlanCmd::Tmp(a) => plan::tmp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref(), a.highs)?,

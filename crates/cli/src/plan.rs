@@ -90,7 +90,9 @@ pub fn tmp(model: &Path, cluster: &Path, profile: Option<&Path>, json: Option<&P
     println!("  memory {:.1} GiB per device (budget {:.1} GiB)", plan.memory_gib, plan.memory_budget_gib);
     println!();
     println!("  {:<38} {:>12} {:>10} {:>9}", "configuration", "iteration", "memory", "speedup");
-    let row = |name: &str, it: f64, mem: f64| println!("  {name:<38} {:>12} {:>6.1} GiB {:>8.2}x", ms(it), mem, it / plan.predicted_iter_s);
+    let row = |name: &str, it: f64, mem: f64| {
+        println!("  {name:<38} {:>12} {:>6.1} GiB {:>8.2}x", ms(it), mem, it / plan.predicted_iter_s)
+    };
     row(&format!("{} (best uniform)", plan.megatron.name), plan.megatron.iter_s, plan.megatron.memory_gib);
     match &plan.megatron_node {
         Some(u) => row(&format!("{} (TP = devices per node)", u.name), u.iter_s, u.memory_gib),

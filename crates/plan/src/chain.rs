@@ -377,9 +377,10 @@ impl ChainProblem {
     pub fn solve_ilp(&self, time_limit_s: f64, rel_gap: f64) -> Result<ChainSolution> {
         self.check()?;
         let start = self.heuristic();
-        // Scale to milliseconds and GiB so the solver's tolerances act on sensible magnitudes.
+        // Scale costs to milliseconds and memory to fractions of the budget, so the solver's
+        // absolute tolerances act on sensible magnitudes.
         const T: f64 = 1e3;
-        const M: f64 = 1.0 / (1u64 << 30) as f64;
+        let m_scale = 1.0 / self.mem_budget.abs().max(1e-300);
         let mut vars = ProblemVariables::new();
         let x: Vec<Vec<Variable>> =
             self.choices.iter().map(|c| c.iter().map(|_| vars.add(variable().binary())).collect()).collect();
@@ -443,10 +444,10 @@ impl ChainProblem {
         let mut mem = Expression::from(0.0);
         for (i, c) in self.choices.iter().enumerate() {
             for (a, ch) in c.iter().enumerate() {
-                mem += ch.mem * M * x[i][a];
+                mem += ch.mem * m_scale * x[i][a];
             }
         }
-        model.add_constraint(mem.leq(self.mem_budget * M));
+        model.add_constraint(mem.leq(1.0));
         let sol = model.solve().map_err(|e| match e {
             good_lp::ResolutionError::Infeasible => PlanError::Infeasible {
                 why: "no combination fits the memory budget".into(),
@@ -457,11 +458,7 @@ impl ChainProblem {
         let picks: Vec<usize> = x
             .iter()
             .map(|xi| {
-                xi.iter()
-                    .enumerate()
-                    .max_by(|a, b| sol.value(*a.1).total_cmp(&sol.value(*b.1)))
-                    .map(|(i, _)| i)
-                    .unwrap_or(0)
+                xi.iter().enumerate().max_by(|a, b| sol.value(*a.1).total_cmp(&sol.value(*b.1))).map(|(i, _)| i).unwrap_or(0)
             })
             .collect();
         let (cost, mem) = self.evaluate(&picks).ok_or_else(|| {

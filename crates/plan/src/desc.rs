@@ -99,7 +99,8 @@ pub struct ClusterDesc {
 impl ClusterDesc {
     /// Parse and validate a cluster description.
     pub fn from_toml_str(text: &str) -> Result<Self> {
-        let c: ClusterDesc = toml::from_str(text).map_err(|source| PlanError::Parse { what: "cluster description".into(), source })?;
+        let c: ClusterDesc =
+            toml::from_str(text).map_err(|source| PlanError::Parse { what: "cluster description".into(), source })?;
         c.validate()?;
         Ok(c)
     }
@@ -130,7 +131,10 @@ impl ClusterDesc {
 
     /// The inter-node link (the fastest if several).
     pub fn inter_link(&self) -> Option<&LinkDesc> {
-        self.links.iter().filter(|l| l.scope == Scope::InterNode).max_by(|a, b| a.bandwidth_gbyte_s.total_cmp(&b.bandwidth_gbyte_s))
+        self.links
+            .iter()
+            .filter(|l| l.scope == Scope::InterNode)
+            .max_by(|a, b| a.bandwidth_gbyte_s.total_cmp(&b.bandwidth_gbyte_s))
     }
 
     /// Check the description for values no real cluster has.
@@ -146,7 +150,7 @@ impl ClusterDesc {
         if !(d.efficiency > 0.0 && d.efficiency <= 1.0) {
             return Err(PlanError::invalid(what, format!("device.efficiency = {} must be in (0, 1]", d.efficiency)));
         }
-        if !(d.memory_gib > 0.0) {
+        if !(d.memory_gib.is_finite() && d.memory_gib > 0.0) {
             return Err(PlanError::invalid(what, "device.memory_gib must be positive"));
         }
         let h = &self.host;
@@ -154,7 +158,8 @@ impl ClusterDesc {
             return Err(PlanError::invalid(what, "host.memory_gib, host.pcie_gbyte_s and host.storage_gbyte_s must be positive"));
         }
         for l in &self.links {
-            if !(l.bandwidth_gbyte_s > 0.0 && l.bandwidth_gbyte_s.is_finite()) || !(l.latency_us >= 0.0 && l.latency_us.is_finite()) {
+            if !(l.bandwidth_gbyte_s > 0.0 && l.bandwidth_gbyte_s.is_finite() && l.latency_us >= 0.0 && l.latency_us.is_finite())
+            {
                 return Err(PlanError::invalid(
                     what,
                     format!("link `{}`: bandwidth_gbyte_s must be positive and latency_us non-negative", l.name),
@@ -166,7 +171,10 @@ impl ClusterDesc {
                     if span < 2 || span > self.devices_per_node || self.devices_per_node % span != 0 {
                         return Err(PlanError::invalid(
                             what,
-                            format!("link `{}`: span {} must be ≥ 2 and divide devices_per_node {}", l.name, span, self.devices_per_node),
+                            format!(
+                                "link `{}`: span {} must be ≥ 2 and divide devices_per_node {}",
+                                l.name, span, self.devices_per_node
+                            ),
                         ));
                     }
                     if l.instances.is_some() {
@@ -281,7 +289,8 @@ pub struct ModelDesc {
 impl ModelDesc {
     /// Parse and validate a model description.
     pub fn from_toml_str(text: &str) -> Result<Self> {
-        let m: ModelDesc = toml::from_str(text).map_err(|source| PlanError::Parse { what: "model description".into(), source })?;
+        let m: ModelDesc =
+            toml::from_str(text).map_err(|source| PlanError::Parse { what: "model description".into(), source })?;
         m.validate()?;
         Ok(m)
     }

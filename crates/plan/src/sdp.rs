@@ -222,7 +222,11 @@ pub fn plan(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: 
     let min_mem: f64 = fixed + ls.iter().map(|l| l.global_mem.min(l.node_mem)).sum::<f64>();
     if min_mem > budget {
         return Err(PlanError::Infeasible {
-            why: format!("even fully sharded over all devices the model needs {:.1} GiB per device, the budget is {:.1} GiB", min_mem / GIB, budget / GIB),
+            why: format!(
+                "even fully sharded over all devices the model needs {:.1} GiB per device, the budget is {:.1} GiB",
+                min_mem / GIB,
+                budget / GIB
+            ),
             hint: "use more devices, activation recompute, or a smaller batch".into(),
         });
     }
@@ -258,7 +262,18 @@ pub fn plan(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: 
     let sol = model_lp.solve().map_err(|e| PlanError::Solver(e.to_string()))?;
     let gv: Vec<f64> = g.iter().map(|v| sol.value(*v).clamp(0.0, 1.0)).collect();
     // Snap solver noise so fractions are exact where the answer is a corner.
-    let gv: Vec<f64> = gv.into_iter().map(|x| if x < 1e-9 { 0.0 } else if x > 1.0 - 1e-9 { 1.0 } else { x }).collect();
+    let gv: Vec<f64> = gv
+        .into_iter()
+        .map(|x| {
+            if x < 1e-9 {
+                0.0
+            } else if x > 1.0 - 1e-9 {
+                1.0
+            } else {
+                x
+            }
+        })
+        .collect();
     let layer_plans: Vec<SdpLayerPlan> = ls
         .iter()
         .zip(&gv)

@@ -102,7 +102,10 @@ pub struct TmpChoice {
 impl TmpChoice {
     /// The part of the node's time that does not depend on its neighbours.
     fn node_cost(&self) -> f64 {
-        let dp_exposed = (self.dp_comm_s - self.bwd_s).max(0.0);
+        // Gradients are all-reduced once, after the last micro-step: only that micro-step's
+        // backward can hide them.
+        let steps = (self.group_batch / self.micro).ceil().max(1.0);
+        let dp_exposed = (self.dp_comm_s - self.bwd_s / steps).max(0.0);
         if self.sub_batches <= 1 {
             self.fwd_s + self.bwd_s + 2.0 * self.tp_comm_s + dp_exposed
         } else {
@@ -421,7 +424,13 @@ impl TmpProblem {
             if i + 1 < sol.picks.len() {
                 reshard += reshard_s(model, &CostModel::new(cluster), o, &self.sublayers[i + 1].options[sol.picks[i + 1]]);
             }
-            subs.push(SubLayerPlan { name: s.name.clone(), kind: s.kind, tp: o.tp, sub_batches: o.sub_batches, memory_gib: o.mem / GIB });
+            subs.push(SubLayerPlan {
+                name: s.name.clone(),
+                kind: s.kind,
+                tp: o.tp,
+                sub_batches: o.sub_batches,
+                memory_gib: o.mem / GIB,
+            });
         }
         Ok(TmpPlan {
             model: model.name.clone(),

@@ -1,1 +1,24 @@
-//! placeholder
+//! ironweave-sim: a deterministic discrete-event cluster simulator on `ironweave-plan`'s cost
+//! models.
+//!
+//! - [`engine`]: op DAGs on compute streams and links; links share bandwidth between
+//!   concurrent flows, training first when a link gives it priority. Virtual time only.
+//! - [`ckpt`]: MoE training with per-iteration checkpoints under the five strategies
+//!   (none, blocking, async, gemini, capricorn).
+//! - [`tp`]: tensor parallelism, Megatron's schedule vs the Oases plan.
+//! - [`sdp`]: sharded data parallelism, FSDP over one link vs the HSDP plan.
+//! - [`load`]: expert-load dynamics (seeded generator with temporal locality, or a trace).
+//! - [`svg`]: SVG timelines.
+//!
+//! Where it sits: above `ironweave-plan` (descriptions, cost model, planners), below the CLI
+//! (`ironweave simulate`). It does no IO and reads no clock.
+
+pub mod ckpt;
+pub mod engine;
+mod error;
+pub mod load;
+pub mod sdp;
+pub mod svg;
+pub mod tp;
+
+pub use error::{Result, SimError};

@@ -1,0 +1,203 @@
+//! `ironweave simulate tp|sdp|ckpt`: run a scenario in the discrete-event simulator, print a
+//! table, optionally write JSON and an SVG timeline.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use ironweave_plan::chain::Method;
+use ironweave_plan::{sdp as psdp, tmp, CostModel};
+use ironweave_sim::ckpt::{self, CkptOptions, Strategy};
+use ironweave_sim::load::{LoadSource, LoadTrace, SyntheticLoad};
+use ironweave_sim::{sdp, svg, tp};
+
+use crate::plan::{load_cluster, load_model, write_json};
+
+#[derive(Debug, clap::Args)]
+pub struct SimArgs {
+    /// Model description (configs/models/*.toml).
+    #[arg(long)]
+    model: PathBuf,
+    /// Cluster description (configs/clusters/*.toml).
+    #[arg(long)]
+    cluster: PathBuf,
+    /// Write the timeline here (SVG).
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// Write the results here (JSON).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// ckpt: iterations to simulate (the first is warm-up).
+    #[arg(long, default_value_t = 20)]
+    iterations: usize,
+    /// ckpt: seed of the expert-load generator.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// ckpt: expert loads from a recorded trace (JSON: {"experts": E, "iterations": [[[tokens per expert] per MoE layer] per iteration]}).
+    #[arg(long)]
+    load_trace: Option<PathBuf>,
+    /// ckpt: strategies to compare.
+    #[arg(long, value_delimiter = ',', default_value = "none,blocking,async,gemini,capricorn")]
+    strategies: Vec<String>,
+    /// Give training traffic priority over checkpoint traffic on every link.
+    #[arg(long)]
+    priority: bool,
+}
+
+fn ms(s: f64) -> String {
+    format!("{:.1} ms", s * 1e3)
+}
+
+fn write_svg(path: &Path, text: &str) -> Result<()> {
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+pub fn run(scenario: &str, a: &SimArgs) -> Result<()> {
+    match scenario {
+        "tp" => run_tp(a),
+        "sdp" => run_sdp(a),
+        "ckpt" => run_ckpt(a),
+        other => bail!("unknown scenario `{other}` (expected tp, sdp or ckpt)"),
+    }
+}
+
+fn run_tp(a: &SimArgs) -> Result<()> {
+    let (m, c) = (load_model(&a.model)?, load_cluster(&a.cluster)?);
+    let cm = CostModel::new(&c);
+    let opts = tmp::TmpOptions { solver: Method::Auto, ..Default::default() };
+    let problem = tmp::build(&m, &c, &cm, &opts)?;
+    let (sol, by) = problem.chain.solve(opts.solver, opts.time_limit_s, opts.mip_rel_gap)?;
+    let plan = problem.plan(&m, &c, &sol, by, &opts)?;
+    let picks_for = |t: u32, k: u32| -> Option<Vec<usize>> {
+        problem.sublayers.iter().map(|s| s.options.iter().position(|o| o.tp == t && o.sub_batches == k)).collect()
+    };
+    let mut runs = Vec::new();
+    if let Some(p) = picks_for(plan.megatron.tp, 1) {
+        runs.push(tp::simulate(&problem, &m, &cm, &p, &format!("Megatron TP={} (best uniform, no overlap)", plan.megatron.tp))?);
+    }
+    if let Some(u) = &plan.megatron_node {
+        if u.tp != plan.megatron.tp {
+            if let Some(p) = picks_for(u.tp, 1) {
+                runs.push(tp::simulate(&problem, &m, &cm, &p, &format!("Megatron TP={} (devices per node)", u.tp))?);
+            }
+        }
+    }
+    if let Some(u) = &plan.uniform_overlap {
+        if let Some(p) = picks_for(u.tp, 2) {
+            runs.push(tp::simulate(&problem, &m, &cm, &p, &format!("Oases schedule, uniform TP={}", u.tp))?);
+        }
+    }
+    runs.push(tp::simulate(&problem, &m, &cm, &sol.picks, "Oases plan")?);
+    let oases = runs.last().expect("pushed").simulated_s;
+    println!("Tensor parallelism: {} on {} ({} devices), one iteration", m.name, c.name, c.devices());
+    println!("  {:<44} {:>12} {:>12} {:>14}", "configuration", "predicted", "simulated", "Oases speedup");
+    for r in &runs {
+        println!("  {:<44} {:>12} {:>12} {:>13.2}x", r.name, ms(r.predicted_s), ms(r.simulated_s), r.simulated_s / oases);
+    }
+    if let Some(p) = &a.svg {
+        let (dag, tr) = runs.last().and_then(|r| r.trace.as_ref()).expect("trace");
+        write_svg(p, &svg::timeline(dag, tr, &format!("Oases plan: {} on {}", m.name, c.name), None))?;
+    }
+    if let Some(p) = &a.json {
+        write_json(p, &serde_json::json!({ "model": m.name, "cluster": c.name, "runs": runs, "plan": plan }))?;
+    }
+    Ok(())
+}
+
+fn run_sdp(a: &SimArgs) -> Result<()> {
+    let (m, c) = (load_model(&a.model)?, load_cluster(&a.cluster)?);
+    let cm = CostModel::new(&c);
+    let plan = psdp::plan(&m, &c, &cm, &psdp::SdpOptions::default())?;
+    let layers = psdp::layers(&m, &c, &cm)?;
+    let nl = layers.len();
+    let mut runs = vec![sdp::simulate(&layers, &m, &cm, &vec![1.0; nl], "FSDP FULL_SHARD (single inter-node path)")?];
+    if plan.hybrid.fits {
+        runs.push(sdp::simulate(&layers, &m, &cm, &vec![0.0; nl], "FSDP HYBRID_SHARD")?);
+    }
+    let g: Vec<f64> = plan.layers.iter().map(|l| l.global_fraction).collect();
+    runs.push(sdp::simulate(&layers, &m, &cm, &g, "HSDP plan")?);
+    let hsdp = runs.last().expect("pushed").simulated_s;
+    println!("Sharded data parallelism: {} on {} ({} devices), one iteration", m.name, c.name, c.devices());
+    if !plan.hybrid.fits {
+        println!(
+            "  (HYBRID_SHARD needs {:.1} GiB per device, over the {:.1} GiB budget: not a candidate)",
+            plan.hybrid.memory_gib, plan.memory_budget_gib
+        );
+    }
+    println!("  {:<44} {:>12} {:>12} {:>13}", "configuration", "predicted", "simulated", "HSDP speedup");
+    for r in &runs {
+        println!("  {:<44} {:>12} {:>12} {:>12.2}x", r.name, ms(r.predicted_s), ms(r.simulated_s), r.simulated_s / hsdp);
+    }
+    if let Some(p) = &a.svg {
+        let (dag, tr) = runs.last().and_then(|r| r.trace.as_ref()).expect("trace");
+        write_svg(p, &svg::timeline(dag, tr, &format!("HSDP plan: {} on {}", m.name, c.name), None))?;
+    }
+    if let Some(p) = &a.json {
+        write_json(p, &serde_json::json!({ "model": m.name, "cluster": c.name, "runs": runs, "plan": plan }))?;
+    }
+    Ok(())
+}
+
+fn run_ckpt(a: &SimArgs) -> Result<()> {
+    let (m, c) = (load_model(&a.model)?, load_cluster(&a.cluster)?);
+    let strategies: Vec<Strategy> = a.strategies.iter().map(|s| Strategy::parse(s.trim())).collect::<Result<_, _>>()?;
+    let load = match &a.load_trace {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading load trace {}", p.display()))?;
+            LoadSource::Trace(
+                serde_json::from_str::<LoadTrace>(&text).with_context(|| format!("parsing load trace {}", p.display()))?,
+            )
+        }
+        None => LoadSource::Synthetic(SyntheticLoad { seed: a.seed, ..Default::default() }),
+    };
+    let opts = CkptOptions { iterations: a.iterations, priority: a.priority, load: Some(load), ..Default::default() };
+    eprintln!("simulating {} iterations x {} strategies ...", opts.iterations, strategies.len());
+    let rep = ckpt::simulate(&m, &c, &strategies, &opts)?;
+    println!(
+        "Per-iteration checkpointing: {} on {} ({} devices), {:.2} GB of state per device, {} iterations (first excluded)",
+        rep.model,
+        rep.cluster,
+        rep.devices,
+        rep.state_bytes_per_device / 1e9,
+        opts.iterations
+    );
+    let none = rep.results.iter().find(|r| r.strategy == Strategy::None).map(|r| r.mean_iter_s);
+    let cap = rep.results.iter().find(|r| r.strategy == Strategy::Capricorn).map(|r| r.mean_iter_s);
+    println!(
+        "  {:<10} {:>11} {:>10} {:>18} {:>10} {:>10} {:>12}",
+        "strategy", "iteration", "overhead", "capricorn speedup", "accuracy", "profiled", "ckpt GB/it"
+    );
+    for r in &rep.results {
+        let over = none.map(|n| format!("{:+.1}%", (r.mean_iter_s / n - 1.0) * 100.0)).unwrap_or_else(|| "-".into());
+        let sp = cap.map(|c| format!("{:.2}x", r.mean_iter_s / c)).unwrap_or_else(|| "-".into());
+        let acc = r.partition_accuracy.map(|x| format!("{:.0}%", x * 100.0)).unwrap_or_else(|| "-".into());
+        println!(
+            "  {:<10} {:>11} {:>10} {:>18} {:>10} {:>10} {:>12.2}",
+            r.strategy.name(),
+            ms(r.mean_iter_s),
+            over,
+            sp,
+            acc,
+            r.profiling_activations,
+            r.ckpt_bytes_per_iter / 1e9
+        );
+    }
+    if let Some(p) = &a.svg {
+        let pick = rep.results.iter().find(|r| r.strategy == Strategy::Capricorn).or(rep.results.last());
+        if let Some(r) = pick {
+            let (dag, tr) = r.trace.as_ref().expect("trace");
+            // draw iterations 2 and 3
+            let start = |it: usize| dag.ops.iter().position(|o| o.name == format!("it{it} start")).map(|i| tr.ops[i].end);
+            let range = match (start(2), start(4)) {
+                (Some(x), Some(y)) => Some((x, y)),
+                _ => None,
+            };
+            write_svg(p, &svg::timeline(dag, tr, &format!("{}: {} on {}", r.strategy.name(), m.name, c.name), range))?;
+        }
+    }
+    if let Some(p) = &a.json {
+        write_json(p, &rep)?;
+    }
+    Ok(())
+}

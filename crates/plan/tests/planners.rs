@@ -1,0 +1,220 @@
+//! Planner tests: exact agreement of the ILP, the chain DP and brute force on random
+//! instances; memory always respected; SDP fractions well-formed; descriptions checked.
+
+use ironweave_plan::chain::{ChainProblem, Choice, Method, SolvedBy};
+use ironweave_plan::{sdp, tmp, ClusterDesc, CostModel, ModelDesc, PlanError};
+
+/// SplitMix64, so the instances are the same on every run.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    fn pick<T: Copy>(&mut self, v: &[T]) -> T {
+        v[(self.next() % v.len() as u64) as usize]
+    }
+}
+
+fn random_cluster(r: &mut Rng, mem_gib: f64) -> ClusterDesc {
+    let nodes = r.pick(&[1u32, 2]);
+    let dpn = r.pick(&[2u32, 4]);
+    let inter = if nodes > 1 {
+        format!(
+            "[[links]]\nname = \"ib\"\nscope = \"inter-node\"\nlatency_us = {}\nbandwidth_gbyte_s = {}\ninstances = 1\n",
+            1.0 + 10.0 * r.unit(),
+            1.0 + 20.0 * r.unit()
+        )
+    } else {
+        String::new()
+    };
+    let text = format!(
+        "name = \"rand\"\nnodes = {nodes}\ndevices_per_node = {dpn}\n\
+         device = {{ name = \"d\", peak_tflops = {}, efficiency = 0.5, memory_gib = {mem_gib} }}\n\
+         host = {{ memory_gib = 64.0, pcie_gbyte_s = 10.0, storage_gbyte_s = 1.0 }}\n\
+         [[links]]\nname = \"pcie\"\nscope = \"intra-node\"\nlatency_us = {}\nbandwidth_gbyte_s = {}\n{inter}",
+        5.0 + 100.0 * r.unit(),
+        1.0 + 10.0 * r.unit(),
+        2.0 + 50.0 * r.unit()
+    );
+    ClusterDesc::from_toml_str(&text).expect("random cluster is valid")
+}
+
+fn random_model(r: &mut Rng) -> ModelDesc {
+    let heads = r.pick(&[4u32, 8]);
+    let hidden = heads * r.pick(&[64u32, 128, 256]);
+    let text = format!(
+        "name = \"rand\"\nlayers = {}\nhidden = {hidden}\nheads = {heads}\nseq = {}\nglobal_batch = {}\nmicro_batch = {}\nvocab = {}\ndtype = \"fp16\"\n",
+        r.pick(&[1u32, 2]),
+        r.pick(&[256u32, 1024]),
+        r.pick(&[8u32, 16, 32]),
+        r.pick(&[2u32, 4]),
+        r.pick(&[1000u32, 32000]),
+    );
+    ModelDesc::from_toml_str(&text).expect("random model is valid")
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1e-12)
+}
+
+#[test]
+fn tmp_ilp_and_dp_equal_brute_force_on_random_instances() {
+    let mut r = Rng(42);
+    let (mut compared, mut binding) = (0, 0);
+    while compared < 24 {
+        let m = random_model(&mut r);
+        let c = random_cluster(&mut r, 1000.0);
+        let cm = CostModel::new(&c);
+        let opts = tmp::TmpOptions { reserve_gib: 0.0, ..Default::default() };
+        let mut p = match tmp::build(&m, &c, &cm, &opts) {
+            Ok(p) => p,
+            Err(PlanError::Infeasible { .. }) => continue,
+            Err(e) => panic!("{e}"),
+        };
+        // Put the budget between the smallest footprint and the unconstrained optimum's, so
+        // the memory row binds in most instances.
+        if r.unit() < 0.75 {
+            let free = p.chain.brute_force().expect("fits in 1000 GiB");
+            let min: f64 = p.chain.choices.iter().map(|c| c.iter().map(|x| x.mem).fold(f64::INFINITY, f64::min)).sum();
+            p.chain.mem_budget = min + (free.mem - min) * r.unit();
+        }
+        let brute = match p.chain.brute_force() {
+            Ok(b) => b,
+            Err(PlanError::Infeasible { .. }) => {
+                assert!(matches!(p.chain.solve_ilp(60.0, 0.0), Err(PlanError::Infeasible { .. })));
+                continue;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let ilp = p.chain.solve_ilp(60.0, 0.0).expect("ilp");
+        let (dp, by) = p.chain.solve(Method::Auto, 60.0, 0.0).expect("auto");
+        assert!(close(ilp.cost, brute.cost), "ILP {} vs brute force {} (instance {compared})", ilp.cost, brute.cost);
+        assert!(close(dp.cost, brute.cost), "{by:?} {} vs brute force {}", dp.cost, brute.cost);
+        for s in [&ilp, &dp, &brute] {
+            assert!(s.mem <= p.chain.mem_budget * (1.0 + 1e-9), "memory {} over budget {}", s.mem, p.chain.mem_budget);
+        }
+        if by != SolvedBy::ShortestPath {
+            binding += 1;
+        }
+        compared += 1;
+    }
+    assert!(binding >= 5, "only {binding} of the instances had a binding memory constraint; the test would not exercise it");
+}
+
+#[test]
+fn chain_ilp_equals_brute_force_on_random_chains() {
+    let mut r = Rng(7);
+    for inst in 0..25 {
+        let n = 2 + (r.next() % 4) as usize;
+        let choices: Vec<Vec<Choice>> = (0..n)
+            .map(|_| (0..(2 + r.next() % 4)).map(|_| Choice { cost: 10.0 * r.unit(), mem: 1.0 + 9.0 * r.unit() }).collect())
+            .collect();
+        let edges = (0..n - 1)
+            .map(|i| (0..choices[i].len()).map(|_| (0..choices[i + 1].len()).map(|_| 3.0 * r.unit()).collect()).collect())
+            .collect();
+        let min: f64 = choices.iter().map(|c| c.iter().map(|x| x.mem).fold(f64::INFINITY, f64::min)).sum();
+        let max: f64 = choices.iter().map(|c| c.iter().map(|x| x.mem).fold(0.0, f64::max)).sum();
+        let p = ChainProblem { choices, edges, mem_budget: min + (max - min) * r.unit() };
+        let b = p.brute_force().expect("feasible by construction");
+        let i = p.solve_ilp(60.0, 0.0).expect("ilp");
+        let (d, _) = p.solve(Method::Auto, 60.0, 0.0).expect("dp");
+        assert!(close(i.cost, b.cost), "instance {inst}: ILP {} vs brute force {}", i.cost, b.cost);
+        assert!(close(d.cost, b.cost), "instance {inst}: DP {} vs brute force {}", d.cost, b.cost);
+        assert!(i.mem <= p.mem_budget * (1.0 + 1e-9) && d.mem <= p.mem_budget * (1.0 + 1e-9));
+    }
+}
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(format!("{}/../../{path}", env!("CARGO_MANIFEST_DIR"))).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+fn files(dir: &str) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(format!("{}/../../{dir}", env!("CARGO_MANIFEST_DIR")))
+        .expect(dir)
+        .map(|e| format!("{dir}/{}", e.expect("entry").file_name().to_string_lossy()))
+        .filter(|p| p.ends_with(".toml"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn every_config_parses_and_plans_respect_memory() {
+    let clusters: Vec<ClusterDesc> =
+        files("configs/clusters").iter().map(|p| ClusterDesc::from_toml_str(&read(p)).expect(p)).collect();
+    let models: Vec<ModelDesc> = files("configs/models").iter().map(|p| ModelDesc::from_toml_str(&read(p)).expect(p)).collect();
+    assert!(clusters.len() >= 6 && models.len() >= 5);
+    for c in clusters.iter().filter(|c| c.devices() <= 64) {
+        let cm = CostModel::new(c);
+        for m in &models {
+            match tmp::plan(m, c, &cm, &tmp::TmpOptions::default()) {
+                Ok(plan) => {
+                    assert!(plan.memory_gib <= plan.memory_budget_gib * (1.0 + 1e-9), "{} on {}", m.name, c.name);
+                    assert!(
+                        plan.predicted_iter_s <= plan.megatron.iter_s * (1.0 + 1e-9),
+                        "plan worse than a baseline it contains"
+                    );
+                    assert!(plan.sublayers.iter().all(|s| c.devices() % s.tp == 0));
+                }
+                Err(PlanError::Infeasible { .. }) => {}
+                Err(e) => panic!("{} on {}: {e}", m.name, c.name),
+            }
+            match sdp::plan(m, c, &cm, &sdp::SdpOptions::default()) {
+                Ok(plan) => {
+                    assert!(plan.memory_gib <= plan.memory_budget_gib * (1.0 + 1e-6), "{} on {}", m.name, c.name);
+                    for l in &plan.layers {
+                        assert!((0.0..=1.0).contains(&l.global_fraction) && (0.0..=1.0).contains(&l.node_fraction));
+                        assert!(
+                            (l.global_fraction + l.node_fraction - 1.0).abs() < 1e-12,
+                            "fractions of {} sum to {}",
+                            l.name,
+                            l.global_fraction + l.node_fraction
+                        );
+                    }
+                    // the plan contains FULL_SHARD, so it is never slower (up to the tie-breaking weight)
+                    assert!(plan.predicted_iter_s <= plan.fsdp.iter_s * (1.0 + 1e-4));
+                }
+                Err(PlanError::Infeasible { .. }) => {}
+                Err(e) => panic!("{} on {}: {e}", m.name, c.name),
+            }
+        }
+    }
+}
+
+#[test]
+fn hsdp_moves_traffic_off_the_slow_link_when_it_pays() {
+    let m = ModelDesc::from_toml_str(&read("configs/models/gpt-40b.toml")).unwrap();
+    let c = ClusterDesc::from_toml_str(&read("configs/clusters/2x8-h100.toml")).unwrap();
+    let plan = sdp::plan(&m, &c, &CostModel::new(&c), &sdp::SdpOptions::default()).unwrap();
+    assert!(!plan.hybrid.fits);
+    assert!(plan.node_fraction_overall > 0.5 && plan.node_fraction_overall < 1.0, "{}", plan.node_fraction_overall);
+    assert!(plan.speedup_vs_best_baseline > 1.0);
+}
+
+#[test]
+fn bad_descriptions_are_typed_errors() {
+    let e = ClusterDesc::from_toml_str("name = \"x\"\nnodes = 0\ndevices_per_node = 4\n").unwrap_err();
+    assert!(matches!(e, PlanError::Parse { .. }), "{e}");
+    let good = read("configs/clusters/32x3090-pcie.toml");
+    let e = ClusterDesc::from_toml_str(&good.replace("nodes = 8", "nodes = 0")).unwrap_err();
+    assert!(matches!(e, PlanError::Invalid { .. }), "{e}");
+    let e = ClusterDesc::from_toml_str(&good.replace("efficiency = 0.45", "efficiency = 1.5")).unwrap_err();
+    assert!(e.to_string().contains("efficiency"), "{e}");
+    let e = ClusterDesc::from_toml_str(&format!("{good}\nbogus = 1\n")).unwrap_err();
+    assert!(e.to_string().contains("bogus"), "{e}");
+    let e = ModelDesc::from_toml_str(&read("configs/models/gpt-7b.toml").replace("heads = 32", "heads = 30")).unwrap_err();
+    assert!(matches!(e, PlanError::Invalid { .. }), "{e}");
+    // 13 B with 40 heads cannot be split finely enough for 24 GB devices
+    let m = ModelDesc::from_toml_str(&read("configs/models/gpt-13b.toml")).unwrap();
+    let c = ClusterDesc::from_toml_str(&good).unwrap();
+    let e = tmp::plan(&m, &c, &CostModel::new(&c), &tmp::TmpOptions::default()).unwrap_err();
+    assert!(matches!(e, PlanError::Infeasible { .. }), "{e}");
+    assert!(e.to_string().contains("GiB"), "{e}");
+}

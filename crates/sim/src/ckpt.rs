@@ -1,0 +1,583 @@
+//! MoE training with a checkpoint every iteration, under five strategies.
+//!
+//! One representative device is simulated (the cluster is symmetric; expert-parallel
+//! all-to-alls take as long as their busiest receiver, so the device sees the worst load).
+//! Resources: the device's compute stream, its share of the node's NICs (`nic`), NVLink, the
+//! PCIe path to host memory and its share of storage bandwidth.
+//!
+//! - `none`: training only.
+//! - `blocking`: after the optimizer step, copy the state to host and write it to the
+//!   (remote) file system; training waits.
+//! - `async` (TorchSnapshot): stage to host (training waits for the copy), then write in the
+//!   background with no traffic control; the next snapshot waits for the previous write.
+//! - `gemini`: copy to host, replicate to `replicas - 1` peers' host memory in fixed-size
+//!   chunks released at the time offsets of the network's idle spans, profiled once in the
+//!   first iteration.
+//! - `capricorn`: chunks sized to each predicted window and released when the training
+//!   communication before the window finishes; windows re-profiled only when expert load
+//!   drifts past a threshold (speculative activation).
+//!
+//! The in-memory strategies double-buffer the host copy: the copy of iteration `i` must finish
+//! before optimizer step `i + 1`, and the replication of `i - 1` before the copy of `i + 1`.
+
+use serde::{Deserialize, Serialize};
+
+use ironweave_plan::{desc::state_bytes_per_param, ClusterDesc, Coll, CostModel, ModelDesc};
+
+use crate::engine::{run, Class, Dag, OpId, ResId, Trace};
+use crate::error::{Result, SimError};
+use crate::load::{drift, shares, LoadSource, SyntheticLoad};
+
+/// The five strategies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// No checkpoint.
+    None,
+    /// Stop and write to storage.
+    Blocking,
+    /// TorchSnapshot-like asynchronous write.
+    Async,
+    /// Gemini-like in-memory replication, profiled once.
+    Gemini,
+    /// Capricorn.
+    Capricorn,
+}
+
+impl Strategy {
+    /// All five, in table order.
+    pub const ALL: [Strategy; 5] = [Strategy::None, Strategy::Blocking, Strategy::Async, Strategy::Gemini, Strategy::Capricorn];
+    /// Name as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::None => "none",
+            Strategy::Blocking => "blocking",
+            Strategy::Async => "async",
+            Strategy::Gemini => "gemini",
+            Strategy::Capricorn => "capricorn",
+        }
+    }
+    /// Parse a command-line name.
+    pub fn parse(s: &str) -> Result<Self> {
+        Strategy::ALL.into_iter().find(|x| x.name() == s).ok_or_else(|| {
+            SimError::Invalid(format!("unknown strategy `{s}` (expected none, blocking, async, gemini, capricorn)"))
+        })
+    }
+}
+
+/// Scenario knobs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CkptOptions {
+    /// Iterations to simulate (the first is warm-up/profiling and is not averaged).
+    pub iterations: usize,
+    /// Copies of each snapshot in host memory, including the local one (Gemini's m).
+    pub replicas: u32,
+    /// Gemini's fixed chunk size, bytes.
+    pub gemini_chunk_bytes: f64,
+    /// Capricorn fills this fraction of a predicted window (slack for misprediction).
+    pub window_fill: f64,
+    /// Drift (total variation, worst layer) above which Capricorn re-profiles.
+    pub drift_threshold: f64,
+    /// Cost of a profiling iteration, as a fraction of its compute.
+    pub profile_overhead: f64,
+    /// Give training traffic priority on the links (off: fair sharing, as plain TCP/IB).
+    pub priority: bool,
+    /// Expert loads.
+    pub load: Option<LoadSource>,
+}
+
+impl Default for CkptOptions {
+    fn default() -> Self {
+        CkptOptions {
+            iterations: 20,
+            replicas: 2,
+            gemini_chunk_bytes: 64.0 * 1024.0 * 1024.0,
+            window_fill: 0.9,
+            drift_threshold: 0.15,
+            profile_overhead: 0.02,
+            priority: false,
+            load: None,
+        }
+    }
+}
+
+/// Result of one strategy.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StrategyResult {
+    /// Strategy.
+    pub strategy: Strategy,
+    /// Iteration times (after the first).
+    pub iter_s: Vec<f64>,
+    /// Mean of `iter_s`.
+    pub mean_iter_s: f64,
+    /// Checkpoint bytes sent over the NIC per iteration.
+    pub ckpt_bytes_per_iter: f64,
+    /// Chunks that ran only while no training flow was on the NIC / all chunks.
+    pub partition_accuracy: Option<f64>,
+    /// Iterations in which profiling ran.
+    pub profiling_activations: usize,
+    /// The trace (for timelines).
+    #[serde(skip)]
+    pub trace: Option<(Dag, Trace)>,
+}
+
+/// The table of all strategies.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CkptReport {
+    /// Model.
+    pub model: String,
+    /// Cluster.
+    pub cluster: String,
+    /// Devices.
+    pub devices: u32,
+    /// Checkpoint bytes per device per iteration.
+    pub state_bytes_per_device: f64,
+    /// Per strategy.
+    pub results: Vec<StrategyResult>,
+}
+
+struct Setup {
+    compute: ResId,
+    nic: ResId,
+    nvl: ResId,
+    pcie: ResId,
+    storage: ResId,
+}
+
+/// Per-layer costs of the representative device.
+struct Costs {
+    attn_s: f64,
+    mlp_s: f64,
+    expert_base_s: f64,
+    a2a_nic_bytes: f64,
+    a2a_nvl_bytes: f64,
+    a2a_lat: f64,
+    grad_nic_bytes: Vec<f64>,
+    grad_nvl_bytes: Vec<f64>,
+    opt_s: f64,
+    head_s: f64,
+    local_experts: Vec<Vec<usize>>, // per device of the EP group: its experts
+    capacity: f64,
+}
+
+fn costs(model: &ModelDesc, cluster: &ClusterDesc) -> Result<Costs> {
+    let moe = model.moe.as_ref().ok_or_else(|| SimError::Invalid(format!("model `{}` has no [moe] section", model.name)))?;
+    let n = cluster.devices();
+    let dpn = cluster.devices_per_node;
+    let ep = moe.experts.min(n);
+    if moe.experts % ep != 0 || n % ep != 0 {
+        return Err(SimError::Invalid(format!(
+            "experts ({}) and devices ({n}) must be multiples of the expert-parallel group size {ep}",
+            moe.experts
+        )));
+    }
+    let cm = CostModel::new(cluster);
+    let seqs = model.global_batch as f64 / n as f64;
+
+    let tokens = seqs * model.seq as f64;
+    let elem = model.dtype.bytes();
+    // all-to-all within the EP group: the share that leaves the node crosses the NIC
+    let m = ep.min(dpn);
+    let a2a_bytes = tokens * moe.top_k as f64 * model.hidden as f64 * elem;
+    let off_node = if ep > m { (ep - m) as f64 / ep as f64 } else { 0.0 };
+    let on_node = (m - 1) as f64 / ep as f64;
+    let ep_path = cm.group(ep, m);
+    let mut grad_nic = Vec::new();
+    let mut grad_nvl = Vec::new();
+    let nodes = cluster.nodes as f64;
+    for l in 0..model.layers {
+        // dense parameters: all devices; experts: replicas across EP groups
+        let dense = model.attn_params() + if model.is_moe_layer(l) { 0.0 } else { model.mlp_params() };
+        let expert = if model.is_moe_layer(l) { model.ffn_params(l) / ep as f64 } else { 0.0 };
+        let bytes = (dense + expert) * elem;
+        // hierarchical all-reduce: reduce-scatter in the node, all-reduce of 1/dpn across nodes
+        grad_nic.push(if nodes > 1.0 { bytes / dpn as f64 * 2.0 * (nodes - 1.0) / nodes } else { 0.0 });
+        grad_nvl.push(bytes * 2.0 * (dpn as f64 - 1.0) / dpn as f64);
+    }
+    let local: Vec<Vec<usize>> =
+        (0..ep as usize).map(|d| (0..moe.experts as usize).filter(|e| e % ep as usize == d).collect()).collect();
+    let state_per_dev = model.total_params() * state_bytes_per_param(model.dtype) / n as f64;
+    Ok(Costs {
+        attn_s: cm.compute_time("attn", model.attn_flops(seqs)),
+        mlp_s: cm.compute_time("mlp", model.mlp_flops(seqs)),
+        expert_base_s: cm.compute_time("expert", model.mlp_flops(seqs) * moe.top_k as f64),
+        a2a_nic_bytes: a2a_bytes * off_node,
+        a2a_nvl_bytes: a2a_bytes * on_node,
+        a2a_lat: Coll::AllToAll.steps(ep) * ep_path.latency_s,
+        grad_nic_bytes: grad_nic,
+        grad_nvl_bytes: grad_nvl,
+        // the optimizer reads and writes the whole fp32 state once at HBM speed (~2 TB/s)
+        opt_s: state_per_dev * 2.0 / 2e12,
+        head_s: cm.compute_time("head", model.head_flops(seqs)),
+        local_experts: local,
+        capacity: moe.capacity_factor,
+    })
+}
+
+/// How much more than average the busiest device of the EP group receives, capped by capacity.
+fn hot_factor(c: &Costs, share: &[f64]) -> f64 {
+    let devs = c.local_experts.len() as f64;
+    let worst = c.local_experts.iter().map(|ex| ex.iter().map(|&e| share[e]).sum::<f64>()).fold(0.0, f64::max);
+    (worst * devs).clamp(1.0 / devs, c.capacity)
+}
+
+/// Training ops of one iteration. Returns (end op, NIC training ops in order).
+#[allow(clippy::too_many_arguments)] // one call site per use; a struct would only rename them
+fn iteration(
+    dag: &mut Dag,
+    s: &Setup,
+    model: &ModelDesc,
+    c: &Costs,
+    share: &[Vec<f64>],
+    start: OpId,
+    opt_deps: &[OpId],
+    extra_compute: f64,
+    it: usize,
+) -> (OpId, Vec<OpId>) {
+    let mut nic_ops = Vec::new();
+    let a2a = |dag: &mut Dag, name: String, hot: f64, deps: Vec<OpId>, nic_ops: &mut Vec<OpId>| -> OpId {
+        let x =
+            dag.transfer(format!("{name} nic"), "a2a", s.nic, c.a2a_nic_bytes * hot, c.a2a_lat, Class::Training, deps.clone());
+        nic_ops.push(x);
+        let y = dag.transfer(format!("{name} nvlink"), "a2a", s.nvl, c.a2a_nvl_bytes * hot, c.a2a_lat, Class::Training, deps);
+        dag.mark(name, vec![x, y])
+    };
+    let mut prev = start;
+    let mut moe_idx = 0;
+    let mut hots = Vec::new();
+    for l in 0..model.layers {
+        let a = dag.compute(format!("it{it} L{l} attn fwd"), "compute", s.compute, c.attn_s, vec![prev]);
+        if model.is_moe_layer(l) {
+            let hot = hot_factor(c, &share[moe_idx]);
+            hots.push(hot);
+            moe_idx += 1;
+            let d = a2a(dag, format!("it{it} L{l} dispatch"), hot, vec![a], &mut nic_ops);
+            let e = dag.compute(format!("it{it} L{l} experts fwd"), "compute", s.compute, c.expert_base_s * hot, vec![d]);
+            prev = a2a(dag, format!("it{it} L{l} combine"), hot, vec![e], &mut nic_ops);
+        } else {
+            hots.push(0.0);
+            prev = dag.compute(format!("it{it} L{l} mlp fwd"), "compute", s.compute, c.mlp_s, vec![a]);
+        }
+    }
+    prev = dag.compute(format!("it{it} head"), "compute", s.compute, c.head_s * 3.0 + extra_compute, vec![prev]);
+    let mut grads = Vec::new();
+    for l in (0..model.layers).rev() {
+        if model.is_moe_layer(l) {
+            let hot = hots[l as usize];
+            let d = a2a(dag, format!("it{it} L{l} combine bwd"), hot, vec![prev], &mut nic_ops);
+            let e = dag.compute(format!("it{it} L{l} experts bwd"), "compute", s.compute, 2.0 * c.expert_base_s * hot, vec![d]);
+            prev = a2a(dag, format!("it{it} L{l} dispatch bwd"), hot, vec![e], &mut nic_ops);
+        } else {
+            prev = dag.compute(format!("it{it} L{l} mlp bwd"), "compute", s.compute, 2.0 * c.mlp_s, vec![prev]);
+        }
+        prev = dag.compute(format!("it{it} L{l} attn bwd"), "compute", s.compute, 2.0 * c.attn_s, vec![prev]);
+        let g1 = dag.transfer(
+            format!("it{it} L{l} grad nic"),
+            "grad",
+            s.nic,
+            c.grad_nic_bytes[l as usize],
+            0.0,
+            Class::Training,
+            vec![prev],
+        );
+        nic_ops.push(g1);
+        let g2 = dag.transfer(
+            format!("it{it} L{l} grad nvlink"),
+            "grad",
+            s.nvl,
+            c.grad_nvl_bytes[l as usize],
+            0.0,
+            Class::Training,
+            vec![prev],
+        );
+        grads.push(g1);
+        grads.push(g2);
+    }
+    let mut deps = grads;
+    deps.push(prev);
+    deps.extend_from_slice(opt_deps);
+    let end = dag.compute(format!("it{it} optimizer"), "compute", s.compute, c.opt_s, deps);
+    (end, nic_ops)
+}
+
+fn setup(dag: &mut Dag, cluster: &ClusterDesc, priority: bool) -> Setup {
+    let cm = CostModel::new(cluster);
+    let dpn = cluster.devices_per_node as f64;
+    let nic_bw = cluster.inter_link().map(|l| l.bytes_per_s() * l.instances.unwrap_or(1) as f64 / dpn).unwrap_or(f64::INFINITY);
+    let nvl_bw = cm.node_group().bytes_per_s;
+    Setup {
+        compute: dag.stream("gpu"),
+        nic: dag.link("nic", if nic_bw.is_finite() { nic_bw } else { 1e15 }, priority),
+        nvl: dag.link("nvlink", if nvl_bw.is_finite() { nvl_bw } else { 1e15 }, priority),
+        pcie: dag.link("pcie", cluster.host.pcie_gbyte_s * 1e9, priority),
+        storage: dag.link("storage", cluster.host.storage_gbyte_s * 1e9 / dpn, priority),
+    }
+}
+
+/// An idle window of the NIC in a training-only iteration.
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    /// Index (within the iteration's NIC training ops) of the op whose end opens the window;
+    /// `None`: the iteration's start.
+    after: Option<usize>,
+    /// Offset from the iteration start.
+    offset: f64,
+    /// Length.
+    len: f64,
+}
+
+/// Idle windows of the NIC in a training-only iteration with these loads.
+fn windows(model: &ModelDesc, cluster: &ClusterDesc, c: &Costs, share: &[Vec<f64>]) -> Result<Vec<Window>> {
+    let mut dag = Dag::default();
+    let s = setup(&mut dag, cluster, false);
+    let start = dag.mark("start", vec![]);
+    let (end, nic) = iteration(&mut dag, &s, model, c, share, start, &[], 0.0, 0);
+    let tr = run(&dag)?;
+    let t_end = tr.ops[end].end;
+    // merge NIC busy intervals, then gaps after each op
+    let t0 = tr.ops[start].end;
+    let mut iv: Vec<(f64, f64, usize)> = nic.iter().enumerate().map(|(k, &o)| (tr.ops[o].start, tr.ops[o].end, k)).collect();
+    iv.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.2.cmp(&b.2)));
+    let mut out = Vec::new();
+    let mut cursor = t0;
+    let mut opener: Option<usize> = None;
+    for (a, b, k) in iv {
+        if a > cursor + 1e-9 {
+            out.push(Window { after: opener, offset: cursor - t0, len: a - cursor });
+        }
+        if b >= cursor {
+            cursor = b;
+            opener = Some(k);
+        }
+    }
+    if t_end > cursor + 1e-9 {
+        out.push(Window { after: opener, offset: cursor - t0, len: t_end - cursor });
+    }
+    Ok(out)
+}
+
+/// Run the scenario for the given strategies.
+pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy], opts: &CkptOptions) -> Result<CkptReport> {
+    model.validate()?;
+    cluster.validate()?;
+    if opts.iterations < 2 {
+        return Err(SimError::Invalid("need at least 2 iterations (the first is warm-up)".into()));
+    }
+    if opts.replicas < 1
+        || !(opts.window_fill > 0.0 && opts.window_fill <= 1.0)
+        || opts.gemini_chunk_bytes.is_nan()
+        || opts.gemini_chunk_bytes <= 0.0
+    {
+        return Err(SimError::Invalid("replicas ≥ 1, window_fill in (0, 1], gemini_chunk_bytes > 0".into()));
+    }
+    let c = costs(model, cluster)?;
+    let moe = model.moe.as_ref().expect("checked in costs");
+    let moe_layers = (0..model.layers).filter(|&l| model.is_moe_layer(l)).count();
+    let src = opts.load.clone().unwrap_or(LoadSource::Synthetic(SyntheticLoad::default()));
+    let loads = shares(&src, opts.iterations, moe_layers, moe.experts)?;
+    let state = model.total_params() * state_bytes_per_param(model.dtype) / cluster.devices() as f64;
+    let repl_bytes = state * (opts.replicas - 1) as f64;
+    // Windows per iteration as the profiler would see them (training-only timing).
+    let mut win: Vec<Vec<Window>> = Vec::with_capacity(opts.iterations);
+    for l in &loads {
+        win.push(windows(model, cluster, &c, l)?);
+    }
+    let compute_per_iter: f64 = (c.attn_s * 3.0 + c.mlp_s * 3.0) * model.layers as f64;
+    let mut results = Vec::new();
+    for &strat in strategies {
+        let mut dag = Dag::default();
+        let s = setup(&mut dag, cluster, opts.priority);
+        let mut starts = Vec::new();
+        let mut ends = Vec::new();
+        let mut chunk_ops: Vec<OpId> = Vec::new();
+        let mut prev_end: Option<OpId> = None;
+        let mut d2h: Vec<OpId> = Vec::new();
+        let mut sends_done: Vec<OpId> = Vec::new();
+        let mut writes: Vec<OpId> = Vec::new();
+        let mut activations = 0usize;
+        let mut plan_src = 0usize; // iteration whose windows Capricorn's plan uses
+        let mut ref_load = 0usize;
+        for it in 0..opts.iterations {
+            // what the next iteration's start waits for
+            let mut start_deps: Vec<OpId> = prev_end.into_iter().collect();
+            match strat {
+                Strategy::Blocking => start_deps.extend(writes.last()),
+                Strategy::Async => start_deps.extend(d2h.last()),
+                _ => {}
+            }
+            let start = dag.mark(format!("it{it} start"), start_deps);
+            starts.push(start);
+            // Capricorn: speculative activation of profiling
+            let mut extra = 0.0;
+            if strat == Strategy::Capricorn && it > 0 && drift(&loads[it], &loads[ref_load]) > opts.drift_threshold {
+                activations += 1;
+                extra = opts.profile_overhead * compute_per_iter;
+            }
+            if strat == Strategy::Capricorn && it == 0 {
+                activations += 1;
+                extra = opts.profile_overhead * compute_per_iter;
+            }
+            let activated = extra > 0.0;
+            let opt_deps: Vec<OpId> = match strat {
+                Strategy::Gemini | Strategy::Capricorn => d2h.last().copied().into_iter().collect(),
+                _ => vec![],
+            };
+            let (end, nic_ops) = iteration(&mut dag, &s, model, &c, &loads[it], start, &opt_deps, extra, it);
+            // replicate the previous snapshot during this iteration
+            if matches!(strat, Strategy::Gemini | Strategy::Capricorn) && it > 0 {
+                let snap = *d2h.last().expect("snapshot of the previous iteration");
+                let mut left = repl_bytes;
+                let mut prev_chunk: Option<OpId> = None;
+                let mut k = 0;
+                let nic_bw = dag.resources[s.nic].bytes_per_s.unwrap_or(1.0);
+                if strat == Strategy::Gemini {
+                    // spans profiled once (iteration 0), chunks of fixed size at their offsets
+                    for w in &win[0] {
+                        let mut cap = w.len * nic_bw;
+                        let mut at = w.offset;
+                        while cap >= opts.gemini_chunk_bytes * 0.5 && left > 0.0 {
+                            let b = opts.gemini_chunk_bytes.min(left);
+                            let timer = dag.delay(format!("it{it} gemini timer {k}"), at, vec![start]);
+                            let mut deps = vec![timer, snap];
+                            deps.extend(prev_chunk);
+                            let ch =
+                                dag.transfer(format!("it{it} ckpt chunk {k}"), "ckpt", s.nic, b, 0.0, Class::Checkpoint, deps);
+                            chunk_ops.push(ch);
+                            prev_chunk = Some(ch);
+                            left -= b;
+                            cap -= b;
+                            at += b / nic_bw;
+                            k += 1;
+                        }
+                    }
+                } else {
+                    // windows predicted from the last profiled iteration, tied to training events
+                    for w in &win[plan_src] {
+                        if left <= 0.0 {
+                            break;
+                        }
+                        let b = (w.len * nic_bw * opts.window_fill).min(left);
+                        if b < 1.0 {
+                            continue;
+                        }
+                        let trigger = match w.after {
+                            Some(k) => nic_ops[k.min(nic_ops.len() - 1)],
+                            None => start,
+                        };
+                        let mut deps = vec![trigger, snap];
+                        deps.extend(prev_chunk);
+                        let ch = dag.transfer(format!("it{it} ckpt chunk {k}"), "ckpt", s.nic, b, 0.0, Class::Checkpoint, deps);
+                        chunk_ops.push(ch);
+                        prev_chunk = Some(ch);
+                        left -= b;
+                        k += 1;
+                    }
+                }
+                if left > 0.0 {
+                    // what did not fit goes after the iteration's training traffic
+                    let mut deps = vec![end, snap];
+                    deps.extend(prev_chunk);
+                    let ch = dag.transfer(format!("it{it} ckpt leftover"), "ckpt", s.nic, left, 0.0, Class::Checkpoint, deps);
+                    chunk_ops.push(ch);
+                    prev_chunk = Some(ch);
+                }
+                let done = dag.mark(format!("it{it} replicated"), prev_chunk.into_iter().collect());
+                sends_done.push(done);
+            }
+            if activated {
+                plan_src = it;
+                ref_load = it;
+            }
+            // snapshot / write after the optimizer step
+            match strat {
+                Strategy::None => {}
+                Strategy::Blocking => {
+                    let h = dag.transfer(format!("it{it} d2h"), "ckpt", s.pcie, state, 0.0, Class::Checkpoint, vec![end]);
+                    d2h.push(h);
+                    let w1 = dag.transfer(format!("it{it} write nic"), "ckpt", s.nic, state, 0.0, Class::Checkpoint, vec![h]);
+                    let w2 =
+                        dag.transfer(format!("it{it} write storage"), "ckpt", s.storage, state, 0.0, Class::Checkpoint, vec![h]);
+                    writes.push(dag.mark(format!("it{it} written"), vec![w1, w2]));
+                }
+                Strategy::Async => {
+                    let mut deps = vec![end];
+                    deps.extend(writes.last());
+                    let h = dag.transfer(format!("it{it} d2h"), "ckpt", s.pcie, state, 0.0, Class::Checkpoint, deps);
+                    d2h.push(h);
+                    let w1 = dag.transfer(format!("it{it} write nic"), "ckpt", s.nic, state, 0.0, Class::Checkpoint, vec![h]);
+                    let w2 =
+                        dag.transfer(format!("it{it} write storage"), "ckpt", s.storage, state, 0.0, Class::Checkpoint, vec![h]);
+                    writes.push(dag.mark(format!("it{it} written"), vec![w1, w2]));
+                }
+                Strategy::Gemini | Strategy::Capricorn => {
+                    // double buffer: the buffer being filled was sent two iterations ago
+                    let mut deps = vec![end];
+                    if sends_done.len() >= 2 {
+                        deps.push(sends_done[sends_done.len() - 2]);
+                    }
+                    d2h.push(dag.transfer(format!("it{it} d2h"), "ckpt", s.pcie, state, 0.0, Class::Checkpoint, deps));
+                }
+            }
+            ends.push(end);
+            prev_end = Some(end);
+        }
+        let tr = run(&dag)?;
+        // iteration time: from one start to the next (the last: to its end plus what blocks the next)
+        let mut iter_s = Vec::new();
+        for it in 1..opts.iterations {
+            let next = if it + 1 < opts.iterations {
+                tr.ops[starts[it + 1]].end
+            } else {
+                let mut e = tr.ops[ends[it]].end;
+                match strat {
+                    Strategy::Blocking => e = e.max(tr.ops[*writes.last().expect("written")].end),
+                    Strategy::Async => e = e.max(tr.ops[*d2h.last().expect("copied")].end),
+                    _ => {}
+                }
+                e
+            };
+            iter_s.push(next - tr.ops[starts[it]].end);
+        }
+        let mean = iter_s.iter().sum::<f64>() / iter_s.len() as f64;
+        let accuracy = if chunk_ops.is_empty() {
+            None
+        } else {
+            let inside = chunk_ops
+                .iter()
+                .filter(|&&ch| {
+                    let r = tr.ops[ch];
+                    !tr.spans
+                        .iter()
+                        .any(|sp| sp.res == s.nic && sp.training_flows > 0 && sp.t0 < r.end - 1e-12 && sp.t1 > r.start + 1e-12)
+                })
+                .count();
+            Some(inside as f64 / chunk_ops.len() as f64)
+        };
+        let ckpt_bytes = match strat {
+            Strategy::None => 0.0,
+            Strategy::Blocking | Strategy::Async => state,
+            _ => repl_bytes,
+        };
+        results.push(StrategyResult {
+            strategy: strat,
+            iter_s,
+            mean_iter_s: mean,
+            ckpt_bytes_per_iter: ckpt_bytes,
+            partition_accuracy: accuracy,
+            profiling_activations: match strat {
+                Strategy::Capricorn => activations,
+                Strategy::Gemini => 1,
+                _ => 0,
+            },
+            trace: Some((dag, tr)),
+        });
+    }
+    Ok(CkptReport {
+        model: model.name.clone(),
+        cluster: cluster.name.clone(),
+        devices: cluster.devices(),
+        state_bytes_per_device: state,
+        results,
+    })
+}
