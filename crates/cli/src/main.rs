@@ -129,6 +129,9 @@ struct PlanArgs {
     /// TMP: solve with HiGHS branch and bound even where the exact chain algorithms apply.
     #[arg(long)]
     highs: bool,
+    /// Override the model's global batch (sequences per iteration), e.g. to scale it with the cluster.
+    #[arg(long)]
+    global_batch: Option<u32>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -397,8 +400,10 @@ fn run(cli: Cli) -> Result<i32> {
         }
         Cmd::Plan { what } => {
             match what {
-                PlanCmd::Tmp(a) => plan::tmp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref(), a.highs)?,
-                PlanCmd::Sdp(a) => plan::sdp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref())?,
+                PlanCmd::Tmp(a) => {
+                    plan::tmp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref(), a.highs, a.global_batch)?
+                }
+                PlanCmd::Sdp(a) => plan::sdp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref(), a.global_batch)?,
             }
             Ok(0)
         }

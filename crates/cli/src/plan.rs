@@ -8,9 +8,14 @@ use anyhow::{Context, Result};
 use ironweave_plan::chain::{Method, SolvedBy};
 use ironweave_plan::{sdp, tmp, ClusterDesc, CostModel, ModelDesc, ProfileTable};
 
-pub fn load_model(path: &Path) -> Result<ModelDesc> {
+pub fn load_model(path: &Path, global_batch: Option<u32>) -> Result<ModelDesc> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading model file {}", path.display()))?;
-    ModelDesc::from_toml_str(&text).with_context(|| format!("in {}", path.display()))
+    let mut m = ModelDesc::from_toml_str(&text).with_context(|| format!("in {}", path.display()))?;
+    if let Some(b) = global_batch {
+        m.global_batch = b;
+        m.validate()?;
+    }
+    Ok(m)
 }
 
 pub fn load_cluster(path: &Path) -> Result<ClusterDesc> {
@@ -47,8 +52,15 @@ fn runs<T: PartialEq + Copy>(names: &[String], keys: &[T]) -> Vec<(String, Strin
     out
 }
 
-pub fn tmp(model: &Path, cluster: &Path, profile: Option<&Path>, json: Option<&Path>, highs_only: bool) -> Result<()> {
-    let (m, c) = (load_model(model)?, load_cluster(cluster)?);
+pub fn tmp(
+    model: &Path,
+    cluster: &Path,
+    profile: Option<&Path>,
+    json: Option<&Path>,
+    highs_only: bool,
+    global_batch: Option<u32>,
+) -> Result<()> {
+    let (m, c) = (load_model(model, global_batch)?, load_cluster(cluster)?);
     let prof = load_profile(profile)?;
     let mut cm = CostModel::new(&c);
     cm.profile = prof.as_ref();
@@ -109,8 +121,8 @@ pub fn tmp(model: &Path, cluster: &Path, profile: Option<&Path>, json: Option<&P
     Ok(())
 }
 
-pub fn sdp(model: &Path, cluster: &Path, profile: Option<&Path>, json: Option<&Path>) -> Result<()> {
-    let (m, c) = (load_model(model)?, load_cluster(cluster)?);
+pub fn sdp(model: &Path, cluster: &Path, profile: Option<&Path>, json: Option<&Path>, global_batch: Option<u32>) -> Result<()> {
+    let (m, c) = (load_model(model, global_batch)?, load_cluster(cluster)?);
     let prof = load_profile(profile)?;
     let mut cm = CostModel::new(&c);
     cm.profile = prof.as_ref();

@@ -41,6 +41,9 @@ pub struct SimArgs {
     /// Give training traffic priority over checkpoint traffic on every link.
     #[arg(long)]
     priority: bool,
+    /// Override the model's global batch (sequences per iteration), e.g. to scale it with the cluster.
+    #[arg(long)]
+    global_batch: Option<u32>,
 }
 
 fn ms(s: f64) -> String {
@@ -63,7 +66,7 @@ pub fn run(scenario: &str, a: &SimArgs) -> Result<()> {
 }
 
 fn run_tp(a: &SimArgs) -> Result<()> {
-    let (m, c) = (load_model(&a.model)?, load_cluster(&a.cluster)?);
+    let (m, c) = (load_model(&a.model, a.global_batch)?, load_cluster(&a.cluster)?);
     let cm = CostModel::new(&c);
     let opts = tmp::TmpOptions { solver: Method::Auto, ..Default::default() };
     let problem = tmp::build(&m, &c, &cm, &opts)?;
@@ -106,7 +109,7 @@ fn run_tp(a: &SimArgs) -> Result<()> {
 }
 
 fn run_sdp(a: &SimArgs) -> Result<()> {
-    let (m, c) = (load_model(&a.model)?, load_cluster(&a.cluster)?);
+    let (m, c) = (load_model(&a.model, a.global_batch)?, load_cluster(&a.cluster)?);
     let cm = CostModel::new(&c);
     let plan = psdp::plan(&m, &c, &cm, &psdp::SdpOptions::default())?;
     let layers = psdp::layers(&m, &c, &cm)?;
@@ -140,7 +143,7 @@ fn run_sdp(a: &SimArgs) -> Result<()> {
 }
 
 fn run_ckpt(a: &SimArgs) -> Result<()> {
-    let (m, c) = (load_model(&a.model)?, load_cluster(&a.cluster)?);
+    let (m, c) = (load_model(&a.model, a.global_batch)?, load_cluster(&a.cluster)?);
     let strategies: Vec<Strategy> = a.strategies.iter().map(|s| Strategy::parse(s.trim())).collect::<Result<_, _>>()?;
     let load = match &a.load_trace {
         Some(p) => {

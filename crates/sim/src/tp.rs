@@ -60,15 +60,19 @@ pub fn simulate(problem: &TmpProblem, model: &ModelDesc, cm: &CostModel<'_>, pic
             dp_links.insert(c.tp, dag.link(&format!("dp{} ({})", n / c.tp, g.links.join("+")), g.bytes_per_s, false));
         }
     }
+    // All sub-layers run the same number of micro-steps (the most any of them needs); a
+    // sub-layer with a smaller tensor group has fewer sequences, so it handles
+    // `group_batch / steps` of them per step.
     let steps = ch.iter().map(|c| (c.group_batch / c.micro).ceil() as usize).max().unwrap_or(1);
     let elem = model.dtype.bytes();
+    let per_step = |c: &TmpChoice| c.group_batch / steps as f64;
     let mut all: Vec<OpId> = Vec::new();
     let mut prev_step_end = dag.mark("start", vec![]);
     let allreduce = |dag: &mut Dag, c: &TmpChoice, name: String, dep: OpId, tp_links: &BTreeMap<u32, ResId>| -> OpId {
         match tp_links.get(&c.tp) {
             Some(&link) => {
                 let g = cm.tp_group(c.tp);
-                let bytes = model.activation_bytes(c.micro / c.sub_batches as f64) * Coll::AllReduce.bus_factor(c.tp);
+                let bytes = model.activation_bytes(per_step(c) / c.sub_batches as f64) * Coll::AllReduce.bus_factor(c.tp);
                 dag.transfer(name, "tp-comm", link, bytes, Coll::AllReduce.steps(c.tp) * g.latency_s, Class::Training, vec![dep])
             }
             None => dep,
@@ -80,7 +84,7 @@ pub fn simulate(problem: &TmpProblem, model: &ModelDesc, cm: &CostModel<'_>, pic
             match tp_links.get(&big.tp) {
                 Some(&link) if a.tp != b.tp => {
                     let g = cm.tp_group(big.tp);
-                    let bytes = model.activation_bytes(big.micro) * Coll::AllToAll.bus_factor(big.tp);
+                    let bytes = model.activation_bytes(per_step(big)) * Coll::AllToAll.bus_factor(big.tp);
                     dag.transfer(name, "reshard", link, bytes, Coll::AllToAll.steps(big.tp) * g.latency_s, Class::Training, deps)
                 }
                 _ => dag.mark(name, deps),
