@@ -132,6 +132,9 @@ struct PlanArgs {
     /// Override the model's global batch (sequences per iteration), e.g. to scale it with the cluster.
     #[arg(long)]
     global_batch: Option<u32>,
+    /// Use link figures measured by `ironweave cluster probe --json FILE` instead of the description's.
+    #[arg(long)]
+    probe: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -400,10 +403,18 @@ fn run(cli: Cli) -> Result<i32> {
         }
         Cmd::Plan { what } => {
             match what {
-                PlanCmd::Tmp(a) => {
-                    plan::tmp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref(), a.highs, a.global_batch)?
+                PlanCmd::Tmp(a) => plan::tmp(
+                    &a.model,
+                    &a.cluster,
+                    a.profile.as_deref(),
+                    a.json.as_deref(),
+                    a.highs,
+                    a.global_batch,
+                    a.probe.as_deref(),
+                )?,
+                PlanCmd::Sdp(a) => {
+                    plan::sdp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref(), a.global_batch, a.probe.as_deref())?
                 }
-                PlanCmd::Sdp(a) => plan::sdp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref(), a.global_batch)?,
             }
             Ok(0)
         }

@@ -23,6 +23,46 @@ pub fn load_cluster(path: &Path) -> Result<ClusterDesc> {
     ClusterDesc::from_toml_str(&text).with_context(|| format!("in {}", path.display()))
 }
 
+/// Replace the alpha and beta of the cluster's links with figures measured by `ironweave
+/// cluster probe --json FILE` (links matched by name; `tcp:a` matches link `a`).
+pub fn apply_probe(cluster: &mut ClusterDesc, probe: Option<&Path>) -> Result<()> {
+    let Some(path) = probe else { return Ok(()) };
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading probe results {}", path.display()))?;
+    let probes: Vec<ironweave_transport::probe::LinkProbe> = serde_json::from_str(&text)
+        .with_context(|| format!("parsing probe results {} (expected `cluster probe --json` output)", path.display()))?;
+    for p in &probes {
+        let short = p.name.rsplit(':').next().unwrap_or(&p.name);
+        let Some(link) = cluster.links.iter_mut().find(|l| l.name == p.name || l.name == short) else {
+            let names: Vec<&str> = cluster.links.iter().map(|l| l.name.as_str()).collect();
+            anyhow::bail!(
+                "probe of link `{}` matches no link of cluster `{}` (its links: {})",
+                p.name,
+                cluster.name,
+                names.join(", ")
+            );
+        };
+        if !(p.latency_s.is_finite()
+            && p.latency_s >= 0.0
+            && p.bandwidth_bytes_per_s.is_finite()
+            && p.bandwidth_bytes_per_s > 0.0)
+        {
+            anyhow::bail!("probe of link `{}` has no usable figures", p.name);
+        }
+        eprintln!(
+            "link {}: measured {:.1} us, {:.3} GB/s (description said {:.1} us, {:.3} GB/s)",
+            link.name,
+            p.latency_s * 1e6,
+            p.bandwidth_bytes_per_s / 1e9,
+            link.latency_us,
+            link.bandwidth_gbyte_s
+        );
+        link.latency_us = p.latency_s * 1e6;
+        link.bandwidth_gbyte_s = p.bandwidth_bytes_per_s / 1e9;
+    }
+    cluster.validate()?;
+    Ok(())
+}
+
 pub fn load_profile(path: Option<&Path>) -> Result<Option<ProfileTable>> {
     let Some(path) = path else { return Ok(None) };
     let text = std::fs::read_to_string(path).with_context(|| format!("reading profile table {}", path.display()))?;
@@ -59,8 +99,10 @@ pub fn tmp(
     json: Option<&Path>,
     highs_only: bool,
     global_batch: Option<u32>,
+    probe: Option<&Path>,
 ) -> Result<()> {
-    let (m, c) = (load_model(model, global_batch)?, load_cluster(cluster)?);
+    let (m, mut c) = (load_model(model, global_batch)?, load_cluster(cluster)?);
+    apply_probe(&mut c, probe)?;
     let prof = load_profile(profile)?;
     let mut cm = CostModel::new(&c);
     cm.profile = prof.as_ref();
@@ -121,8 +163,16 @@ pub fn tmp(
     Ok(())
 }
 
-pub fn sdp(model: &Path, cluster: &Path, profile: Option<&Path>, json: Option<&Path>, global_batch: Option<u32>) -> Result<()> {
-    let (m, c) = (load_model(model, global_batch)?, load_cluster(cluster)?);
+pub fn sdp(
+    model: &Path,
+    cluster: &Path,
+    profile: Option<&Path>,
+    json: Option<&Path>,
+    global_batch: Option<u32>,
+    probe: Option<&Path>,
+) -> Result<()> {
+    let (m, mut c) = (load_model(model, global_batch)?, load_cluster(cluster)?);
+    apply_probe(&mut c, probe)?;
     let prof = load_profile(profile)?;
     let mut cm = CostModel::new(&c);
     cm.profile = prof.as_ref();

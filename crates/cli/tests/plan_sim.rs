@@ -89,3 +89,31 @@ fn bad_inputs_fail_with_a_message() {
     assert_ne!(code, 0);
     assert!(err.contains("unknown scenario"), "{err}");
 }
+
+#[test]
+fn probe_figures_replace_the_description() {
+    let dir = std::env::temp_dir().join(format!("ironweave-probe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let probe = dir.join("probe.json");
+    std::fs::write(
+        &probe,
+        r#"[{"name":"tcp:a","latency_s":0.0001,"bandwidth_bytes_per_s":119000000.0,"declared_bytes_per_s":125000000.0,"streamed_bytes":1000000}]"#,
+    )
+    .unwrap();
+    let args = ["--model", "configs/models/gpt-125m.toml", "--cluster", "configs/clusters/emulated-2host.toml"];
+    let mut a = vec!["plan", "sdp"];
+    a.extend(args);
+    a.extend(["--probe", probe.to_str().unwrap()]);
+    let (code, out, err) = ironweave(&a);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains("link a: measured 100.0 us, 0.119 GB/s"), "{err}");
+    std::fs::write(
+        &probe,
+        r#"[{"name":"tcp:zz","latency_s":0.0001,"bandwidth_bytes_per_s":1.0,"declared_bytes_per_s":null,"streamed_bytes":1}]"#,
+    )
+    .unwrap();
+    let (code, _, err) = ironweave(&a);
+    assert_ne!(code, 0);
+    assert!(err.contains("matches no link") && err.contains("its links: a"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
