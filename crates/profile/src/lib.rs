@@ -1,0 +1,27 @@
+//! ironweave-profile: what Capricorn's checkpoint planner needs to know about an iteration.
+//!
+//! - [`Profiler`]: scoped timers for each layer's forward and backward, a per-link timeline of
+//!   communication (start, end, bytes, training or checkpoint), iteration boundaries; cheap
+//!   enough to leave on, and switchable per iteration (speculative activation).
+//! - [`idle_windows`] and [`WindowPredictor`]: the gaps between training communications on a
+//!   link, anchored to the layer phase they fall in, and the prediction of the next iteration's.
+//! - [`ExpertLoad`], [`ExpertLoadTracker`], [`SpeculativeActivation`]: tokens per expert per
+//!   MoE layer, the drift measure, and the decision to re-profile.
+//! - [`export`]: Chrome-trace/Perfetto JSON and SVG timelines.
+//!
+//! Where it sits: used by `ironweave-ckpt` (the engine) and by the trainer; depends on no
+//! transport. Time comes only from a [`Clock`] ([`MonotonicClock`] in production,
+//! [`ManualClock`] in tests), and nothing here does IO.
+
+mod clock;
+mod error;
+pub mod export;
+mod load;
+mod profiler;
+mod windows;
+
+pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use error::{ProfileError, Result};
+pub use load::{ExpertLoad, ExpertLoadTracker, SpeculativeActivation};
+pub use profiler::{CommKind, CommSpan, CommTimer, IterationProfile, LayerSpan, LayerTimer, Phase, Profiler};
+pub use windows::{idle_windows, Anchor, Window, WindowPredictor};
