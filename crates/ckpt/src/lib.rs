@@ -1,0 +1,20 @@
+//! ironweave-ckpt: Capricorn-style in-memory checkpointing, framework-agnostic.
+//!
+//! - [`registry`]: named buffers (dtype, shape, bytes) the trainer registers; no tensor library.
+//! - [`snapshot`]: double-buffered host snapshots, copied by several threads at memory speed,
+//!   with per-chunk xxh3 checksums.
+//! - [`partition`]: chunks sized to predicted idle windows (Capricorn) or fixed (Gemini).
+//! - [`persist`]: the persistent tier, `safetensors` + JSON manifest, written atomically.
+//!
+//! Where it sits: above `ironweave-transport` (replication to peers) and `ironweave-profile`
+//! (windows, expert-load drift), below the trainer.
+
+mod error;
+pub mod partition;
+pub mod persist;
+pub mod registry;
+pub mod snapshot;
+
+pub use error::{CkptError, Result};
+pub use registry::{Dtype, Registry, TensorMeta, TensorSpec};
+pub use snapshot::{ChunkSum, Snapshot, SnapshotBuffers};

@@ -1,0 +1,210 @@
+//! The persistent tier: a rank's snapshot as a `safetensors` file plus a JSON manifest,
+//! written atomically (temporary file, fsync, rename, fsync of the directory). The manifest is
+//! written last, so its presence means the data file is complete. Files live in
+//! `DIR/iter-XXXXXXXX/rank-XXXXX.{safetensors,json}`.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{CkptError, Result};
+use crate::registry::{Dtype, Registry, TensorMeta};
+use crate::snapshot::{ChunkSum, Snapshot};
+
+/// Format tag of manifests.
+pub const FORMAT: &str = "ironweave-ckpt/1";
+/// Largest safetensors header accepted (the format's own readers use 100 MB).
+pub const MAX_HEADER: u64 = 100 << 20;
+
+/// What describes one rank's checkpoint of one iteration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// Rank.
+    pub rank: u32,
+    /// World size.
+    pub world: u32,
+    /// Iteration.
+    pub iter: u64,
+    /// Layout.
+    pub registry: Registry,
+    /// Chunk checksums.
+    pub sums: Vec<ChunkSum>,
+}
+
+impl Manifest {
+    /// The manifest of `snap` for `rank` of `world`.
+    pub fn of(snap: &Snapshot, rank: u32, world: u32) -> Self {
+        Manifest {
+            format: FORMAT.into(),
+            rank,
+            world,
+            iter: snap.iter,
+            registry: (*snap.registry).clone(),
+            sums: snap.sums.clone(),
+        }
+    }
+}
+
+/// Paths of a rank's files for an iteration.
+pub fn paths(dir: &Path, iter: u64, rank: u32) -> (PathBuf, PathBuf) {
+    let d = dir.join(format!("iter-{iter:08}"));
+    (d.join(format!("rank-{rank:05}.safetensors")), d.join(format!("rank-{rank:05}.json")))
+}
+
+fn write_atomic(path: &Path, parts: &[&[u8]]) -> Result<()> {
+    let tmp = path.with_extension(format!("{}.tmp", path.extension().and_then(|e| e.to_str()).unwrap_or("")));
+    let mut f = File::create(&tmp).map_err(|e| CkptError::io(&tmp, e))?;
+    for p in parts {
+        f.write_all(p).map_err(|e| CkptError::io(&tmp, e))?;
+    }
+    f.sync_all().map_err(|e| CkptError::io(&tmp, e))?;
+    drop(f);
+    fs::rename(&tmp, path).map_err(|e| CkptError::io(path, e))?;
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| CkptError::io(dir, e))
+}
+
+/// The safetensors header of a registry, padded to a multiple of 8 bytes.
+fn header(reg: &Registry, meta: &BTreeMap<String, String>) -> Result<Vec<u8>> {
+    let mut h = serde_json::Map::new();
+    h.insert("__metadata__".into(), serde_json::to_value(meta).map_err(|e| CkptError::Invalid(e.to_string()))?);
+    for t in &reg.tensors {
+        h.insert(
+            t.name.clone(),
+            serde_json::json!({"dtype": t.dtype.name(), "shape": t.shape, "data_offsets": [t.offset, t.offset + t.len]}),
+        );
+    }
+    let mut bytes = serde_json::to_vec(&h).map_err(|e| CkptError::Invalid(e.to_string()))?;
+    while bytes.len() % 8 != 0 {
+        bytes.push(b' ');
+    }
+    Ok(bytes)
+}
+
+/// Write `snap` of `rank` (of `world`) under `dir`. Returns the data file's path.
+pub fn write(dir: &Path, snap: &Snapshot, rank: u32, world: u32) -> Result<PathBuf> {
+    let (data_path, man_path) = paths(dir, snap.iter, rank);
+    let d = data_path.parent().expect("has a parent");
+    fs::create_dir_all(d).map_err(|e| CkptError::io(d, e))?;
+    let mut meta = BTreeMap::new();
+    meta.insert("format".to_string(), FORMAT.to_string());
+    meta.insert("iteration".to_string(), snap.iter.to_string());
+    meta.insert("rank".to_string(), rank.to_string());
+    meta.insert("world".to_string(), world.to_string());
+    let h = header(&snap.registry, &meta)?;
+    let n = (h.len() as u64).to_le_bytes();
+    write_atomic(&data_path, &[&n, &h, &snap.data])?;
+    let m = serde_json::to_vec_pretty(&Manifest::of(snap, rank, world)).map_err(|e| CkptError::Invalid(e.to_string()))?;
+    write_atomic(&man_path, &[&m])?;
+    sync_dir(d)?;
+    sync_dir(dir)?;
+    Ok(data_path)
+}
+
+/// Parse a safetensors file into a layout and its data, checking every length and offset.
+pub fn read_safetensors(path: &Path) -> Result<(Registry, Vec<u8>)> {
+    let bad = |why: String| CkptError::Format { path: path.to_path_buf(), why };
+    let bytes = fs::read(path).map_err(|e| CkptError::io(path, e))?;
+    if bytes.len() < 8 {
+        return Err(bad(format!("{} bytes: shorter than the 8-byte header length", bytes.len())));
+    }
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+    if n > MAX_HEADER || n > bytes.len() as u64 - 8 {
+        return Err(bad(format!("header length {n} exceeds the file ({} bytes) or the {MAX_HEADER}-byte limit", bytes.len())));
+    }
+    let head: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n as usize]).map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
+    let data = &bytes[8 + n as usize..];
+    let mut tensors = Vec::new();
+    for (name, v) in &head {
+        if name == "__metadata__" {
+            continue;
+        }
+        let dtype = v
+            .get("dtype")
+            .and_then(|d| d.as_str())
+            .and_then(Dtype::parse)
+            .ok_or_else(|| bad(format!("tensor `{name}`: unknown or missing dtype")))?;
+        let shape: Vec<u64> = v
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|x| x.as_u64()).collect())
+            .ok_or_else(|| bad(format!("tensor `{name}`: missing or invalid shape")))?;
+        let offs: Vec<u64> = v
+            .get("data_offsets")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|x| x.as_u64()).collect())
+            .filter(|o: &Vec<u64>| o.len() == 2 && o[0] <= o[1])
+            .ok_or_else(|| bad(format!("tensor `{name}`: invalid data_offsets")))?;
+        let want = shape
+            .iter()
+            .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
+            .ok_or_else(|| bad(format!("tensor `{name}`: shape overflows")))?;
+        if offs[1] - offs[0] != want {
+            return Err(bad(format!("tensor `{name}`: {} bytes for shape {shape:?} of {}", offs[1] - offs[0], dtype.name())));
+        }
+        tensors.push(TensorMeta { name: name.clone(), dtype, shape, offset: offs[0], len: want });
+    }
+    tensors.sort_by_key(|t| (t.offset, t.len));
+    let mut end = 0;
+    for t in &tensors {
+        if t.offset != end {
+            return Err(bad(format!("tensor `{}` starts at {} instead of {end} (holes or overlaps)", t.name, t.offset)));
+        }
+        end += t.len;
+    }
+    if end != data.len() as u64 {
+        return Err(bad(format!("tensors cover {end} bytes, the file holds {} (truncated?)", data.len())));
+    }
+    Ok((Registry { tensors, total: end }, data.to_vec()))
+}
+
+/// Load and verify a rank's checkpoint of one iteration.
+pub fn load(dir: &Path, iter: u64, rank: u32) -> Result<Snapshot> {
+    let (data_path, man_path) = paths(dir, iter, rank);
+    let text = fs::read(&man_path).map_err(|e| CkptError::io(&man_path, e))?;
+    let man: Manifest = serde_json::from_slice(&text)
+        .map_err(|e| CkptError::Format { path: man_path.clone(), why: format!("manifest is not valid: {e}") })?;
+    if man.format != FORMAT || man.iter != iter || man.rank != rank {
+        return Err(CkptError::Format {
+            path: man_path,
+            why: format!(
+                "manifest says format {}, iteration {}, rank {}; expected {FORMAT}, {iter}, {rank}",
+                man.format, man.iter, man.rank
+            ),
+        });
+    }
+    let (reg, data) = read_safetensors(&data_path)?;
+    let mut want = man.registry.tensors.clone();
+    want.sort_by_key(|t| (t.offset, t.len));
+    if reg.tensors != want {
+        return Err(CkptError::Corrupt {
+            what: data_path.display().to_string(),
+            detail: "tensors differ from the manifest's".into(),
+        });
+    }
+    Snapshot::verify(&data, &man.sums, &data_path.display().to_string())?;
+    Ok(Snapshot { iter, registry: Arc::new(man.registry), data, sums: man.sums })
+}
+
+/// Iterations that have a manifest for `rank` under `dir`, newest first.
+pub fn iterations(dir: &Path, rank: u32) -> Vec<u64> {
+    let mut v: Vec<u64> = fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_prefix("iter-")).and_then(|n| n.parse().ok()))
+        .filter(|&it| paths(dir, it, rank).1.exists())
+        .collect();
+    v.sort_unstable_by(|a, b| b.cmp(a));
+    v
+}

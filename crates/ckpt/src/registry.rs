@@ -1,0 +1,140 @@
+//! The state registry: named buffers (dtype, shape, bytes) of parameters and optimizer state,
+//! laid out back to back in one snapshot buffer. No tensor library: the trainer hands over
+//! bytes.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{CkptError, Result};
+
+/// Element type, named as safetensors names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Dtype {
+    /// f64
+    F64,
+    /// f32
+    F32,
+    /// f16
+    F16,
+    /// bf16
+    BF16,
+    /// i64
+    I64,
+    /// i32
+    I32,
+    /// u8
+    U8,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn size(self) -> u64 {
+        match self {
+            Dtype::F64 | Dtype::I64 => 8,
+            Dtype::F32 | Dtype::I32 => 4,
+            Dtype::F16 | Dtype::BF16 => 2,
+            Dtype::U8 => 1,
+        }
+    }
+    /// The safetensors name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F64 => "F64",
+            Dtype::F32 => "F32",
+            Dtype::F16 => "F16",
+            Dtype::BF16 => "BF16",
+            Dtype::I64 => "I64",
+            Dtype::I32 => "I32",
+            Dtype::U8 => "U8",
+        }
+    }
+    /// Parse a safetensors name.
+    pub fn parse(s: &str) -> Option<Self> {
+        [Dtype::F64, Dtype::F32, Dtype::F16, Dtype::BF16, Dtype::I64, Dtype::I32, Dtype::U8].into_iter().find(|d| d.name() == s)
+    }
+}
+
+/// One registered buffer and where it sits in the snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorMeta {
+    /// Unique name (`layers.3.mlp.w1`, `adam.m.layers.3.mlp.w1`, `rng`, `data_position`).
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Offset in the snapshot buffer.
+    pub offset: u64,
+    /// Length in bytes (`product(shape) × dtype size`).
+    pub len: u64,
+}
+
+/// What the trainer registers: a name, a type, a shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<u64>,
+}
+
+impl TensorSpec {
+    /// Convenience constructor.
+    pub fn new(name: impl Into<String>, dtype: Dtype, shape: &[u64]) -> Self {
+        TensorSpec { name: name.into(), dtype, shape: shape.to_vec() }
+    }
+}
+
+/// The layout of one rank's state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registry {
+    /// Buffers, in registration order, back to back.
+    pub tensors: Vec<TensorMeta>,
+    /// Total bytes.
+    pub total: u64,
+}
+
+impl Registry {
+    /// Lay out `specs`; names must be unique and non-empty.
+    pub fn new(specs: &[TensorSpec]) -> Result<Self> {
+        let mut seen = std::collections::HashSet::new();
+        let mut offset = 0u64;
+        let mut tensors = Vec::with_capacity(specs.len());
+        for s in specs {
+            if s.name.is_empty() || s.name.starts_with("__") {
+                return Err(CkptError::Invalid(format!("tensor name `{}` is empty or reserved (starts with __)", s.name)));
+            }
+            if !seen.insert(s.name.clone()) {
+                return Err(CkptError::Invalid(format!("tensor `{}` registered twice", s.name)));
+            }
+            let elems = s.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+            let len = elems.and_then(|e| e.checked_mul(s.dtype.size()));
+            let Some(len) = len else {
+                return Err(CkptError::Invalid(format!("tensor `{}`: shape {:?} overflows", s.name, s.shape)));
+            };
+            tensors.push(TensorMeta { name: s.name.clone(), dtype: s.dtype, shape: s.shape.clone(), offset, len });
+            offset = offset.checked_add(len).ok_or_else(|| CkptError::Invalid("state larger than 2^64 bytes".into()))?;
+        }
+        Ok(Registry { tensors, total: offset })
+    }
+
+    /// Find a tensor by name.
+    pub fn get(&self, name: &str) -> Option<&TensorMeta> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Check that `bufs` match the registry, in order.
+    pub fn check(&self, bufs: &[&[u8]]) -> Result<()> {
+        if bufs.len() != self.tensors.len() {
+            return Err(CkptError::Invalid(format!("{} buffers for {} registered tensors", bufs.len(), self.tensors.len())));
+        }
+        for (t, b) in self.tensors.iter().zip(bufs) {
+            if b.len() as u64 != t.len {
+                return Err(CkptError::Invalid(format!("tensor `{}`: {} bytes given, {} registered", t.name, b.len(), t.len)));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,172 @@
+//! Double-buffered host snapshots: the state is copied after the optimizer step into one of
+//! two warm buffers (the other may still be on its way to the replicas), by several threads,
+//! each hashing the chunks it just copied while they are in cache.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::error::{CkptError, Result};
+use crate::registry::Registry;
+
+/// Checksum of one chunk of a snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkSum {
+    /// Offset in the snapshot.
+    pub offset: u64,
+    /// Length.
+    pub len: u64,
+    /// xxh3-64 of the bytes.
+    pub xxh3: u64,
+}
+
+/// One iteration's state in host memory.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// Iteration whose optimizer step produced the state.
+    pub iter: u64,
+    /// Layout.
+    pub registry: Arc<Registry>,
+    /// The bytes, laid out as the registry says.
+    pub data: Vec<u8>,
+    /// Checksums of fixed-size chunks.
+    pub sums: Vec<ChunkSum>,
+}
+
+impl Snapshot {
+    /// The bytes of tensor `name`.
+    pub fn tensor(&self, name: &str) -> Option<&[u8]> {
+        let t = self.registry.get(name)?;
+        self.data.get(t.offset as usize..(t.offset + t.len) as usize)
+    }
+
+    /// Verify `data` against `sums` (both supplied: used for replicas and files too).
+    pub fn verify(data: &[u8], sums: &[ChunkSum], what: &str) -> Result<()> {
+        let mut end = 0u64;
+        for (i, c) in sums.iter().enumerate() {
+            if c.offset != end {
+                return Err(CkptError::Corrupt {
+                    what: what.into(),
+                    detail: format!("chunk {i} starts at {} instead of {end}", c.offset),
+                });
+            }
+            let Some(bytes) = data.get(c.offset as usize..(c.offset + c.len) as usize) else {
+                return Err(CkptError::Corrupt {
+                    what: what.into(),
+                    detail: format!("chunk {i} ({}..{}) beyond the {} bytes present", c.offset, c.offset + c.len, data.len()),
+                });
+            };
+            if xxh3_64(bytes) != c.xxh3 {
+                return Err(CkptError::Corrupt {
+                    what: what.into(),
+                    detail: format!("checksum of chunk {i} (bytes {}..{}) differs", c.offset, c.offset + c.len),
+                });
+            }
+            end = c.offset + c.len;
+        }
+        if end != data.len() as u64 {
+            return Err(CkptError::Corrupt {
+                what: what.into(),
+                detail: format!("{} bytes present, checksums cover {end}", data.len()),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Two warm snapshot buffers and the copy engine.
+#[derive(Debug)]
+pub struct SnapshotBuffers {
+    slots: [Option<Snapshot>; 2],
+    next: usize,
+    threads: usize,
+    chunk: u64,
+}
+
+impl SnapshotBuffers {
+    /// `threads` copy threads (0: all cores), checksums over `chunk`-byte pieces.
+    pub fn new(threads: usize, chunk: u64) -> Self {
+        let threads = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
+        SnapshotBuffers { slots: [None, None], next: 0, threads, chunk: chunk.max(4096) }
+    }
+
+    /// Copy the state after iteration `iter`'s optimizer step into the older buffer.
+    pub fn take(&mut self, iter: u64, registry: &Arc<Registry>, bufs: &[&[u8]]) -> Result<&Snapshot> {
+        registry.check(bufs)?;
+        let slot = self.next;
+        self.next ^= 1;
+        let mut snap = self.slots[slot].take().unwrap_or_else(|| Snapshot {
+            iter,
+            registry: registry.clone(),
+            data: Vec::new(),
+            sums: Vec::new(),
+        });
+        snap.iter = iter;
+        snap.registry = registry.clone();
+        let total = registry.total as usize;
+        if snap.data.len() != total {
+            // first use (or new layout): allocate and touch once; later snapshots reuse it warm
+            snap.data = vec![0u8; total];
+        }
+        let chunk = self.chunk as usize;
+        let n_chunks = total.div_ceil(chunk);
+        snap.sums.clear();
+        snap.sums.resize(n_chunks, ChunkSum { offset: 0, len: 0, xxh3: 0 });
+        // Source pieces: (dst offset, src slice), in order.
+        let pieces: Vec<(usize, &[u8])> = registry.tensors.iter().zip(bufs).map(|(t, b)| (t.offset as usize, *b)).collect();
+        let copy_range = |dst: &mut [u8], base: usize| {
+            // copy every source byte that falls in [base, base + dst.len())
+            let end = base + dst.len();
+            let first = pieces.partition_point(|(off, b)| off + b.len() <= base);
+            for (off, src) in &pieces[first..] {
+                if *off >= end {
+                    break;
+                }
+                let a = base.max(*off);
+                let b = end.min(off + src.len());
+                dst[a - base..b - base].copy_from_slice(&src[a - off..b - off]);
+            }
+        };
+        let threads = self.threads.min(n_chunks.max(1));
+        let per = n_chunks.div_ceil(threads.max(1)).max(1);
+        std::thread::scope(|s| {
+            let mut data_rest: &mut [u8] = &mut snap.data;
+            let mut sums_rest: &mut [ChunkSum] = &mut snap.sums;
+            let mut base = 0usize;
+            for _ in 0..threads {
+                let take_chunks = per.min(sums_rest.len());
+                if take_chunks == 0 {
+                    break;
+                }
+                let bytes = (take_chunks * chunk).min(data_rest.len());
+                let (d, dr) = std::mem::take(&mut data_rest).split_at_mut(bytes);
+                let (c, cr) = std::mem::take(&mut sums_rest).split_at_mut(take_chunks);
+                data_rest = dr;
+                sums_rest = cr;
+                let my_base = base;
+                base += bytes;
+                let copy_range = &copy_range;
+                s.spawn(move || {
+                    for (k, (dchunk, sum)) in d.chunks_mut(chunk).zip(c.iter_mut()).enumerate() {
+                        let off = my_base + k * chunk;
+                        copy_range(dchunk, off);
+                        *sum = ChunkSum { offset: off as u64, len: dchunk.len() as u64, xxh3: xxh3_64(dchunk) };
+                    }
+                });
+            }
+        });
+        self.slots[slot] = Some(snap);
+        Ok(self.slots[slot].as_ref().expect("just stored"))
+    }
+
+    /// The newest snapshot.
+    pub fn latest(&self) -> Option<&Snapshot> {
+        self.slots.iter().flatten().max_by_key(|s| s.iter)
+    }
+
+    /// The snapshot of iteration `iter`, if still held.
+    pub fn get(&self, iter: u64) -> Option<&Snapshot> {
+        self.slots.iter().flatten().find(|s| s.iter == iter)
+    }
+}

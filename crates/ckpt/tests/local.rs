@@ -1,0 +1,244 @@
+//! Snapshots, partitioning and the persistent tier, without a network.
+
+use std::sync::Arc;
+
+use ironweave_ckpt::partition::{leftover, partition, partition_fixed};
+use ironweave_ckpt::{persist, CkptError, Dtype, Registry, Snapshot, SnapshotBuffers, TensorSpec};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+fn state(seed: u64) -> (Arc<Registry>, Vec<Vec<u8>>) {
+    let mut r = Rng(seed);
+    let specs = vec![
+        TensorSpec::new("embed", Dtype::BF16, &[1000, 64]),
+        TensorSpec::new("layers.0.w", Dtype::F32, &[333, 17]),
+        TensorSpec::new("layers.0.b", Dtype::F32, &[17]),
+        TensorSpec::new("adam.m", Dtype::F32, &[40_000]),
+        TensorSpec::new("step", Dtype::I64, &[]),
+        TensorSpec::new("empty", Dtype::F16, &[0, 5]),
+        TensorSpec::new("rng", Dtype::U8, &[33]),
+    ];
+    let reg = Arc::new(Registry::new(&specs).unwrap());
+    let bufs = reg.tensors.iter().map(|t| (0..t.len).map(|_| r.next() as u8).collect()).collect();
+    (reg, bufs)
+}
+
+fn refs(b: &[Vec<u8>]) -> Vec<&[u8]> {
+    b.iter().map(|v| v.as_slice()).collect()
+}
+
+#[test]
+fn snapshots_copy_exactly_and_alternate_buffers() {
+    let (reg, bufs) = state(1);
+    for threads in [1, 2, 5] {
+        let mut sb = SnapshotBuffers::new(threads, 4096);
+        let s = sb.take(10, &reg, &refs(&bufs)).unwrap();
+        assert_eq!(s.data, bufs.concat());
+        Snapshot::verify(&s.data, &s.sums, "test").unwrap();
+        assert_eq!(s.tensor("layers.0.b").unwrap(), bufs[2].as_slice());
+        let (_, bufs2) = state(2);
+        sb.take(11, &reg, &refs(&bufs2)).unwrap();
+        // both iterations are held (double buffer); the third replaces the oldest
+        assert_eq!(sb.get(10).unwrap().data, bufs.concat());
+        assert_eq!(sb.latest().unwrap().iter, 11);
+        sb.take(12, &reg, &refs(&bufs)).unwrap();
+        assert!(sb.get(10).is_none() && sb.get(11).is_some());
+    }
+}
+
+#[test]
+fn bad_registrations_and_buffers_are_rejected() {
+    assert!(matches!(
+        Registry::new(&[TensorSpec::new("a", Dtype::F32, &[1]), TensorSpec::new("a", Dtype::F32, &[1])]),
+        Err(CkptError::Invalid(_))
+    ));
+    assert!(matches!(Registry::new(&[TensorSpec::new("__metadata__", Dtype::F32, &[1])]), Err(CkptError::Invalid(_))));
+    assert!(Registry::new(&[TensorSpec::new("big", Dtype::F64, &[u64::MAX, 2])]).is_err());
+    let (reg, mut bufs) = state(3);
+    bufs[1].pop();
+    let e = SnapshotBuffers::new(1, 4096).take(0, &reg, &refs(&bufs)).unwrap_err();
+    assert!(e.to_string().contains("layers.0.w"), "{e}");
+}
+
+#[test]
+fn a_flipped_byte_is_detected() {
+    let (reg, bufs) = state(4);
+    let mut sb = SnapshotBuffers::new(2, 4096);
+    let s = sb.take(1, &reg, &refs(&bufs)).unwrap().clone();
+    let mut d = s.data.clone();
+    d[5000] ^= 1;
+    let e = Snapshot::verify(&d, &s.sums, "replica").unwrap_err();
+    assert!(matches!(e, CkptError::Corrupt { .. }) && e.to_string().contains("chunk 1"), "{e}");
+    assert!(Snapshot::verify(&s.data[..100], &s.sums, "short").is_err());
+}
+
+#[test]
+fn partition_properties() {
+    let mut r = Rng(9);
+    for _ in 0..2000 {
+        let total = r.next() % 5000;
+        let n = (r.next() % 6) as usize;
+        let caps: Vec<u64> = (0..n).map(|_| r.next() % 1500).collect();
+        let min_chunk = r.next() % 200;
+        let max_left = 1 + r.next() % 700;
+        let ch = partition(total, &caps, min_chunk, max_left);
+        // cover [0, total) exactly, in order
+        let mut end = 0;
+        for c in &ch {
+            assert_eq!(c.offset, end);
+            assert!(c.len > 0);
+            end += c.len;
+            match c.window {
+                Some(w) => assert!(c.len <= caps[w], "chunk {c:?} over capacity {}", caps[w]),
+                None => assert!(c.len <= max_left),
+            }
+        }
+        assert_eq!(end, total);
+        // windows used in order, each at most once
+        let used: Vec<usize> = ch.iter().filter_map(|c| c.window).collect();
+        assert!(used.windows(2).all(|w| w[0] < w[1]));
+        // leftover minimal: if anything is left over, every usable window was filled to capacity
+        if leftover(&ch) > 0 {
+            for (i, &cap) in caps.iter().enumerate() {
+                if cap >= min_chunk && cap > 0 {
+                    let got = ch.iter().find(|c| c.window == Some(i)).map(|c| c.len).unwrap_or(0);
+                    assert_eq!(got, cap, "window {i} could take {cap} but got {got} while {} bytes are left over", leftover(&ch));
+                }
+            }
+        }
+        let fixed = partition_fixed(total, 1 + r.next() % 400, &caps);
+        let mut end = 0;
+        for c in &fixed {
+            assert_eq!(c.offset, end);
+            end += c.len;
+        }
+        assert_eq!(end, total);
+        for (i, &cap) in caps.iter().enumerate() {
+            assert!(fixed.iter().filter(|c| c.window == Some(i)).map(|c| c.len).sum::<u64>() <= cap);
+        }
+    }
+}
+
+fn tmpdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("ironweave-ckpt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn persistent_tier_round_trips_and_rejects_bad_files() {
+    let dir = tmpdir("persist");
+    let (reg, bufs) = state(5);
+    let mut sb = SnapshotBuffers::new(2, 4096);
+    let s = sb.take(42, &reg, &refs(&bufs)).unwrap().clone();
+    let path = persist::write(&dir, &s, 3, 4).unwrap();
+    assert!(path.ends_with("iter-00000042/rank-00003.safetensors"));
+    let back = persist::load(&dir, 42, 3).unwrap();
+    assert_eq!(back.data, s.data);
+    assert_eq!(persist::iterations(&dir, 3), vec![42]);
+    assert!(persist::iterations(&dir, 1).is_empty());
+    // no temporary files remain
+    let names: Vec<String> =
+        std::fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+    assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
+
+    // a flipped byte in the data → Corrupt, naming the file
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 10;
+    bytes[last] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    assert!(matches!(persist::load(&dir, 42, 3), Err(CkptError::Corrupt { .. })));
+    // truncated → Format
+    bytes.truncate(bytes.len() - 100);
+    std::fs::write(&path, &bytes).unwrap();
+    let e = persist::load(&dir, 42, 3).unwrap_err();
+    assert!(matches!(e, CkptError::Format { .. }) && e.to_string().contains("truncated"), "{e}");
+    // foreign files → Format, never a panic
+    for junk in [
+        &b""[..],
+        b"abc",
+        &[0xff; 8],
+        &[8, 0, 0, 0, 0, 0, 0, 0, b'[', b']', b' ', b' ', b' ', b' ', b' ', b' '],
+        &u64::MAX.to_le_bytes(),
+    ] {
+        std::fs::write(&path, junk).unwrap();
+        let e = persist::read_safetensors(&path).unwrap_err();
+        assert!(matches!(e, CkptError::Format { .. }), "{e}");
+    }
+    // a manifest for another rank → Format
+    let (_, man) = persist::paths(&dir, 42, 3);
+    let text = std::fs::read_to_string(&man).unwrap().replace("\"rank\": 3", "\"rank\": 2");
+    std::fs::write(&man, text).unwrap();
+    assert!(matches!(persist::load(&dir, 42, 3), Err(CkptError::Format { .. })));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Others can read what the persistent tier writes: Python's `safetensors` package loads the
+/// file and sees the same tensors (`.ci/run` installs it; without it this test fails, naming it).
+#[test]
+fn python_safetensors_loads_the_file() {
+    let dir = tmpdir("python");
+    let (reg, bufs) = state(6);
+    let s = SnapshotBuffers::new(1, 4096).take(7, &reg, &refs(&bufs)).unwrap().clone();
+    let path = persist::write(&dir, &s, 0, 1).unwrap();
+    let script = r#"
+import sys, json, hashlib
+from safetensors import safe_open
+out = {}
+with safe_open(sys.argv[1], framework="numpy") as f:
+    meta = f.metadata()
+    for k in f.keys():
+        sl = f.get_slice(k)
+        if sl.get_dtype() == "BF16":  # numpy has no bfloat16
+            out[k] = ["BF16", list(sl.get_shape()), None]
+            continue
+        a = f.get_tensor(k)
+        out[k] = [str(a.dtype), list(a.shape), hashlib.sha256(a.tobytes()).hexdigest()]
+print(json.dumps({"meta": meta, "tensors": out}))
+"#;
+    let py = std::env::var("IRONWEAVE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let o =
+        std::process::Command::new(&py).arg("-c").arg(script).arg(&path).output().unwrap_or_else(|e| panic!("running {py}: {e}"));
+    assert!(
+        o.status.success(),
+        "python safetensors could not load {}: {}\n(install with `pip install safetensors numpy`)",
+        path.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["meta"]["iteration"], "7");
+    let t = &v["tensors"];
+    assert_eq!(t["embed"], serde_json::json!(["BF16", [1000, 64], null]));
+    for (name, dtype) in
+        [("layers.0.w", "float32"), ("adam.m", "float32"), ("step", "int64"), ("rng", "uint8"), ("empty", "float16")]
+    {
+        assert_eq!(t[name][0], dtype, "{name}");
+        let m = reg.get(name).unwrap();
+        assert_eq!(t[name][1], serde_json::json!(m.shape), "{name}");
+        let want = {
+            use std::fmt::Write;
+            let h = sha256(s.tensor(name).unwrap());
+            h.iter().fold(String::new(), |mut acc, b| {
+                let _ = write!(acc, "{b:02x}");
+                acc
+            })
+        };
+        assert_eq!(t[name][2], want, "{name}: bytes differ");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+fn sha256(b: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(b).into()
+}
