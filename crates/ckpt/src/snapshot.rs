@@ -75,33 +75,59 @@ impl Snapshot {
     }
 }
 
-/// Two warm snapshot buffers and the copy engine.
+/// Two warm snapshot buffers and the copy engine. Snapshots are shared (`Arc`) with the
+/// threads that replicate them; a buffer is refilled only when nobody holds it any more, so a
+/// replication still in flight two iterations later makes `take` wait (up to `wait`).
 #[derive(Debug)]
 pub struct SnapshotBuffers {
-    slots: [Option<Snapshot>; 2],
+    slots: [Option<Arc<Snapshot>>; 2],
     next: usize,
     threads: usize,
     chunk: u64,
+    wait: std::time::Duration,
 }
 
 impl SnapshotBuffers {
     /// `threads` copy threads (0: all cores), checksums over `chunk`-byte pieces.
     pub fn new(threads: usize, chunk: u64) -> Self {
         let threads = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
-        SnapshotBuffers { slots: [None, None], next: 0, threads, chunk: chunk.max(4096) }
+        SnapshotBuffers {
+            slots: [None, None],
+            next: 0,
+            threads,
+            chunk: chunk.max(4096),
+            wait: std::time::Duration::from_secs(300),
+        }
+    }
+
+    /// How long `take` waits for a buffer still being replicated.
+    pub fn set_wait(&mut self, wait: std::time::Duration) {
+        self.wait = wait;
     }
 
     /// Copy the state after iteration `iter`'s optimizer step into the older buffer.
-    pub fn take(&mut self, iter: u64, registry: &Arc<Registry>, bufs: &[&[u8]]) -> Result<&Snapshot> {
+    pub fn take(&mut self, iter: u64, registry: &Arc<Registry>, bufs: &[&[u8]]) -> Result<Arc<Snapshot>> {
         registry.check(bufs)?;
         let slot = self.next;
+        let deadline = std::time::Instant::now() + self.wait;
+        let mut arc = self.slots[slot]
+            .take()
+            .unwrap_or_else(|| Arc::new(Snapshot { iter, registry: registry.clone(), data: Vec::new(), sums: Vec::new() }));
+        let snap = loop {
+            match Arc::get_mut(&mut arc) {
+                Some(_) => break Arc::get_mut(&mut arc).expect("unique"),
+                None if std::time::Instant::now() < deadline => std::thread::sleep(std::time::Duration::from_micros(200)),
+                None => {
+                    let held = arc.iter;
+                    self.slots[slot] = Some(arc);
+                    return Err(CkptError::Invalid(format!(
+                        "snapshot buffer of iteration {held} is still being replicated after {:?}; the network cannot keep up with one checkpoint per iteration",
+                        self.wait
+                    )));
+                }
+            }
+        };
         self.next ^= 1;
-        let mut snap = self.slots[slot].take().unwrap_or_else(|| Snapshot {
-            iter,
-            registry: registry.clone(),
-            data: Vec::new(),
-            sums: Vec::new(),
-        });
         snap.iter = iter;
         snap.registry = registry.clone();
         let total = registry.total as usize;
@@ -156,17 +182,43 @@ impl SnapshotBuffers {
                 });
             }
         });
-        self.slots[slot] = Some(snap);
-        Ok(self.slots[slot].as_ref().expect("just stored"))
+        self.slots[slot] = Some(arc.clone());
+        Ok(arc)
     }
 
     /// The newest snapshot.
-    pub fn latest(&self) -> Option<&Snapshot> {
+    pub fn latest(&self) -> Option<&Arc<Snapshot>> {
         self.slots.iter().flatten().max_by_key(|s| s.iter)
     }
 
     /// The snapshot of iteration `iter`, if still held.
-    pub fn get(&self, iter: u64) -> Option<&Snapshot> {
+    pub fn get(&self, iter: u64) -> Option<&Arc<Snapshot>> {
         self.slots.iter().flatten().find(|s| s.iter == iter)
+    }
+
+    /// All held snapshots.
+    pub fn held(&self) -> impl Iterator<Item = &Arc<Snapshot>> {
+        self.slots.iter().flatten()
+    }
+
+    /// Drop every held snapshot (e.g. after restoring an older iteration).
+    pub fn clear(&mut self) {
+        self.slots = [None, None];
+    }
+
+    /// Test hook: flip one byte of a held snapshot (simulates memory corruption).
+    #[doc(hidden)]
+    pub fn corrupt_for_test(&mut self, iter: u64, offset: usize) -> bool {
+        for s in self.slots.iter_mut().flatten() {
+            if s.iter == iter {
+                if let Some(s) = Arc::get_mut(s) {
+                    if let Some(b) = s.data.get_mut(offset) {
+                        *b ^= 0x01;
+                        return true;
+                    }
+                }
+            }
+        }
+        false
     }
 }

@@ -45,8 +45,13 @@ fn snapshots_copy_exactly_and_alternate_buffers() {
         assert_eq!(s.data, bufs.concat());
         Snapshot::verify(&s.data, &s.sums, "test").unwrap();
         assert_eq!(s.tensor("layers.0.b").unwrap(), bufs[2].as_slice());
+        // while someone (a replication thread) holds iteration 10, its buffer is not reused
+        sb.set_wait(std::time::Duration::from_millis(20));
         let (_, bufs2) = state(2);
         sb.take(11, &reg, &refs(&bufs2)).unwrap();
+        let e = sb.take(12, &reg, &refs(&bufs)).unwrap_err();
+        assert!(e.to_string().contains("still being replicated"), "{e}");
+        drop(s);
         // both iterations are held (double buffer); the third replaces the oldest
         assert_eq!(sb.get(10).unwrap().data, bufs.concat());
         assert_eq!(sb.latest().unwrap().iter, 11);
@@ -73,7 +78,7 @@ fn bad_registrations_and_buffers_are_rejected() {
 fn a_flipped_byte_is_detected() {
     let (reg, bufs) = state(4);
     let mut sb = SnapshotBuffers::new(2, 4096);
-    let s = sb.take(1, &reg, &refs(&bufs)).unwrap().clone();
+    let s = sb.take(1, &reg, &refs(&bufs)).unwrap();
     let mut d = s.data.clone();
     d[5000] ^= 1;
     let e = Snapshot::verify(&d, &s.sums, "replica").unwrap_err();
@@ -140,7 +145,7 @@ fn persistent_tier_round_trips_and_rejects_bad_files() {
     let dir = tmpdir("persist");
     let (reg, bufs) = state(5);
     let mut sb = SnapshotBuffers::new(2, 4096);
-    let s = sb.take(42, &reg, &refs(&bufs)).unwrap().clone();
+    let s = sb.take(42, &reg, &refs(&bufs)).unwrap();
     let path = persist::write(&dir, &s, 3, 4).unwrap();
     assert!(path.ends_with("iter-00000042/rank-00003.safetensors"));
     let back = persist::load(&dir, 42, 3).unwrap();
@@ -189,7 +194,7 @@ fn persistent_tier_round_trips_and_rejects_bad_files() {
 fn python_safetensors_loads_the_file() {
     let dir = tmpdir("python");
     let (reg, bufs) = state(6);
-    let s = SnapshotBuffers::new(1, 4096).take(7, &reg, &refs(&bufs)).unwrap().clone();
+    let s = SnapshotBuffers::new(1, 4096).take(7, &reg, &refs(&bufs)).unwrap();
     let path = persist::write(&dir, &s, 0, 1).unwrap();
     let script = r#"
 import sys, json, hashlib
