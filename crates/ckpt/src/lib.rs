@@ -5,16 +5,20 @@
 //!   with per-chunk xxh3 checksums.
 //! - [`partition`]: chunks sized to predicted idle windows (Capricorn) or fixed (Gemini).
 //! - [`persist`]: the persistent tier, `safetensors` + JSON manifest, written atomically.
+//! - [`engine`]: replication to peers' host memory (Gemini's mixed placement), the commit
+//!   protocol and recovery.
 //!
 //! Where it sits: above `ironweave-transport` (replication to peers) and `ironweave-profile`
 //! (windows, expert-load drift), below the trainer.
 
+pub mod engine;
 mod error;
 pub mod partition;
 pub mod persist;
 pub mod registry;
 pub mod snapshot;
 
+pub use engine::{placement, CheckpointReport, Engine, EngineConfig, Restored, Source};
 pub use error::{CkptError, Result};
 pub use registry::{Dtype, Registry, TensorMeta, TensorSpec};
 pub use snapshot::{ChunkSum, Snapshot, SnapshotBuffers};

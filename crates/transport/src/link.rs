@@ -369,6 +369,23 @@ impl RecvHandle {
         r
     }
 
+    /// Waits until `deadline` without giving the receive up: `Ok(None)` if the message has not
+    /// arrived by then (the receive stays posted; poll again), the message when it has, or the
+    /// link's failure. For service threads that must notice a stop request while idle.
+    pub fn poll_until(&mut self, deadline: Instant) -> Result<Option<RecvBuf>> {
+        if self.done {
+            return Err(Error::InvalidArgument("this receive has already completed".into()));
+        }
+        match self.mailbox.wait(self.src, self.tag, self.seq, deadline) {
+            Ok(b) => {
+                self.done = true;
+                Ok(Some(b))
+            }
+            Err(Error::Timeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// True when the message has fully arrived (a `wait` would not block).
     pub fn is_ready(&self) -> bool {
         self.mailbox.is_complete(self.src, self.tag, self.seq)
