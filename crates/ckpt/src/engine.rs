@@ -32,9 +32,14 @@ use std::time::{Duration, Instant};
 use ironweave_transport::{Communicator, ReduceOp};
 use serde::{Deserialize, Serialize};
 
+use ironweave_profile::{
+    idle_windows, CommKind, ExpertLoad, MonotonicClock, Profiler, SpeculativeActivation, Window, WindowPredictor,
+};
+
 use crate::error::{CkptError, Result};
 use crate::persist::{self, Manifest};
 use crate::registry::Registry;
+use crate::schedule::{self, Releaser, Scheduled};
 use crate::snapshot::{Snapshot, SnapshotBuffers};
 
 const TAG_DATA: u32 = 0x4943_4b01;
@@ -46,33 +51,99 @@ const MSG_END: u8 = 2;
 /// Iterations each rank advertises per owner during recovery.
 const ADVERTISE: usize = 4;
 
+/// How checkpoints are taken (one engine, five strategies).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// No checkpoints.
+    None,
+    /// Stop after the optimizer step and write to storage (torch.save-like).
+    Blocking,
+    /// Snapshot to host, write to storage in the background, no traffic control (TorchSnapshot-like).
+    Async,
+    /// In-memory replication; fixed-size chunks at the time offsets of idle spans profiled once.
+    Gemini,
+    /// In-memory replication; chunks sized to the predicted windows of each iteration, released
+    /// when the communication before the window ends; re-profiling only on expert-load drift.
+    #[default]
+    Capricorn,
+}
+
+impl Strategy {
+    /// Name as in configs and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::None => "none",
+            Strategy::Blocking => "blocking",
+            Strategy::Async => "async",
+            Strategy::Gemini => "gemini",
+            Strategy::Capricorn => "capricorn",
+        }
+    }
+    /// Parse a name.
+    pub fn parse(s: &str) -> Result<Self> {
+        [Strategy::None, Strategy::Blocking, Strategy::Async, Strategy::Gemini, Strategy::Capricorn]
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| CkptError::Invalid(format!("unknown strategy `{s}` (none, blocking, async, gemini, capricorn)")))
+    }
+    fn in_memory(self) -> bool {
+        matches!(self, Strategy::Gemini | Strategy::Capricorn)
+    }
+}
+
 /// Engine settings.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineConfig {
+    /// Strategy.
+    pub strategy: Strategy,
     /// Copies of each snapshot in host memory, including the rank's own (Gemini's m).
     pub replicas: u32,
     /// Bytes per replication message (and per checksum).
     pub chunk_bytes: u64,
     /// Snapshot copy threads (0: all cores).
     pub copy_threads: usize,
-    /// Persistent tier directory (none: memory only).
+    /// Persistent tier directory (none: memory only). Required by `blocking` and `async`.
     pub persist_dir: Option<PathBuf>,
-    /// Write to the persistent tier every this many iterations (0: only on demand).
+    /// In-memory strategies: also write to the persistent tier every this many iterations (0: never).
     pub persist_every: u64,
     /// Bound on every wait of the engine.
     pub timeout: Duration,
+    /// Index of the link checkpoint traffic shares with training (whose windows are used).
+    pub link: u32,
+    /// Bandwidth of that link for checkpoint traffic, bytes/s (e.g. from `ironweave cluster
+    /// probe`); `None`: estimated from the engine's own transfers (starting at 1 GB/s).
+    pub link_bytes_per_s: Option<f64>,
+    /// Capricorn fills this fraction of a predicted window.
+    pub window_fill: f64,
+    /// Capricorn re-profiles when the expert-load drift exceeds this.
+    pub drift_threshold: f64,
+    /// Gemini's fixed chunk size, bytes.
+    pub gemini_chunk_bytes: u64,
+    /// Gemini profiles this many iterations at the start, then never again.
+    pub gemini_profile_iters: u64,
+    /// Windows shorter than this are ignored, ns.
+    pub min_window_ns: u64,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
+            strategy: Strategy::Capricorn,
             replicas: 2,
             chunk_bytes: 4 << 20,
             copy_threads: 0,
             persist_dir: None,
             persist_every: 0,
             timeout: Duration::from_secs(300),
+            link: 0,
+            link_bytes_per_s: None,
+            window_fill: 0.9,
+            drift_threshold: 0.15,
+            gemini_chunk_bytes: 64 << 20,
+            gemini_profile_iters: 1,
+            min_window_ns: 50_000,
         }
     }
 }
@@ -144,18 +215,78 @@ pub struct CheckpointReport {
     pub iter: u64,
     /// Bytes of state.
     pub bytes: u64,
-    /// Time the training thread spent (snapshot copy; persistent write when due), seconds.
+    /// Time the training thread spent in the call (snapshot copy, waits, synchronous writes), seconds.
     pub blocking_s: f64,
-    /// Whether the persistent tier was written.
+    /// Whether the persistent tier was written (or, for `async`, handed to the writer).
     pub persisted: bool,
 }
 
+/// What happened to checkpoint traffic during one iteration (`end_iteration`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct IterationReport {
+    /// Iteration.
+    pub iter: u64,
+    /// Strategy.
+    pub strategy: String,
+    /// Checkpoint bytes sent during the iteration (all holders).
+    pub bytes_sent: u64,
+    /// Chunk transfers that ran.
+    pub chunks: u32,
+    /// Of which ran while no training communication was on the link.
+    pub chunks_in_window: u32,
+    /// `chunks_in_window / chunks` (None without chunks).
+    pub partition_accuracy: Option<f64>,
+    /// Whether profiling ran this iteration.
+    pub profiled: bool,
+    /// Duration of the iteration, seconds.
+    pub iter_s: f64,
+}
+
 enum Job {
-    Send(Arc<Snapshot>),
+    Begin(Arc<Snapshot>),
+    Chunk(u64, u64),
+    End,
+}
+
+/// Chunk release state, shared with the profiler's communication hook and the timer thread.
+#[derive(Default)]
+struct Sched {
+    releaser: Option<Releaser>,
+    iter_start: Option<Instant>,
+    comms: u32,
+    txs: Vec<Sender<Job>>,
+    open: bool,
+}
+
+impl Sched {
+    fn dispatch(&mut self, released: Vec<Scheduled>) {
+        for s in released {
+            for tx in &self.txs {
+                let _ = tx.send(Job::Chunk(s.chunk.offset, s.chunk.len));
+            }
+        }
+        if self.open && self.releaser.as_ref().is_some_and(|r| r.pending() == 0) {
+            for tx in &self.txs {
+                let _ = tx.send(Job::End);
+            }
+            self.open = false;
+            self.releaser = None;
+        }
+    }
+    /// Release everything still held back (before the buffer is needed again, or on commit).
+    fn flush(&mut self) {
+        if let Some(r) = self.releaser.as_mut() {
+            let rel = r.end();
+            self.dispatch(rel);
+        }
+    }
+}
+
+fn lock_sched(m: &Mutex<Sched>) -> std::sync::MutexGuard<'_, Sched> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The checkpoint engine of one rank.
-#[derive(Debug)]
 pub struct Engine {
     comm: Arc<Communicator>,
     cfg: EngineConfig,
@@ -164,11 +295,33 @@ pub struct Engine {
     holders: Vec<usize>,
     shared: Arc<Mutex<Shared>>,
     stop: Arc<AtomicBool>,
-    senders: Vec<(usize, Sender<Job>, JoinHandle<()>)>,
+    senders: Vec<(usize, JoinHandle<()>)>,
     services: Vec<JoinHandle<()>>,
     last_sent: Option<u64>,
     committed: Option<u64>,
     corrupt_in_transit: Arc<std::sync::atomic::AtomicU64>,
+    profiler: Arc<Profiler<MonotonicClock>>,
+    sched: Arc<Mutex<Sched>>,
+    pending: Option<Arc<Snapshot>>,
+    activation: SpeculativeActivation,
+    predictor: WindowPredictor,
+    gemini_spans: Option<Vec<Window>>,
+    profiled_iters: u64,
+    this_iter: Option<(u64, bool)>,
+    writer: Option<JoinHandle<Result<u64>>>,
+    durable: Option<u64>,
+    rate: Arc<Mutex<(f64, f64)>>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("rank", &self.comm.rank())
+            .field("strategy", &self.cfg.strategy)
+            .field("holders", &self.holders)
+            .field("committed", &self.committed)
+            .finish()
+    }
 }
 
 fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
@@ -188,81 +341,138 @@ fn u64_at(b: &[u8], at: usize) -> Option<u64> {
     b.get(at..at + 8).map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")))
 }
 
+fn spawn<T: Send + 'static>(name: String, f: impl FnOnce() -> T + Send + 'static) -> Result<JoinHandle<T>> {
+    std::thread::Builder::new().name(name).spawn(f).map_err(|e| CkptError::Invalid(format!("cannot start a thread: {e}")))
+}
+
 impl Engine {
     /// Start the engine for `registry` on `comm` (all ranks call this together).
     pub fn new(comm: Arc<Communicator>, registry: Registry, cfg: EngineConfig) -> Result<Self> {
-        if cfg.replicas == 0 || cfg.chunk_bytes == 0 {
-            return Err(CkptError::Invalid("replicas and chunk_bytes must be at least 1".into()));
+        if cfg.replicas == 0 || cfg.chunk_bytes == 0 || cfg.gemini_chunk_bytes == 0 {
+            return Err(CkptError::Invalid("replicas, chunk_bytes and gemini_chunk_bytes must be at least 1".into()));
+        }
+        if !(cfg.window_fill > 0.0 && cfg.window_fill <= 1.0) {
+            return Err(CkptError::Invalid(format!("window_fill {} must be in (0, 1]", cfg.window_fill)));
+        }
+        if matches!(cfg.strategy, Strategy::Blocking | Strategy::Async) && cfg.persist_dir.is_none() {
+            return Err(CkptError::Invalid(format!("strategy `{}` writes to storage: set persist_dir", cfg.strategy.name())));
         }
         let world = comm.size();
         let me = comm.rank();
         let place = placement(world, cfg.replicas as usize);
-        let holders = place[me].clone();
-        let sources: Vec<usize> = (0..world).filter(|&s| place[s].contains(&me)).collect();
+        let holders = if cfg.strategy.in_memory() { place[me].clone() } else { Vec::new() };
+        let sources: Vec<usize> =
+            if cfg.strategy.in_memory() { (0..world).filter(|&s| place[s].contains(&me)).collect() } else { Vec::new() };
         let mut snaps = SnapshotBuffers::new(cfg.copy_threads, cfg.chunk_bytes);
         snaps.set_wait(cfg.timeout);
         let shared = Arc::new(Mutex::new(Shared::default()));
         let stop = Arc::new(AtomicBool::new(false));
+        let profiler = Arc::new(Profiler::new(MonotonicClock::default(), 8));
+        let rate = Arc::new(Mutex::new((0.0f64, 0.0f64))); // bytes, seconds of chunk transfers
         let mut services = Vec::new();
         for &s in &sources {
             let (comm, shared, stop) = (comm.clone(), shared.clone(), stop.clone());
-            services.push(
-                std::thread::Builder::new()
-                    .name(format!("ckpt-in-{s}"))
-                    .spawn(move || receive_replicas(&comm, s, &shared, &stop))
-                    .map_err(|e| CkptError::Invalid(format!("cannot start a thread: {e}")))?,
-            );
+            services.push(spawn(format!("ckpt-in-{s}"), move || receive_replicas(&comm, s, &shared, &stop))?);
         }
         for &h in &holders {
             let (comm, shared, stop) = (comm.clone(), shared.clone(), stop.clone());
-            services.push(
-                std::thread::Builder::new()
-                    .name(format!("ckpt-ack-{h}"))
-                    .spawn(move || receive_acks(&comm, h, &shared, &stop))
-                    .map_err(|e| CkptError::Invalid(format!("cannot start a thread: {e}")))?,
-            );
+            services.push(spawn(format!("ckpt-ack-{h}"), move || receive_acks(&comm, h, &shared, &stop))?);
         }
         let mut senders = Vec::new();
+        let mut txs = Vec::new();
         let corrupt_in_transit = Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX));
         for &h in &holders {
             let (tx, rx) = channel::<Job>();
-            let (comm, shared, corrupt) = (comm.clone(), shared.clone(), corrupt_in_transit.clone());
-            let (rank, world_n, chunk) = (me as u32, world as u32, cfg.chunk_bytes as usize);
-            let t = std::thread::Builder::new()
-                .name(format!("ckpt-out-{h}"))
-                .spawn(move || {
-                    while let Ok(Job::Send(snap)) = rx.recv() {
-                        let r = (|| -> Result<()> {
-                            let man = serde_json::to_vec(&Manifest::of(&snap, rank, world_n))
-                                .map_err(|e| CkptError::Invalid(e.to_string()))?;
-                            let mut begin = vec![MSG_BEGIN];
-                            begin.extend_from_slice(&man);
-                            comm.send_bytes(h, TAG_DATA, &begin)?;
-                            for (k, c) in snap.data.chunks(chunk).enumerate() {
-                                let mut msg = encode_chunk(snap.iter, (k * chunk) as u64, c);
-                                if k == 0 && corrupt.load(Ordering::SeqCst) == snap.iter && msg.len() > 17 {
-                                    msg[17] ^= 0x80; // test hook: a bit flipped on the wire
-                                }
-                                comm.send_bytes(h, TAG_DATA, &msg)?;
+            let (comm, shared, corrupt, prof, rate) =
+                (comm.clone(), shared.clone(), corrupt_in_transit.clone(), profiler.clone(), rate.clone());
+            let (rank, world_n, chunk, link) = (me as u32, world as u32, cfg.chunk_bytes as usize, cfg.link);
+            let t = spawn(format!("ckpt-out-{h}"), move || {
+                let mut cur: Option<Arc<Snapshot>> = None;
+                while let Ok(job) = rx.recv() {
+                    let r = (|| -> Result<()> {
+                        match job {
+                            Job::Begin(snap) => {
+                                let man = serde_json::to_vec(&Manifest::of(&snap, rank, world_n))
+                                    .map_err(|e| CkptError::Invalid(e.to_string()))?;
+                                let mut begin = vec![MSG_BEGIN];
+                                begin.extend_from_slice(&man);
+                                comm.send_bytes(h, TAG_DATA, &begin)?;
+                                cur = Some(snap);
                             }
-                            let mut end = vec![MSG_END];
-                            end.extend_from_slice(&snap.iter.to_le_bytes());
-                            comm.send_bytes(h, TAG_DATA, &end)?;
-                            Ok(())
-                        })();
-                        if let Err(e) = r {
-                            let mut sh = lock(&shared);
-                            sh.failures.push(format!("replicating iteration {} to rank {h}: {e}", snap.iter));
-                            sh.lost_holders.insert(h);
-                            return;
+                            Job::Chunk(off, len) => {
+                                let Some(snap) = &cur else { return Ok(()) };
+                                let _span = prof.comm(link, CommKind::Checkpoint, len);
+                                let t0 = Instant::now();
+                                for (k, piece) in snap.data[off as usize..(off + len) as usize].chunks(chunk).enumerate() {
+                                    let at = off + (k * chunk) as u64;
+                                    let mut msg = encode_chunk(snap.iter, at, piece);
+                                    if at == 0 && corrupt.load(Ordering::SeqCst) == snap.iter && msg.len() > 17 {
+                                        msg[17] ^= 0x80; // test hook: a bit flipped on the wire
+                                    }
+                                    comm.send_bytes(h, TAG_DATA, &msg)?;
+                                }
+                                let mut r = rate.lock().unwrap_or_else(|e| e.into_inner());
+                                r.0 += len as f64;
+                                r.1 += t0.elapsed().as_secs_f64();
+                            }
+                            Job::End => {
+                                let Some(snap) = cur.take() else { return Ok(()) };
+                                let mut end = vec![MSG_END];
+                                end.extend_from_slice(&snap.iter.to_le_bytes());
+                                comm.send_bytes(h, TAG_DATA, &end)?;
+                            }
+                        }
+                        Ok(())
+                    })();
+                    if let Err(e) = r {
+                        let mut sh = lock(&shared);
+                        sh.failures.push(format!("replicating to rank {h}: {e}"));
+                        sh.lost_holders.insert(h);
+                        return;
+                    }
+                }
+            })?;
+            senders.push((h, t));
+            txs.push(tx);
+        }
+        let sched = Arc::new(Mutex::new(Sched { txs, ..Default::default() }));
+        // Capricorn: a window opens when a training communication on the link ends.
+        {
+            let sched = sched.clone();
+            let link = cfg.link;
+            profiler.set_comm_hook(Some(Arc::new(move |span: &ironweave_profile::CommSpan| {
+                if span.link != link {
+                    return;
+                }
+                let mut s = lock_sched(&sched);
+                let k = s.comms;
+                s.comms += 1;
+                if let Some(r) = s.releaser.as_mut() {
+                    let rel = r.comm_done(k);
+                    s.dispatch(rel);
+                }
+            })));
+        }
+        // Gemini: chunks go by the clock.
+        if cfg.strategy == Strategy::Gemini {
+            let (sched, stop) = (sched.clone(), stop.clone());
+            services.push(spawn("ckpt-timer".into(), move || {
+                while !stop.load(Ordering::SeqCst) {
+                    {
+                        let mut s = lock_sched(&sched);
+                        if let (Some(start), Some(r)) = (s.iter_start, s.releaser.as_mut()) {
+                            let rel = r.tick(start.elapsed().as_nanos() as u64);
+                            s.dispatch(rel);
                         }
                     }
-                })
-                .map_err(|e| CkptError::Invalid(format!("cannot start a thread: {e}")))?;
-            senders.push((h, tx, t));
+                    std::thread::sleep(Duration::from_micros(250));
+                }
+            })?);
         }
         Ok(Engine {
             comm,
+            activation: SpeculativeActivation::new(cfg.drift_threshold),
+            predictor: WindowPredictor::new(0.5),
             cfg,
             registry: Arc::new(registry),
             snaps,
@@ -274,6 +484,15 @@ impl Engine {
             last_sent: None,
             committed: None,
             corrupt_in_transit,
+            profiler,
+            sched,
+            pending: None,
+            gemini_spans: None,
+            profiled_iters: 0,
+            this_iter: None,
+            writer: None,
+            durable: None,
+            rate,
         })
     }
 
@@ -287,7 +506,124 @@ impl Engine {
         &self.registry
     }
 
-    /// Snapshot the state after iteration `iter`'s optimizer step and start replicating it.
+    /// The profiler: time layers with `profiler().layer(..)` and wrap training communication on
+    /// the checkpoint link in `profiler().comm(link, CommKind::Training, bytes)`; the engine
+    /// schedules its chunks by these events.
+    pub fn profiler(&self) -> &Arc<Profiler<MonotonicClock>> {
+        &self.profiler
+    }
+
+    /// Checkpoint link bandwidth in use, bytes/s.
+    pub fn link_rate(&self) -> f64 {
+        if let Some(r) = self.cfg.link_bytes_per_s {
+            return r;
+        }
+        let (b, s) = *self.rate.lock().unwrap_or_else(|e| e.into_inner());
+        if b > 0.0 && s > 0.0 {
+            b / s
+        } else {
+            1e9
+        }
+    }
+
+    /// Start iteration `iter`. `load` is the expert load the trainer expects (e.g. the last
+    /// iteration's); Capricorn profiles only when it drifted. Returns whether this iteration is
+    /// profiled (layer timers on). Releases the chunks of the previous snapshot planned for
+    /// this iteration's windows.
+    pub fn begin_iteration(&mut self, iter: u64, load: Option<&ExpertLoad>) -> bool {
+        let profile = match self.cfg.strategy {
+            Strategy::Capricorn => match load {
+                Some(l) => self.activation.should_profile(l),
+                None => self.profiled_iters == 0,
+            },
+            Strategy::Gemini => self.profiled_iters < self.cfg.gemini_profile_iters,
+            _ => false,
+        };
+        if profile {
+            if let (Strategy::Capricorn, Some(l)) = (self.cfg.strategy, load) {
+                self.activation.profiled(l.clone());
+            }
+        }
+        self.profiler.set_detailed(profile);
+        self.profiler.begin_iteration(iter);
+        self.this_iter = Some((iter, profile));
+        let mut s = lock_sched(&self.sched);
+        s.comms = 0;
+        s.iter_start = Some(Instant::now());
+        if let Some(snap) = self.pending.take() {
+            let total = snap.data.len() as u64;
+            let rate = self.link_rate();
+            let plan = match self.cfg.strategy {
+                Strategy::Capricorn => {
+                    let w = self.predictor.predict(self.cfg.link);
+                    if w.is_empty() {
+                        schedule::capricorn(total, &[], rate, 1.0, 1, self.cfg.chunk_bytes)
+                    } else {
+                        schedule::capricorn(
+                            total,
+                            &w,
+                            rate,
+                            self.cfg.window_fill,
+                            self.cfg.chunk_bytes.min(1 << 20),
+                            self.cfg.chunk_bytes,
+                        )
+                    }
+                }
+                _ => match &self.gemini_spans {
+                    Some(spans) => schedule::gemini(total, spans, rate, self.cfg.gemini_chunk_bytes),
+                    None => schedule::gemini(total, &[], rate, self.cfg.gemini_chunk_bytes),
+                },
+            };
+            for tx in &s.txs {
+                let _ = tx.send(Job::Begin(snap.clone()));
+            }
+            s.open = true;
+            s.releaser = Some(Releaser::new(plan));
+            self.last_sent = Some(snap.iter);
+            let rel = s.releaser.as_mut().map(|r| r.start()).unwrap_or_default();
+            s.dispatch(rel);
+        }
+        profile
+    }
+
+    /// End the current iteration (after the optimizer step): leftover chunks go now; a
+    /// profiled iteration's windows feed the predictor.
+    pub fn end_iteration(&mut self) -> IterationReport {
+        lock_sched(&self.sched).flush();
+        let prof = self.profiler.end_iteration();
+        let (iter, profiled) = self.this_iter.take().unwrap_or((0, false));
+        let mut rep = IterationReport { iter, strategy: self.cfg.strategy.name().into(), profiled, ..Default::default() };
+        if let Some(p) = prof {
+            rep.iter_s = p.duration_ns() as f64 * 1e-9;
+            let training: Vec<(u64, u64)> = p
+                .comms
+                .iter()
+                .filter(|c| c.link == self.cfg.link && c.kind == CommKind::Training)
+                .map(|c| (c.start_ns, c.end_ns))
+                .collect();
+            for c in p.comms.iter().filter(|c| c.kind == CommKind::Checkpoint) {
+                rep.chunks += 1;
+                rep.bytes_sent += c.bytes;
+                if !training.iter().any(|&(a, b)| a < c.end_ns && c.start_ns < b) {
+                    rep.chunks_in_window += 1;
+                }
+            }
+            rep.partition_accuracy = (rep.chunks > 0).then(|| rep.chunks_in_window as f64 / rep.chunks as f64);
+            if profiled {
+                let w = idle_windows(&p, self.cfg.link, self.cfg.min_window_ns);
+                self.predictor.observe(&w);
+                if self.cfg.strategy == Strategy::Gemini && self.gemini_spans.is_none() {
+                    self.gemini_spans = Some(w);
+                }
+                self.profiled_iters += 1;
+            }
+        }
+        rep
+    }
+
+    /// Snapshot the state after iteration `iter`'s optimizer step. In-memory strategies
+    /// replicate it during the next iteration's windows (or at once on `commit(true)`);
+    /// `blocking` writes it to storage now; `async` hands it to a background writer.
     pub fn checkpoint(&mut self, iter: u64, bufs: &[&[u8]]) -> Result<CheckpointReport> {
         if let Some(last) = self.snaps.latest().map(|s| s.iter) {
             if iter <= last {
@@ -295,21 +631,69 @@ impl Engine {
             }
         }
         let t0 = Instant::now();
-        let snap = self.snaps.take(iter, &self.registry, bufs)?;
+        let (rank, world) = (self.comm.rank() as u32, self.comm.size() as u32);
         let mut persisted = false;
-        if let Some(dir) = &self.cfg.persist_dir {
-            if self.cfg.persist_every > 0 && iter % self.cfg.persist_every == 0 {
-                persist::write(dir, &snap, self.comm.rank() as u32, self.comm.size() as u32)?;
+        match self.cfg.strategy {
+            Strategy::None => {
+                return Ok(CheckpointReport { iter, bytes: 0, blocking_s: 0.0, persisted: false });
+            }
+            Strategy::Blocking => {
+                let snap = self.snaps.take(iter, &self.registry, bufs)?;
+                let dir = self.cfg.persist_dir.clone().expect("checked in new");
+                persist::write(&dir, &snap, rank, world)?;
+                self.durable = Some(iter);
                 persisted = true;
             }
+            Strategy::Async => {
+                // the next snapshot waits for the previous write (one host buffer in flight)
+                if let Some(w) = self.writer.take() {
+                    let done = w.join().map_err(|_| CkptError::Invalid("the background writer panicked".into()))??;
+                    self.durable = Some(done);
+                }
+                let snap = self.snaps.take(iter, &self.registry, bufs)?;
+                let dir = self.cfg.persist_dir.clone().expect("checked in new");
+                self.writer =
+                    Some(spawn("ckpt-writer".into(), move || persist::write(&dir, &snap, rank, world).map(|_| snap.iter))?);
+                persisted = true;
+            }
+            Strategy::Gemini | Strategy::Capricorn => {
+                // whatever of the previous snapshot was not sent yet goes now
+                {
+                    let mut s = lock_sched(&self.sched);
+                    s.flush();
+                }
+                if let Some(prev) = self.pending.take() {
+                    self.release_all(prev);
+                }
+                let snap = self.snaps.take(iter, &self.registry, bufs)?;
+                if let Some(dir) = &self.cfg.persist_dir {
+                    if self.cfg.persist_every > 0 && iter % self.cfg.persist_every == 0 {
+                        persist::write(dir, &snap, rank, world)?;
+                        persisted = true;
+                    }
+                }
+                if self.holders.is_empty() {
+                    self.last_sent = Some(iter);
+                } else {
+                    self.pending = Some(snap);
+                }
+            }
         }
-        let blocking_s = t0.elapsed().as_secs_f64();
-        for (h, tx, _) in &self.senders {
-            tx.send(Job::Send(snap.clone()))
-                .map_err(|_| CkptError::Invalid(format!("the replication thread for rank {h} has stopped; see `failures()`")))?;
+        Ok(CheckpointReport { iter, bytes: self.registry.total, blocking_s: t0.elapsed().as_secs_f64(), persisted })
+    }
+
+    /// Send a whole snapshot now, back to back.
+    fn release_all(&mut self, snap: Arc<Snapshot>) {
+        let mut s = lock_sched(&self.sched);
+        for tx in &s.txs {
+            let _ = tx.send(Job::Begin(snap.clone()));
         }
-        self.last_sent = Some(iter);
-        Ok(CheckpointReport { iter, bytes: self.registry.total, blocking_s, persisted })
+        s.open = true;
+        let total = snap.data.len() as u64;
+        s.releaser = Some(Releaser::new(schedule::capricorn(total, &[], 1.0, 1.0, 1, self.cfg.chunk_bytes)));
+        let rel = s.releaser.as_mut().map(|r| r.end()).unwrap_or_default();
+        s.dispatch(rel);
+        self.last_sent = Some(snap.iter);
     }
 
     /// Write the newest snapshot to the persistent tier now.
@@ -324,18 +708,33 @@ impl Engine {
     }
 
     fn replicated_upto(&self) -> Option<u64> {
-        if self.holders.is_empty() {
-            return self.last_sent;
+        match self.cfg.strategy {
+            Strategy::None => None,
+            Strategy::Blocking | Strategy::Async => self.durable,
+            _ if self.holders.is_empty() => self.last_sent,
+            _ => {
+                let sh = lock(&self.shared);
+                sh.acks.iter().rev().find(|(_, a)| self.holders.iter().all(|h| a.get(h) == Some(&true))).map(|(&i, _)| i)
+            }
         }
-        let sh = lock(&self.shared);
-        sh.acks.iter().rev().find(|(_, a)| self.holders.iter().all(|h| a.get(h) == Some(&true))).map(|(&i, _)| i)
     }
 
-    /// Agree on the newest committed iteration (collective). With `wait`, first wait (bounded)
-    /// until this rank's newest snapshot is acknowledged by all its holders.
+    /// Agree on the newest committed iteration (collective). With `wait`, first send whatever
+    /// is held back and wait (bounded) until this rank's newest snapshot is acknowledged by all
+    /// its holders (or written, for the storage strategies).
     pub fn commit(&mut self, wait: bool) -> Result<Option<u64>> {
         if wait {
-            if let Some(want) = self.last_sent {
+            if self.cfg.strategy == Strategy::Async {
+                if let Some(w) = self.writer.take() {
+                    let done = w.join().map_err(|_| CkptError::Invalid("the background writer panicked".into()))??;
+                    self.durable = Some(done);
+                }
+            }
+            lock_sched(&self.sched).flush();
+            if let Some(prev) = self.pending.take() {
+                self.release_all(prev);
+            }
+            if let (true, Some(want)) = (self.cfg.strategy.in_memory(), self.last_sent) {
                 // half the timeout, so that peers already in the all-reduce below do not time out first
                 let deadline = Instant::now() + self.cfg.timeout / 2;
                 let answered = |sh: &Shared| sh.acks.get(&want).is_some_and(|a| self.holders.iter().all(|h| a.contains_key(h)));
@@ -345,6 +744,11 @@ impl Engine {
                     }
                     std::thread::sleep(Duration::from_micros(200));
                 }
+            }
+        } else if self.cfg.strategy == Strategy::Async && self.writer.as_ref().is_some_and(|w| w.is_finished()) {
+            if let Some(w) = self.writer.take() {
+                let done = w.join().map_err(|_| CkptError::Invalid("the background writer panicked".into()))??;
+                self.durable = Some(done);
             }
         }
         let mine: [i64; 1] = [self.replicated_upto().map(|i| i as i64).unwrap_or(-1)];
@@ -508,6 +912,8 @@ impl Engine {
         }
         // Everything newer than the restored iteration is void; replication restarts from here.
         self.snaps.clear();
+        self.pending = None;
+        lock_sched(&self.sched).releaser = None;
         {
             let mut sh = lock(&self.shared);
             sh.acks.retain(|&i, _| i <= iter);
@@ -525,6 +931,7 @@ impl Engine {
     #[doc(hidden)]
     pub fn forget_memory_for_test(&mut self) {
         self.snaps.clear();
+        self.pending = None;
         self.last_sent = None;
         let mut sh = lock(&self.shared);
         sh.store.clear();
@@ -553,11 +960,11 @@ impl Engine {
     /// Flush replication, wait for the acknowledgements (bounded), stop the threads
     /// (collective: every rank calls it).
     pub fn shutdown(mut self) -> Result<()> {
-        for (_, tx, t) in self.senders.drain(..) {
-            drop(tx);
+        let _ = self.commit(true)?;
+        lock_sched(&self.sched).txs.clear();
+        for (_, t) in self.senders.drain(..) {
             let _ = t.join();
         }
-        let _ = self.commit(true)?;
         self.comm.barrier()?;
         self.stop.store(true, Ordering::SeqCst);
         for t in self.services.drain(..) {
@@ -570,7 +977,8 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        self.senders.clear();
+        self.profiler.set_comm_hook(None);
+        lock_sched(&self.sched).txs.clear();
     }
 }
 

@@ -4,6 +4,8 @@
 //! - [`snapshot`]: double-buffered host snapshots, copied by several threads at memory speed,
 //!   with per-chunk xxh3 checksums.
 //! - [`partition`]: chunks sized to predicted idle windows (Capricorn) or fixed (Gemini).
+//! - [`schedule`]: when each chunk may go (after the communication that opens its window, or
+//!   by the clock for Gemini).
 //! - [`persist`]: the persistent tier, `safetensors` + JSON manifest, written atomically.
 //! - [`engine`]: replication to peers' host memory (Gemini's mixed placement), the commit
 //!   protocol and recovery.
@@ -16,6 +18,7 @@ mod error;
 pub mod partition;
 pub mod persist;
 pub mod registry;
+pub mod schedule;
 pub mod snapshot;
 
 pub use engine::{placement, CheckpointReport, Engine, EngineConfig, Restored, Source};

@@ -87,18 +87,32 @@ struct State {
 }
 
 /// The profiler of one rank. `Sync`: communication may be recorded from progress threads.
-#[derive(Debug)]
 pub struct Profiler<C: Clock> {
     clock: C,
     state: Mutex<State>,
     detailed: std::sync::atomic::AtomicBool,
     keep: usize,
+    hook: Mutex<Option<CommHook>>,
+}
+
+/// Called after each training communication is recorded (the checkpoint engine releases the
+/// chunks of the window that just opened).
+pub type CommHook = std::sync::Arc<dyn Fn(&CommSpan) + Send + Sync>;
+
+impl<C: Clock + std::fmt::Debug> std::fmt::Debug for Profiler<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Profiler")
+            .field("clock", &self.clock)
+            .field("detailed", &self.detailed())
+            .field("keep", &self.keep)
+            .finish()
+    }
 }
 
 impl<C: Clock> Profiler<C> {
     /// A profiler on `clock` keeping the last `keep` iterations.
     pub fn new(clock: C, keep: usize) -> Self {
-        Profiler { clock, state: Mutex::new(State::default()), detailed: true.into(), keep: keep.max(1) }
+        Profiler { clock, state: Mutex::new(State::default()), detailed: true.into(), keep: keep.max(1), hook: Mutex::new(None) }
     }
 
     /// The clock's time, ns.
@@ -106,8 +120,14 @@ impl<C: Clock> Profiler<C> {
         self.clock.now_ns()
     }
 
-    /// Turn per-layer and per-communication recording on or off (iteration boundaries are
-    /// always recorded). Takes effect at the next record.
+    /// Set (or clear) the hook called after every training communication is recorded.
+    pub fn set_comm_hook(&self, hook: Option<CommHook>) {
+        *self.hook.lock().unwrap_or_else(|e| e.into_inner()) = hook;
+    }
+
+    /// Turn per-layer recording on or off (iteration boundaries and communications, which are
+    /// cheap and which the checkpoint engine schedules by, are always recorded). Takes effect
+    /// at the next record.
     pub fn set_detailed(&self, on: bool) {
         self.detailed.store(on, std::sync::atomic::Ordering::Relaxed);
     }
@@ -174,18 +194,19 @@ impl<C: Clock> Profiler<C> {
 
     /// Time a communication until the guard drops.
     pub fn comm(&self, link: u32, kind: CommKind, bytes: u64) -> CommTimer<'_, C> {
-        // checkpoint traffic is always timed: the engine reports where its chunks ran
-        let on = self.detailed() || kind == CommKind::Checkpoint;
-        CommTimer { prof: self, link, kind, bytes, start_ns: if on { self.now_ns() } else { u64::MAX } }
+        CommTimer { prof: self, link, kind, bytes, start_ns: self.now_ns() }
     }
 
     /// Record a communication measured elsewhere.
     pub fn record_comm(&self, span: CommSpan) {
-        if !self.detailed() && span.kind == CommKind::Training {
-            return;
-        }
         if let Some(p) = self.lock().current.as_mut() {
             p.comms.push(span);
+        }
+        if span.kind == CommKind::Training {
+            let hook = self.hook.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if let Some(h) = hook {
+                h(&span);
+            }
         }
     }
 }

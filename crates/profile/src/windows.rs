@@ -28,6 +28,10 @@ pub struct Window {
     pub len_ns: u64,
     /// Position relative to the layers.
     pub anchor: Anchor,
+    /// Index (among the iteration's training communications on this link, in order of their
+    /// ends) of the communication whose end opens the window; `None`: the iteration start.
+    /// The checkpoint engine releases a window's chunk when that communication ends.
+    pub after_comm: Option<u32>,
 }
 
 /// The idle windows of `link` in `p`: gaps of at least `min_len_ns` between training
@@ -52,6 +56,9 @@ pub fn idle_windows(p: &IterationProfile, link: u32, min_len_ns: u64) -> Vec<Win
     if p.end_ns > cursor {
         gaps.push((cursor, p.end_ns));
     }
+    let mut ends: Vec<u64> =
+        p.comms.iter().filter(|c| c.link == link && c.kind == CommKind::Training).map(|c| c.end_ns).collect();
+    ends.sort_unstable();
     let mut layers: Vec<_> = p.layers.clone();
     layers.sort_by_key(|l| (l.start_ns, l.end_ns));
     let mut ordinals: BTreeMap<Option<(Phase, u32)>, u32> = BTreeMap::new();
@@ -67,7 +74,8 @@ pub fn idle_windows(p: &IterationProfile, link: u32, min_len_ns: u64) -> Vec<Win
             let ord = ordinals.entry(at).or_insert(0);
             let anchor = Anchor { at, ordinal: *ord };
             *ord += 1;
-            Window { link, offset_ns: a - p.start_ns, len_ns: b - a, anchor }
+            let ended = ends.partition_point(|&e| e <= a) as u32;
+            Window { link, offset_ns: a - p.start_ns, len_ns: b - a, anchor, after_comm: ended.checked_sub(1) }
         })
         .collect()
 }
@@ -88,6 +96,7 @@ struct Track {
     ewma_ns: f64,
     last_ns: u64,
     offset_ns: u64,
+    after_comm: Option<u32>,
     seen_at: u64,
 }
 
@@ -106,11 +115,13 @@ impl WindowPredictor {
                 ewma_ns: w.len_ns as f64,
                 last_ns: w.len_ns,
                 offset_ns: w.offset_ns,
+                after_comm: w.after_comm,
                 seen_at: 0,
             });
             t.ewma_ns = self.alpha * w.len_ns as f64 + (1.0 - self.alpha) * t.ewma_ns;
             t.last_ns = w.len_ns;
             t.offset_ns = w.offset_ns;
+            t.after_comm = w.after_comm;
             t.seen_at = self.observed;
         }
         // windows absent from the newest profile are gone
@@ -134,6 +145,7 @@ impl WindowPredictor {
                 offset_ns: t.offset_ns,
                 len_ns: (t.ewma_ns.round() as u64).min(t.last_ns),
                 anchor: *a,
+                after_comm: t.after_comm,
             })
             .collect();
         v.sort_by_key(|w| w.offset_ns);

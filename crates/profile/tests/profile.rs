@@ -41,6 +41,7 @@ fn windows_are_exact_and_anchored() {
     // busy: [7,10) [17,23) [30,33); idle: [0,7) [10,17) [23,30) [33,40)
     let got: Vec<(u64, u64)> = w.iter().map(|w| (w.offset_ns / MS, w.len_ns / MS)).collect();
     assert_eq!(got, vec![(0, 7), (10, 7), (23, 7), (33, 7)]);
+    assert_eq!(w.iter().map(|w| w.after_comm).collect::<Vec<_>>(), vec![None, Some(0), Some(2), Some(3)]);
     assert_eq!(w[0].anchor, Anchor { at: Some((Phase::Forward, 0)), ordinal: 0 });
     assert_eq!(w[1].anchor, Anchor { at: Some((Phase::Forward, 1)), ordinal: 0 });
     assert_eq!(w[2].anchor, Anchor { at: Some((Phase::Backward, 1)), ordinal: 0 });
@@ -73,7 +74,7 @@ fn prediction_trusts_shrinking_windows_at_once() {
 }
 
 #[test]
-fn detail_off_records_boundaries_and_checkpoint_traffic_only() {
+fn detail_off_records_boundaries_and_communication_only() {
     let clock = ManualClock::new();
     let p = Profiler::new(clock.clone(), 2);
     p.set_detailed(false);
@@ -86,8 +87,7 @@ fn detail_off_records_boundaries_and_checkpoint_traffic_only() {
     }
     let prof = p.end_iteration().unwrap();
     assert!(prof.layers.is_empty() && !prof.detailed);
-    assert_eq!(prof.comms.len(), 1);
-    assert_eq!(prof.comms[0].kind, CommKind::Checkpoint);
+    assert_eq!(prof.comms.len(), 2);
     assert_eq!(prof.duration_ns(), MS);
     // history is bounded
     for i in 0..5 {

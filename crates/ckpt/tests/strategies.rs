@@ -1,0 +1,131 @@
+//! The five strategies on a small training loop over TCP: layer timers, a training all-reduce
+//! per layer on the checkpoint link, a checkpoint every iteration.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ironweave_ckpt::engine::{IterationReport, Strategy};
+use ironweave_ckpt::{Dtype, Engine, EngineConfig, Registry, TensorSpec};
+use ironweave_profile::{CommKind, ExpertLoad, Phase};
+use ironweave_transport::ReduceOp;
+
+mod common;
+use common::world;
+
+fn registry() -> Registry {
+    Registry::new(&[TensorSpec::new("w", Dtype::F32, &[256, 1024]), TensorSpec::new("step", Dtype::I64, &[])]).unwrap()
+}
+
+fn load(iter: u64, shift_at: u64) -> ExpertLoad {
+    let hot_first = iter < shift_at;
+    ExpertLoad { tokens: vec![(0..8).map(|e| if (e < 4) == hot_first { 100 + iter % 3 } else { 10 }).collect(); 2] }
+}
+
+struct Outcome {
+    reports: Vec<IterationReport>,
+    committed: Option<u64>,
+}
+
+fn train(strategy: Strategy, iters: u64, shift_at: u64, dir: Option<std::path::PathBuf>) -> Vec<Outcome> {
+    let hs: Vec<_> = world(2)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let dir = dir.clone();
+            std::thread::spawn(move || {
+                let comm = Arc::new(comm);
+                let cfg = EngineConfig {
+                    strategy,
+                    chunk_bytes: 64 << 10,
+                    copy_threads: 1,
+                    persist_dir: dir,
+                    timeout: Duration::from_secs(60),
+                    min_window_ns: 100_000,
+                    gemini_chunk_bytes: 128 << 10,
+                    ..EngineConfig::default()
+                };
+                let mut e = Engine::new(comm.clone(), registry(), cfg).unwrap();
+                let mut w = vec![0u8; 256 * 1024 * 4];
+                let mut reports = Vec::new();
+                let mut grad = vec![0f32; 64 << 10];
+                for it in 1..=iters {
+                    e.begin_iteration(it, Some(&load(it, shift_at)));
+                    let prof = e.profiler().clone();
+                    for l in 0..4u32 {
+                        {
+                            let _t = prof.layer(l, Phase::Forward);
+                            std::thread::sleep(Duration::from_millis(3));
+                        }
+                        let _c = prof.comm(0, CommKind::Training, (grad.len() * 4) as u64);
+                        comm.all_reduce(&mut grad, ReduceOp::Sum).unwrap();
+                    }
+                    for (i, b) in w.iter_mut().enumerate().take(4096) {
+                        *b = (it as usize * 7 + i + rank) as u8;
+                    }
+                    reports.push(e.end_iteration());
+                    e.checkpoint(it, &[&w, &it.to_le_bytes()]).unwrap();
+                    e.commit(false).unwrap();
+                }
+                let committed = e.commit(true).unwrap();
+                e.shutdown().unwrap();
+                Outcome { reports, committed }
+            })
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn capricorn_replicates_in_windows_and_reprofiles_only_on_drift() {
+    let out = train(Strategy::Capricorn, 10, 6, None);
+    for o in &out {
+        assert_eq!(o.committed, Some(10));
+        let profiled: Vec<u64> = o.reports.iter().filter(|r| r.profiled).map(|r| r.iter).collect();
+        assert_eq!(profiled, vec![1, 6], "profiling must run at the start and when the load shifts");
+        // from iteration 2 on, the previous snapshot (1 MiB) goes out during the iteration
+        for r in &o.reports[1..] {
+            assert!(r.chunks > 0 && r.bytes_sent >= registry().total, "iteration {}: {r:?}", r.iter);
+            assert!(r.partition_accuracy.is_some());
+        }
+    }
+}
+
+#[test]
+fn gemini_profiles_once() {
+    let out = train(Strategy::Gemini, 6, 3, None);
+    for o in &out {
+        assert_eq!(o.committed, Some(6));
+        assert_eq!(o.reports.iter().filter(|r| r.profiled).count(), 1);
+        assert!(o.reports[2..].iter().all(|r| r.chunks > 0));
+    }
+}
+
+fn tmpdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("ironweave-strat-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn storage_strategies_commit_what_is_written() {
+    for s in [Strategy::Blocking, Strategy::Async] {
+        let dir = tmpdir(s.name());
+        let out = train(s, 4, 100, Some(dir.clone()));
+        for (rank, o) in out.iter().enumerate() {
+            assert_eq!(o.committed, Some(4), "{s:?}");
+            assert!(o.reports.iter().all(|r| r.chunks == 0 && !r.profiled));
+            assert_eq!(ironweave_ckpt::persist::iterations(&dir, rank as u32), vec![4, 3, 2, 1]);
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+#[test]
+fn none_commits_nothing_and_storage_strategies_need_a_directory() {
+    for o in train(Strategy::None, 3, 100, None) {
+        assert_eq!(o.committed, None);
+    }
+    let comm = Arc::new(world(1).pop().unwrap());
+    let e = Engine::new(comm, registry(), EngineConfig { strategy: Strategy::Blocking, ..EngineConfig::default() }).unwrap_err();
+    assert!(e.to_string().contains("persist_dir"), "{e}");
+}
