@@ -5,6 +5,11 @@
 //! (`--mca btl tcp,self`), OpenMPI's default shared-memory path, and a single-process memcpy
 //! of the same size; writes `target/bench/collectives.json` and prints a Markdown table for
 //! docs/BENCHMARKS.md.
+//!
+//! `cargo xtask bench snapshot [--bytes 1G] [--repeat 3]` snapshots a state of mixed buffers
+//! with ironweave-ckpt beside memcpy (1 and all threads), torch.save and torchsnapshot (a venv
+//! under `target/bench-venv`, made on first use: torch from PyPI is large), and writes the
+//! persistent tier beside a sequential write; `target/bench/snapshot.json` and a table.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,7 +23,8 @@ fn main() -> Result<()> {
         Some("bench") => match args.get(1).map(String::as_str) {
             Some("collectives") => bench_collectives(&args[2..]),
             Some("links") => bench_links(&args[2..]),
-            other => bail!("unknown benchmark {other:?}; available: collectives, links"),
+            Some("snapshot") => bench_snapshot(&args[2..]),
+            other => bail!("unknown benchmark {other:?}; available: collectives, links, snapshot"),
         },
         _ => {
             eprintln!(
@@ -311,4 +317,72 @@ fn human(b: u64) -> String {
     } else {
         format!("{b} B")
     }
+}
+
+fn bench_snapshot(args: &[String]) -> Result<()> {
+    let bytes = parse_size(&flag(args, "--bytes", "1G"))?;
+    let repeat = flag(args, "--repeat", "3");
+    let tdir = target_dir();
+    let out_dir = tdir.join("bench");
+    std::fs::create_dir_all(&out_dir)?;
+    eprintln!("building ironweave (release) ...");
+    run(Command::new(env!("CARGO")).args(["build", "--release", "-q", "-p", "ironweave"]).current_dir(root()))?;
+    let ours_json = out_dir.join("snapshot-ironweave.json");
+    eprintln!("ironweave snapshot of {bytes} bytes ...");
+    let table = run(Command::new(tdir.join("release/ironweave")).args([
+        "bench",
+        "snapshot",
+        "--bytes",
+        &bytes.to_string(),
+        "--repeat",
+        &repeat,
+        "--dir",
+        &out_dir.join("snapshot").display().to_string(),
+        "--json",
+        &ours_json.display().to_string(),
+    ]))?;
+    eprint!("{table}");
+    let ours: Value = serde_json::from_slice(&std::fs::read(&ours_json)?)?;
+    let venv = tdir.join("bench-venv");
+    let py = venv.join("bin/python");
+    if !py.exists() {
+        eprintln!("making {} with torch and torchsnapshot (large download) ...", venv.display());
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+        run(Command::new(venv.join("bin/pip")).args(["install", "-q", "torch", "torchsnapshot", "numpy"]))?;
+    }
+    eprintln!("torch.save and torchsnapshot on the same layout ...");
+    let peer_out = run(Command::new(&py)
+        .arg(root().join("xtask/peers/torch_snapshot.py"))
+        .arg(bytes.to_string())
+        .arg(&repeat)
+        .arg(out_dir.join("snapshot-torch")))?;
+    let peer: Value = serde_json::from_str(peer_out.trim()).context("torch peer output")?;
+    let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    let snap = f(&ours, "snapshot_s");
+    let rows = [
+        ("memcpy into warm buffers, 1 thread", f(&ours, "memcpy_s")),
+        ("memcpy into warm buffers, all threads (ceiling)", f(&ours, "memcpy_parallel_s")),
+        ("**ironweave-ckpt snapshot**", snap),
+        ("torch: copy_ into warm tensors", f(&peer, "torch_copy_warm_s")),
+        ("torch.save (+fsync)", f(&peer, "torch_save_s")),
+        ("torchsnapshot Snapshot.take", f(&peer, "torchsnapshot_take_s")),
+        ("ironweave persistent tier (safetensors+fsync)", f(&ours, "persist_s")),
+        ("sequential write + fsync (dd-style)", f(&ours, "sequential_write_s")),
+    ];
+    let gib = bytes as f64 / (1u64 << 30) as f64;
+    println!("| {gib:.2} GiB state, {} buffers | seconds | GB/s | ironweave snapshot speedup |", ours["buffers"]);
+    println!("|---|---:|---:|---:|");
+    for (name, s) in rows {
+        println!("| {name} | {s:.3} | {:.2} | {:.2}x |", bytes as f64 / s / 1e9, s / snap);
+    }
+    println!(
+        "\nsnapshot vs ceiling: {:.2}x; persistent write vs sequential write: {:.2}x (torch {})",
+        f(&ours, "memcpy_parallel_s") / snap,
+        f(&ours, "sequential_write_s") / f(&ours, "persist_s"),
+        peer["torch"].as_str().unwrap_or("?")
+    );
+    let all = json!({ "ironweave": ours, "torch": peer });
+    std::fs::write(out_dir.join("snapshot.json"), serde_json::to_vec_pretty(&all)?)?;
+    eprintln!("wrote {}", out_dir.join("snapshot.json").display());
+    Ok(())
 }

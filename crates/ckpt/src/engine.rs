@@ -100,8 +100,10 @@ pub struct EngineConfig {
     pub strategy: Strategy,
     /// Copies of each snapshot in host memory, including the rank's own (Gemini's m).
     pub replicas: u32,
-    /// Bytes per replication message (and per checksum).
+    /// Bytes per replication message.
     pub chunk_bytes: u64,
+    /// Bytes per checksum (small enough that hashing reads what the copy just left in cache).
+    pub checksum_bytes: u64,
     /// Snapshot copy threads (0: all cores).
     pub copy_threads: usize,
     /// Persistent tier directory (none: memory only). Required by `blocking` and `async`.
@@ -133,6 +135,7 @@ impl Default for EngineConfig {
             strategy: Strategy::Capricorn,
             replicas: 2,
             chunk_bytes: 4 << 20,
+            checksum_bytes: 256 << 10,
             copy_threads: 0,
             persist_dir: None,
             persist_every: 0,
@@ -363,7 +366,7 @@ impl Engine {
         let holders = if cfg.strategy.in_memory() { place[me].clone() } else { Vec::new() };
         let sources: Vec<usize> =
             if cfg.strategy.in_memory() { (0..world).filter(|&s| place[s].contains(&me)).collect() } else { Vec::new() };
-        let mut snaps = SnapshotBuffers::new(cfg.copy_threads, cfg.chunk_bytes);
+        let mut snaps = SnapshotBuffers::new(cfg.copy_threads, cfg.checksum_bytes);
         snaps.set_wait(cfg.timeout);
         let shared = Arc::new(Mutex::new(Shared::default()));
         let stop = Arc::new(AtomicBool::new(false));
@@ -768,7 +771,7 @@ impl Engine {
         let me = self.comm.rank();
         let mut out = Vec::new();
         for s in self.snaps.held() {
-            if Snapshot::verify(&s.data, &s.sums, "local snapshot").is_ok() {
+            if Snapshot::verify(&s.data, s.sums(), "local snapshot").is_ok() {
                 out.push((me, s.iter, true));
             }
         }
@@ -899,7 +902,7 @@ impl Engine {
                 });
             }
             Snapshot::verify(&data, &man.sums, &format!("state of rank {me} from rank {p}"))?;
-            (Arc::new(Snapshot { iter, registry: Arc::new(man.registry), data, sums: man.sums }), Source::Peer(p))
+            (Arc::new(Snapshot::with_sums(iter, Arc::new(man.registry), data, man.sums)), Source::Peer(p))
         };
         let deadline = Instant::now() + self.cfg.timeout;
         for h in sends {

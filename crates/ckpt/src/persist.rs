@@ -46,7 +46,7 @@ impl Manifest {
             world,
             iter: snap.iter,
             registry: (*snap.registry).clone(),
-            sums: snap.sums.clone(),
+            sums: snap.sums().to_vec(),
         }
     }
 }
@@ -193,7 +193,7 @@ pub fn load(dir: &Path, iter: u64, rank: u32) -> Result<Snapshot> {
         });
     }
     Snapshot::verify(&data, &man.sums, &data_path.display().to_string())?;
-    Ok(Snapshot { iter, registry: Arc::new(man.registry), data, sums: man.sums })
+    Ok(Snapshot::with_sums(iter, Arc::new(man.registry), data, man.sums))
 }
 
 /// Iterations that have a manifest for `rank` under `dir`, newest first.

@@ -30,11 +30,31 @@ pub struct Snapshot {
     pub registry: Arc<Registry>,
     /// The bytes, laid out as the registry says.
     pub data: Vec<u8>,
-    /// Checksums of fixed-size chunks.
-    pub sums: Vec<ChunkSum>,
+    /// Checksums of fixed-size chunks, computed on first use: off the training thread's
+    /// critical path (the replication thread or the persistent writer computes them).
+    sums: std::sync::OnceLock<Vec<ChunkSum>>,
+    sum_chunk: u64,
 }
 
 impl Snapshot {
+    /// A snapshot whose checksums are already known (received or loaded).
+    pub fn with_sums(iter: u64, registry: Arc<Registry>, data: Vec<u8>, sums: Vec<ChunkSum>) -> Self {
+        let sum_chunk = sums.first().map(|c| c.len).unwrap_or(256 << 10).max(1);
+        Snapshot { iter, registry, data, sums: sums.into(), sum_chunk }
+    }
+
+    /// Checksums of the data in `sum_chunk`-byte pieces (computed once).
+    pub fn sums(&self) -> &[ChunkSum] {
+        self.sums.get_or_init(|| {
+            let c = self.sum_chunk as usize;
+            self.data
+                .chunks(c)
+                .enumerate()
+                .map(|(k, d)| ChunkSum { offset: (k * c) as u64, len: d.len() as u64, xxh3: xxh3_64(d) })
+                .collect()
+        })
+    }
+
     /// The bytes of tensor `name`.
     pub fn tensor(&self, name: &str) -> Option<&[u8]> {
         let t = self.registry.get(name)?;
@@ -110,9 +130,9 @@ impl SnapshotBuffers {
         registry.check(bufs)?;
         let slot = self.next;
         let deadline = std::time::Instant::now() + self.wait;
-        let mut arc = self.slots[slot]
-            .take()
-            .unwrap_or_else(|| Arc::new(Snapshot { iter, registry: registry.clone(), data: Vec::new(), sums: Vec::new() }));
+        let mut arc = self.slots[slot].take().unwrap_or_else(|| {
+            Arc::new(Snapshot { iter, registry: registry.clone(), data: Vec::new(), sums: Default::default(), sum_chunk: 0 })
+        });
         let snap = loop {
             match Arc::get_mut(&mut arc) {
                 Some(_) => break Arc::get_mut(&mut arc).expect("unique"),
@@ -137,8 +157,8 @@ impl SnapshotBuffers {
         }
         let chunk = self.chunk as usize;
         let n_chunks = total.div_ceil(chunk);
-        snap.sums.clear();
-        snap.sums.resize(n_chunks, ChunkSum { offset: 0, len: 0, xxh3: 0 });
+        snap.sums = Default::default();
+        snap.sum_chunk = self.chunk;
         // Source pieces: (dst offset, src slice), in order.
         let pieces: Vec<(usize, &[u8])> = registry.tensors.iter().zip(bufs).map(|(t, b)| (t.offset as usize, *b)).collect();
         let copy_range = |dst: &mut [u8], base: usize| {
@@ -158,26 +178,20 @@ impl SnapshotBuffers {
         let per = n_chunks.div_ceil(threads.max(1)).max(1);
         std::thread::scope(|s| {
             let mut data_rest: &mut [u8] = &mut snap.data;
-            let mut sums_rest: &mut [ChunkSum] = &mut snap.sums;
             let mut base = 0usize;
             for _ in 0..threads {
-                let take_chunks = per.min(sums_rest.len());
-                if take_chunks == 0 {
+                let bytes = (per * chunk).min(data_rest.len());
+                if bytes == 0 {
                     break;
                 }
-                let bytes = (take_chunks * chunk).min(data_rest.len());
                 let (d, dr) = std::mem::take(&mut data_rest).split_at_mut(bytes);
-                let (c, cr) = std::mem::take(&mut sums_rest).split_at_mut(take_chunks);
                 data_rest = dr;
-                sums_rest = cr;
                 let my_base = base;
                 base += bytes;
                 let copy_range = &copy_range;
                 s.spawn(move || {
-                    for (k, (dchunk, sum)) in d.chunks_mut(chunk).zip(c.iter_mut()).enumerate() {
-                        let off = my_base + k * chunk;
-                        copy_range(dchunk, off);
-                        *sum = ChunkSum { offset: off as u64, len: dchunk.len() as u64, xxh3: xxh3_64(dchunk) };
+                    for (k, dchunk) in d.chunks_mut(chunk).enumerate() {
+                        copy_range(dchunk, my_base + k * chunk);
                     }
                 });
             }

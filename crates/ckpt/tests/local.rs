@@ -43,7 +43,7 @@ fn snapshots_copy_exactly_and_alternate_buffers() {
         let mut sb = SnapshotBuffers::new(threads, 4096);
         let s = sb.take(10, &reg, &refs(&bufs)).unwrap();
         assert_eq!(s.data, bufs.concat());
-        Snapshot::verify(&s.data, &s.sums, "test").unwrap();
+        Snapshot::verify(&s.data, s.sums(), "test").unwrap();
         assert_eq!(s.tensor("layers.0.b").unwrap(), bufs[2].as_slice());
         // while someone (a replication thread) holds iteration 10, its buffer is not reused
         sb.set_wait(std::time::Duration::from_millis(20));
@@ -81,9 +81,9 @@ fn a_flipped_byte_is_detected() {
     let s = sb.take(1, &reg, &refs(&bufs)).unwrap();
     let mut d = s.data.clone();
     d[5000] ^= 1;
-    let e = Snapshot::verify(&d, &s.sums, "replica").unwrap_err();
+    let e = Snapshot::verify(&d, s.sums(), "replica").unwrap_err();
     assert!(matches!(e, CkptError::Corrupt { .. }) && e.to_string().contains("chunk 1"), "{e}");
-    assert!(Snapshot::verify(&s.data[..100], &s.sums, "short").is_err());
+    assert!(Snapshot::verify(&s.data[..100], s.sums(), "short").is_err());
 }
 
 #[test]

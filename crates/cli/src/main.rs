@@ -8,6 +8,7 @@ mod launch;
 mod plan;
 mod selftest;
 mod simulate;
+mod snapbench;
 
 use std::time::Duration;
 
@@ -202,6 +203,22 @@ enum BenchCmd {
         #[arg(long, default_value = "")]
         link: String,
     },
+    /// Snapshot a state to host memory (ironweave-ckpt vs memcpy) and to the persistent tier
+    /// (vs a sequential write); `cargo xtask bench snapshot` adds torch.save and torchsnapshot.
+    Snapshot {
+        /// State size (K/M/G suffixes).
+        #[arg(long, default_value = "1G")]
+        bytes: String,
+        /// Timed repetitions (best is reported).
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+        /// Directory for the persistent writes.
+        #[arg(long, default_value = "target/bench/snapshot")]
+        dir: std::path::PathBuf,
+        /// Write the results as JSON here.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+    },
 }
 
 fn main() {
@@ -311,6 +328,10 @@ fn run(cli: Cli) -> Result<i32> {
                 launch::Outcome::Interrupted { signal } => 128 + signal,
                 launch::Outcome::TimedOut => 124,
             })
+        }
+        Cmd::Bench { what: BenchCmd::Snapshot { bytes, repeat, dir, json } } => {
+            snapbench::run(bench::parse_size(&bytes)? as u64, repeat, &dir, json.as_deref())?;
+            Ok(0)
         }
         Cmd::Bench {
             what: BenchCmd::Collectives { ranks, backend, ops, sizes, dtype, min_time, json, topology, ranks_per_host, link },
