@@ -351,8 +351,10 @@ fn spawn<T: Send + 'static>(name: String, f: impl FnOnce() -> T + Send + 'static
 impl Engine {
     /// Start the engine for `registry` on `comm` (all ranks call this together).
     pub fn new(comm: Arc<Communicator>, registry: Registry, cfg: EngineConfig) -> Result<Self> {
-        if cfg.replicas == 0 || cfg.chunk_bytes == 0 || cfg.gemini_chunk_bytes == 0 {
-            return Err(CkptError::Invalid("replicas, chunk_bytes and gemini_chunk_bytes must be at least 1".into()));
+        if cfg.replicas == 0 || cfg.chunk_bytes == 0 || cfg.gemini_chunk_bytes == 0 || cfg.checksum_bytes == 0 {
+            return Err(CkptError::Invalid(
+                "replicas, chunk_bytes, checksum_bytes and gemini_chunk_bytes must be at least 1".into(),
+            ));
         }
         if !(cfg.window_fill > 0.0 && cfg.window_fill <= 1.0) {
             return Err(CkptError::Invalid(format!("window_fill {} must be in (0, 1]", cfg.window_fill)));
@@ -360,35 +362,109 @@ impl Engine {
         if matches!(cfg.strategy, Strategy::Blocking | Strategy::Async) && cfg.persist_dir.is_none() {
             return Err(CkptError::Invalid(format!("strategy `{}` writes to storage: set persist_dir", cfg.strategy.name())));
         }
-        let world = comm.size();
-        let me = comm.rank();
-        let place = placement(world, cfg.replicas as usize);
-        let holders = if cfg.strategy.in_memory() { place[me].clone() } else { Vec::new() };
-        let sources: Vec<usize> =
-            if cfg.strategy.in_memory() { (0..world).filter(|&s| place[s].contains(&me)).collect() } else { Vec::new() };
         let mut snaps = SnapshotBuffers::new(cfg.copy_threads, cfg.checksum_bytes);
         snaps.set_wait(cfg.timeout);
-        let shared = Arc::new(Mutex::new(Shared::default()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let profiler = Arc::new(Profiler::new(MonotonicClock::default(), 8));
-        let rate = Arc::new(Mutex::new((0.0f64, 0.0f64))); // bytes, seconds of chunk transfers
-        let mut services = Vec::new();
+        let mut e = Engine {
+            comm,
+            activation: SpeculativeActivation::new(cfg.drift_threshold),
+            predictor: WindowPredictor::new(0.5),
+            cfg,
+            registry: Arc::new(registry),
+            snaps,
+            holders: Vec::new(),
+            shared: Arc::new(Mutex::new(Shared::default())),
+            stop: Arc::new(AtomicBool::new(false)),
+            senders: Vec::new(),
+            services: Vec::new(),
+            last_sent: None,
+            committed: None,
+            corrupt_in_transit: Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX)),
+            profiler: Arc::new(Profiler::new(MonotonicClock::default(), 8)),
+            sched: Arc::new(Mutex::new(Sched::default())),
+            pending: None,
+            gemini_spans: None,
+            profiled_iters: 0,
+            this_iter: None,
+            writer: None,
+            durable: None,
+            rate: Arc::new(Mutex::new((0.0, 0.0))),
+        };
+        e.start_threads()?;
+        Ok(e)
+    }
+
+    /// Move the engine to a new communicator over the same ranks (after a failure, once the
+    /// job has re-formed with a restarted rank). Snapshots and replicas held in memory are
+    /// kept; transfers in flight are dropped (those iterations are not committed).
+    pub fn rebind(&mut self, comm: Arc<Communicator>) -> Result<()> {
+        if comm.size() != self.comm.size() || comm.rank() != self.comm.rank() {
+            return Err(CkptError::Invalid(format!(
+                "rebind to rank {} of {} from rank {} of {}: the engine's replicas are laid out for the old ranks",
+                comm.rank(),
+                comm.size(),
+                self.comm.rank(),
+                self.comm.size()
+            )));
+        }
+        self.stop_threads();
+        self.comm = comm;
+        {
+            let mut sh = lock(&self.shared);
+            sh.acks.clear();
+            sh.failures.clear();
+            sh.lost_holders.clear();
+            for v in sh.store.values_mut() {
+                v.retain(|r| r.verified);
+            }
+        }
+        self.pending = None;
+        self.last_sent = None;
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+        self.start_threads()
+    }
+
+    fn stop_threads(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        {
+            let mut s = lock_sched(&self.sched);
+            s.txs.clear();
+            s.releaser = None;
+            s.open = false;
+        }
+        for (_, t) in self.senders.drain(..) {
+            let _ = t.join();
+        }
+        for t in self.services.drain(..) {
+            let _ = t.join();
+        }
+    }
+
+    fn start_threads(&mut self) -> Result<()> {
+        let comm = self.comm.clone();
+        let world = comm.size();
+        let me = comm.rank();
+        let place = placement(world, self.cfg.replicas as usize);
+        let in_mem = self.cfg.strategy.in_memory();
+        self.holders = if in_mem { place[me].clone() } else { Vec::new() };
+        let sources: Vec<usize> = if in_mem { (0..world).filter(|&s| place[s].contains(&me)).collect() } else { Vec::new() };
+        self.stop = Arc::new(AtomicBool::new(false));
+        let (shared, stop, profiler, rate) = (self.shared.clone(), self.stop.clone(), self.profiler.clone(), self.rate.clone());
         for &s in &sources {
             let (comm, shared, stop) = (comm.clone(), shared.clone(), stop.clone());
-            services.push(spawn(format!("ckpt-in-{s}"), move || receive_replicas(&comm, s, &shared, &stop))?);
+            self.services.push(spawn(format!("ckpt-in-{s}"), move || receive_replicas(&comm, s, &shared, &stop))?);
         }
-        for &h in &holders {
+        for &h in &self.holders {
             let (comm, shared, stop) = (comm.clone(), shared.clone(), stop.clone());
-            services.push(spawn(format!("ckpt-ack-{h}"), move || receive_acks(&comm, h, &shared, &stop))?);
+            self.services.push(spawn(format!("ckpt-ack-{h}"), move || receive_acks(&comm, h, &shared, &stop))?);
         }
-        let mut senders = Vec::new();
         let mut txs = Vec::new();
-        let corrupt_in_transit = Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX));
-        for &h in &holders {
+        for &h in &self.holders {
             let (tx, rx) = channel::<Job>();
             let (comm, shared, corrupt, prof, rate) =
-                (comm.clone(), shared.clone(), corrupt_in_transit.clone(), profiler.clone(), rate.clone());
-            let (rank, world_n, chunk, link) = (me as u32, world as u32, cfg.chunk_bytes as usize, cfg.link);
+                (comm.clone(), shared.clone(), self.corrupt_in_transit.clone(), profiler.clone(), rate.clone());
+            let (rank, world_n, chunk, link) = (me as u32, world as u32, self.cfg.chunk_bytes as usize, self.cfg.link);
             let t = spawn(format!("ckpt-out-{h}"), move || {
                 let mut cur: Option<Arc<Snapshot>> = None;
                 while let Ok(job) = rx.recv() {
@@ -435,14 +511,17 @@ impl Engine {
                     }
                 }
             })?;
-            senders.push((h, t));
+            self.senders.push((h, t));
             txs.push(tx);
         }
-        let sched = Arc::new(Mutex::new(Sched { txs, ..Default::default() }));
+        {
+            let mut s = lock_sched(&self.sched);
+            *s = Sched { txs, ..Default::default() };
+        }
         // Capricorn: a window opens when a training communication on the link ends.
         {
-            let sched = sched.clone();
-            let link = cfg.link;
+            let sched = self.sched.clone();
+            let link = self.cfg.link;
             profiler.set_comm_hook(Some(Arc::new(move |span: &ironweave_profile::CommSpan| {
                 if span.link != link {
                     return;
@@ -457,9 +536,9 @@ impl Engine {
             })));
         }
         // Gemini: chunks go by the clock.
-        if cfg.strategy == Strategy::Gemini {
-            let (sched, stop) = (sched.clone(), stop.clone());
-            services.push(spawn("ckpt-timer".into(), move || {
+        if self.cfg.strategy == Strategy::Gemini {
+            let (sched, stop) = (self.sched.clone(), stop.clone());
+            self.services.push(spawn("ckpt-timer".into(), move || {
                 while !stop.load(Ordering::SeqCst) {
                     {
                         let mut s = lock_sched(&sched);
@@ -472,31 +551,7 @@ impl Engine {
                 }
             })?);
         }
-        Ok(Engine {
-            comm,
-            activation: SpeculativeActivation::new(cfg.drift_threshold),
-            predictor: WindowPredictor::new(0.5),
-            cfg,
-            registry: Arc::new(registry),
-            snaps,
-            holders,
-            shared,
-            stop,
-            senders,
-            services,
-            last_sent: None,
-            committed: None,
-            corrupt_in_transit,
-            profiler,
-            sched,
-            pending: None,
-            gemini_spans: None,
-            profiled_iters: 0,
-            this_iter: None,
-            writer: None,
-            durable: None,
-            rate,
-        })
+        Ok(())
     }
 
     /// The ranks holding this rank's replicas.
@@ -964,15 +1019,15 @@ impl Engine {
     /// (collective: every rank calls it).
     pub fn shutdown(mut self) -> Result<()> {
         let _ = self.commit(true)?;
-        lock_sched(&self.sched).txs.clear();
+        {
+            let mut s = lock_sched(&self.sched);
+            s.txs.clear();
+        }
         for (_, t) in self.senders.drain(..) {
             let _ = t.join();
         }
         self.comm.barrier()?;
-        self.stop.store(true, Ordering::SeqCst);
-        for t in self.services.drain(..) {
-            let _ = t.join();
-        }
+        self.stop_threads();
         Ok(())
     }
 }

@@ -3,6 +3,7 @@
 
 mod backend;
 mod bench;
+mod ckpt_selftest;
 mod cluster;
 mod launch;
 mod plan;
@@ -437,6 +438,11 @@ fn run(cli: Cli) -> Result<i32> {
                     plan::sdp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref(), a.global_batch, a.probe.as_deref())?
                 }
             }
+            Ok(0)
+        }
+        Cmd::Selftest { scenario, backend } if scenario == "ckpt" => {
+            let _ = backend;
+            ckpt_selftest::run()?;
             Ok(0)
         }
         Cmd::Selftest { scenario, backend } => {
