@@ -243,6 +243,10 @@ pub struct IterationReport {
     pub profiled: bool,
     /// Duration of the iteration, seconds.
     pub iter_s: f64,
+    /// Time the training thread spent inside the engine since the previous report (snapshot
+    /// copy, waits for buffers or writers, synchronous writes, commit waits): the checkpoint's
+    /// exposed cost, seconds.
+    pub exposed_s: f64,
 }
 
 enum Job {
@@ -314,6 +318,7 @@ pub struct Engine {
     writer: Option<JoinHandle<Result<u64>>>,
     durable: Option<u64>,
     rate: Arc<Mutex<(f64, f64)>>,
+    exposed: Duration,
 }
 
 impl std::fmt::Debug for Engine {
@@ -388,6 +393,7 @@ impl Engine {
             writer: None,
             durable: None,
             rate: Arc::new(Mutex::new((0.0, 0.0))),
+            exposed: Duration::ZERO,
         };
         e.start_threads()?;
         Ok(e)
@@ -650,7 +656,13 @@ impl Engine {
         lock_sched(&self.sched).flush();
         let prof = self.profiler.end_iteration();
         let (iter, profiled) = self.this_iter.take().unwrap_or((0, false));
-        let mut rep = IterationReport { iter, strategy: self.cfg.strategy.name().into(), profiled, ..Default::default() };
+        let mut rep = IterationReport {
+            iter,
+            strategy: self.cfg.strategy.name().into(),
+            profiled,
+            exposed_s: std::mem::take(&mut self.exposed).as_secs_f64(),
+            ..Default::default()
+        };
         if let Some(p) = prof {
             rep.iter_s = p.duration_ns() as f64 * 1e-9;
             let training: Vec<(u64, u64)> = p
@@ -683,6 +695,13 @@ impl Engine {
     /// replicate it during the next iteration's windows (or at once on `commit(true)`);
     /// `blocking` writes it to storage now; `async` hands it to a background writer.
     pub fn checkpoint(&mut self, iter: u64, bufs: &[&[u8]]) -> Result<CheckpointReport> {
+        let t0 = Instant::now();
+        let r = self.checkpoint_inner(iter, bufs);
+        self.exposed += t0.elapsed();
+        r
+    }
+
+    fn checkpoint_inner(&mut self, iter: u64, bufs: &[&[u8]]) -> Result<CheckpointReport> {
         if let Some(last) = self.snaps.latest().map(|s| s.iter) {
             if iter <= last {
                 return Err(CkptError::Invalid(format!("iteration {iter} is not after the last checkpointed iteration {last}")));
@@ -781,6 +800,13 @@ impl Engine {
     /// is held back and wait (bounded) until this rank's newest snapshot is acknowledged by all
     /// its holders (or written, for the storage strategies).
     pub fn commit(&mut self, wait: bool) -> Result<Option<u64>> {
+        let t0 = Instant::now();
+        let r = self.commit_inner(wait);
+        self.exposed += t0.elapsed();
+        r
+    }
+
+    fn commit_inner(&mut self, wait: bool) -> Result<Option<u64>> {
         if wait {
             if self.cfg.strategy == Strategy::Async {
                 if let Some(w) = self.writer.take() {

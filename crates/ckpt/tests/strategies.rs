@@ -86,6 +86,7 @@ fn capricorn_replicates_in_windows_and_reprofiles_only_on_drift() {
         for r in &o.reports[1..] {
             assert!(r.chunks > 0 && r.bytes_sent >= registry().total, "iteration {}: {r:?}", r.iter);
             assert!(r.partition_accuracy.is_some());
+            assert!(r.exposed_s > 0.0 && r.exposed_s < r.iter_s + 1.0, "{r:?}");
         }
     }
 }
