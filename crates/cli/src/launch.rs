@@ -54,6 +54,10 @@ pub struct LaunchSpec {
     /// Run on an emulated cluster: each rank inside its host's namespace, `ranks_per_host` per
     /// host, one TCP link per topology link.
     pub topology: Option<(crate::cluster::Topology, usize)>,
+    /// Restart failed ranks this many times (0: the first failure stops the job). A restarted
+    /// rank gets `IRONWEAVE_GENERATION` = the job's next generation; ranks re-form the job on
+    /// master port `IRONWEAVE_MASTER_PORT + generation`.
+    pub max_restarts: usize,
 }
 
 /// How the job ended.
@@ -117,7 +121,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
         }
         None => "127.0.0.1".to_string(),
     };
-    for rank in 0..spec.ranks {
+    let spawn_rank = |rank: usize, gen: usize, pumps: &mut Vec<std::thread::JoinHandle<()>>| -> Result<Child> {
         let mut cmd = match &spec.topology {
             Some((t, k)) => {
                 let h = rank / k;
@@ -142,6 +146,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             .env("IRONWEAVE_MASTER_PORT", port.to_string())
             .env("IRONWEAVE_JOB_ID", &job)
             .env("IRONWEAVE_SECRET", &secret)
+            .env("IRONWEAVE_GENERATION", gen.to_string())
             .stdin(Stdio::null())
             // Each rank leads its own process group so that a stop reaches whatever it started;
             // the launcher forwards Ctrl-C (SIGINT) and SIGTERM to every group.
@@ -152,16 +157,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
         if spec.prefix {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         }
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                for c in children.iter_mut().flatten() {
-                    send_signal(c, libc::SIGKILL);
-                    let _ = c.wait();
-                }
-                bail!("cannot start {:?} for rank {rank}: {e}", spec.program);
-            }
-        };
+        let mut child = cmd.spawn().with_context(|| format!("cannot start {:?} for rank {rank}", spec.program))?;
         if spec.prefix {
             if let Some(out) = child.stdout.take() {
                 pumps.push(std::thread::spawn(move || pump(rank, out, false)));
@@ -170,8 +166,22 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                 pumps.push(std::thread::spawn(move || pump(rank, err, true)));
             }
         }
-        children.push(Some(child));
+        Ok(child)
+    };
+    for rank in 0..spec.ranks {
+        match spawn_rank(rank, 0, &mut pumps) {
+            Ok(c) => children.push(Some(c)),
+            Err(e) => {
+                for c in children.iter_mut().flatten() {
+                    send_signal(c, libc::SIGKILL);
+                    let _ = c.wait();
+                }
+                return Err(e);
+            }
+        }
     }
+    let mut generation = 0usize;
+    let mut restarts_left = spec.max_restarts;
     let started = Instant::now();
     let mut outcome = None;
     let mut remaining = spec.ranks;
@@ -192,15 +202,15 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             stop_all(&mut children);
             break;
         }
-        let mut failed = None;
+        let mut failed = Vec::new();
         for (rank, slot) in children.iter_mut().enumerate() {
             let Some(c) = slot else { continue };
             match c.try_wait() {
                 Ok(Some(st)) => {
                     *slot = None;
                     remaining -= 1;
-                    if !st.success() && failed.is_none() {
-                        failed = Some((rank, st));
+                    if !st.success() {
+                        failed.push((rank, st));
                     }
                 }
                 Ok(None) => {}
@@ -209,7 +219,46 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                 }
             }
         }
-        if let Some((rank, st)) = failed {
+        if !failed.is_empty() && restarts_left > 0 {
+            // ranks that die together (a host, a rank and its replica peer) are one failure
+            std::thread::sleep(Duration::from_millis(300));
+            for (rank, slot) in children.iter_mut().enumerate() {
+                if let Some(c) = slot {
+                    if let Ok(Some(st)) = c.try_wait() {
+                        *slot = None;
+                        remaining -= 1;
+                        if !st.success() {
+                            failed.push((rank, st));
+                        }
+                    }
+                }
+            }
+            restarts_left -= 1;
+            generation += 1;
+            let mut ok = true;
+            for (rank, st) in &failed {
+                let (how, _) = describe(*st);
+                eprintln!(
+                    "ironweave launch: rank {rank} {how}; restarting it as generation {generation} ({} restart{} left)",
+                    restarts_left,
+                    if restarts_left == 1 { "" } else { "s" }
+                );
+                match spawn_rank(*rank, generation, &mut pumps) {
+                    Ok(c) => {
+                        children[*rank] = Some(c);
+                        remaining += 1;
+                    }
+                    Err(e) => {
+                        eprintln!("ironweave launch: {e:#}");
+                        ok = false;
+                    }
+                }
+            }
+            if ok {
+                continue;
+            }
+        }
+        if let Some(&(rank, st)) = failed.first() {
             let (how, code) = describe(st);
             eprintln!("ironweave launch: rank {rank} {how}; stopping the other ranks");
             outcome = Some(Outcome::RankFailed { code });

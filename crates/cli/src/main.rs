@@ -45,6 +45,10 @@ enum Cmd {
         /// Do not prefix output lines with the rank.
         #[arg(long)]
         no_prefix: bool,
+        /// Restart ranks that fail, up to this many times in all; a restarted rank runs with
+        /// IRONWEAVE_GENERATION set to the job's next generation (see docs/ARCHITECTURE.md).
+        #[arg(long, default_value_t = 0)]
+        max_restarts: usize,
         /// The program and its arguments.
         #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
         command: Vec<String>,
@@ -277,6 +281,7 @@ fn cluster_cmd(what: ClusterCmd) -> Result<i32> {
                 env: vec![],
                 timeout: None,
                 topology: Some((t.clone(), 1)),
+                max_restarts: 0,
             };
             launch::install_signal_handlers();
             match launch::run(&spec)? {
@@ -302,7 +307,7 @@ fn cluster_cmd(what: ClusterCmd) -> Result<i32> {
 
 fn run(cli: Cli) -> Result<i32> {
     match cli.cmd {
-        Cmd::Launch { ranks, topology, ranks_per_host, backend, timeout, no_prefix, command } => {
+        Cmd::Launch { ranks, topology, ranks_per_host, backend, timeout, no_prefix, max_restarts, command } => {
             backend::check(&backend)?;
             let topology = match topology {
                 Some(p) => Some((cluster::Topology::load(&p)?, ranks_per_host.max(1))),
@@ -322,6 +327,7 @@ fn run(cli: Cli) -> Result<i32> {
                 prefix: !no_prefix,
                 env: vec![("IRONWEAVE_BACKEND".into(), backend)],
                 timeout: timeout.map(Duration::from_secs_f64),
+                max_restarts,
             };
             Ok(match launch::run(&spec)? {
                 launch::Outcome::Success => 0,
@@ -377,6 +383,7 @@ fn run(cli: Cli) -> Result<i32> {
                 env: vec![],
                 timeout: None,
                 topology,
+                max_restarts: 0,
             };
             match launch::run(&spec)? {
                 launch::Outcome::Success => {}

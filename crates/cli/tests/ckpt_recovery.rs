@@ -149,3 +149,39 @@ fn a_rank_and_its_replica_peer_killed_together_restore_from_the_persistent_tier(
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn the_launcher_restarts_a_killed_rank_and_the_job_recovers() {
+    let (dir, _) = setup("launcher");
+    let launcher = Command::new(env!("CARGO_BIN_EXE_ironweave"))
+        .args(["launch", "-n", "3", "--max-restarts", "1", "--timeout", "120", "--"])
+        .arg(env!("CARGO_BIN_EXE_ironweave"))
+        .args(["selftest", "ckpt"])
+        .env("IRONWEAVE_TIMEOUT_S", "30")
+        .env("IRONWEAVE_SELFTEST_DIR", &dir)
+        .env("IRONWEAVE_SELFTEST_ITERS", "30")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while committed(&dir, 2) < 5 {
+        assert!(Instant::now() < deadline, "no progress:\n{}", log(&dir, 2));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid: String = log(&dir, 1)
+        .lines()
+        .find_map(|l| l.strip_prefix("start generation 0 pid ").map(str::to_string))
+        .expect("rank 1 logged its pid");
+    assert!(Command::new("kill").args(["-9", pid.trim()]).status().unwrap().success());
+    let out = launcher.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "launcher failed: {}\n{err}\n{}", out.status, (0..3).map(|r| log(&dir, r)).collect::<String>());
+    assert!(err.contains("rank 1 was killed by signal 9 (SIGKILL); restarting it as generation 1"), "{err}");
+    let lines: Vec<String> = (0..3).map(|r| restored_line(&dir, r)).collect();
+    assert!(lines[1].contains("from Peer(0) identical true"), "{lines:?}");
+    for r in 0..3 {
+        assert_eq!(committed(&dir, r), 30, "rank {r}:\n{}", log(&dir, r));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
