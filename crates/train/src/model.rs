@@ -1,0 +1,370 @@
+//! The MoE GPT on candle, trained layer by layer: the forward pass keeps only each layer's
+//! input; the backward pass recomputes one layer's local graph at a time and back-propagates
+//! the gradient of its output through it, so every layer's forward and backward are timed
+//! separately (and an expert-parallel version can put communication between the pieces).
+//! Parameters and AdamW moments live in host `Vec<f32>`s: they are what the checkpoint engine
+//! snapshots.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+
+use crate::config::TrainConfig;
+use crate::error::Result;
+
+/// SplitMix64 (seeded, the same on every machine).
+#[derive(Debug, Clone)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// Next 64 bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Standard normal.
+    pub fn normal(&mut self) -> f64 {
+        let u1 = self.unit().max(1e-300);
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * self.unit()).cos()
+    }
+}
+
+/// One named parameter with its AdamW moments.
+#[derive(Debug, Clone)]
+pub struct Param {
+    /// Name.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Values.
+    pub w: Vec<f32>,
+    /// First moment.
+    pub m: Vec<f32>,
+    /// Second moment.
+    pub v: Vec<f32>,
+}
+
+/// All parameters, in a fixed order.
+#[derive(Debug, Clone)]
+pub struct Params {
+    /// Parameters.
+    pub list: Vec<Param>,
+    /// Optimizer steps taken.
+    pub step: u64,
+}
+
+impl Params {
+    /// Index of a parameter by name.
+    pub fn idx(&self, name: &str) -> usize {
+        self.list.iter().position(|p| p.name == name).unwrap_or_else(|| panic!("no parameter {name}"))
+    }
+}
+
+/// Initialise deterministically from the seed.
+pub fn init(cfg: &TrainConfig) -> Params {
+    let m = &cfg.model;
+    let (h, f, e) = (m.hidden, m.hidden * m.ffn_mult, m.experts);
+    let mut rng = Rng(cfg.train.seed ^ 0x1f0f_1f0f);
+    let mut list = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, kind: u8| {
+        let n: usize = shape.iter().product();
+        let fan_in = shape.first().copied().unwrap_or(1) as f64;
+        let w: Vec<f32> = match kind {
+            0 => (0..n).map(|_| (rng.normal() * 0.02) as f32).collect(),
+            1 => (0..n).map(|_| (rng.normal() / fan_in.sqrt()) as f32).collect(),
+            2 => vec![1.0; n],
+            _ => vec![0.0; n],
+        };
+        list.push(Param { name, shape, m: vec![0.0; n], v: vec![0.0; n], w });
+    };
+    add("tok_emb".into(), vec![256, h], 0);
+    add("pos_emb".into(), vec![m.seq, h], 0);
+    for l in 0..m.layers {
+        add(format!("l{l}.ln1.g"), vec![h], 2);
+        add(format!("l{l}.ln1.b"), vec![h], 3);
+        for w in ["wq", "wk", "wv", "wo"] {
+            add(format!("l{l}.attn.{w}"), vec![h, h], 1);
+        }
+        add(format!("l{l}.ln2.g"), vec![h], 2);
+        add(format!("l{l}.ln2.b"), vec![h], 3);
+        if cfg.is_moe(l) {
+            add(format!("l{l}.gate"), vec![h, e], 1);
+            for x in 0..e {
+                add(format!("l{l}.e{x}.w1"), vec![h, f], 1);
+                add(format!("l{l}.e{x}.w2"), vec![f, h], 1);
+            }
+        } else {
+            add(format!("l{l}.mlp.w1"), vec![h, f], 1);
+            add(format!("l{l}.mlp.w2"), vec![f, h], 1);
+        }
+    }
+    add("lnf.g".into(), vec![h], 2);
+    add("lnf.b".into(), vec![h], 3);
+    add("head".into(), vec![h, 256], 1);
+    Params { list, step: 0 }
+}
+
+fn var(p: &Param, dev: &Device) -> Result<Var> {
+    Ok(Var::from_slice(&p.w, p.shape.as_slice(), dev)?)
+}
+
+fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    let y = xc.broadcast_div(&var.affine(1.0, 1e-5)?.sqrt()?)?;
+    Ok(y.broadcast_mul(g)?.broadcast_add(b)?)
+}
+
+fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let mx = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&mx)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// Which tokens each expert of one MoE layer takes (decided in the forward pass, reused when
+/// the layer is recomputed for backward).
+#[derive(Debug, Clone, Default)]
+pub struct Routing {
+    /// Per expert, the token rows it processes.
+    pub tokens: Vec<Vec<u32>>,
+    /// Per expert, tokens that chose it (before capacity).
+    pub wanted: Vec<u64>,
+}
+
+fn route(probs: &[f32], n: usize, e: usize, k: usize, capacity: usize) -> Routing {
+    let mut r = Routing { tokens: vec![Vec::new(); e], wanted: vec![0; e] };
+    let mut order: Vec<usize> = (0..e).collect();
+    for t in 0..n {
+        let row = &probs[t * e..(t + 1) * e];
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        for &x in order.iter().take(k) {
+            r.wanted[x] += 1;
+            if r.tokens[x].len() < capacity {
+                r.tokens[x].push(t as u32);
+            }
+        }
+    }
+    r
+}
+
+/// The parameters of one layer as candle variables.
+struct LayerVars {
+    vars: Vec<(usize, Var)>,
+}
+
+impl LayerVars {
+    fn get(&self, idx: usize) -> &Tensor {
+        self.vars.iter().find(|(i, _)| *i == idx).map(|(_, v)| v.as_tensor()).expect("registered")
+    }
+}
+
+/// The model bound to its parameters for one iteration.
+#[derive(Debug)]
+pub struct Model<'a> {
+    cfg: &'a TrainConfig,
+    params: &'a Params,
+    dev: Device,
+    mask: Tensor,
+}
+
+/// Everything one layer's forward produced.
+#[derive(Debug)]
+pub struct LayerOut {
+    /// Output activations.
+    pub y: Tensor,
+    /// Load-balancing loss of the layer (MoE only).
+    pub aux: Option<Tensor>,
+    /// Routing (MoE only).
+    pub routing: Option<Routing>,
+}
+
+impl<'a> Model<'a> {
+    /// Bind.
+    pub fn new(cfg: &'a TrainConfig, params: &'a Params) -> Result<Self> {
+        let dev = Device::Cpu;
+        let t = cfg.model.seq;
+        let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
+        let mask = Tensor::from_slice(&mask, (t, t), &dev)?;
+        Ok(Model { cfg, params, dev, mask })
+    }
+
+    fn layer_vars(&self, l: usize) -> Result<LayerVars> {
+        let prefix = format!("l{l}.");
+        let vars = self
+            .params
+            .list
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.name.starts_with(&prefix))
+            .map(|(i, p)| Ok((i, var(p, &self.dev)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(LayerVars { vars })
+    }
+
+    /// Embedding of a batch of byte sequences `[b, t]` → `[b·t, h]`.
+    pub fn embed(&self, tokens: &[u32], b: usize) -> Result<Tensor> {
+        let (t, h) = (self.cfg.model.seq, self.cfg.model.hidden);
+        let p = self.params;
+        let te = Tensor::from_slice(&p.list[p.idx("tok_emb")].w, (256, h), &self.dev)?;
+        let pe = Tensor::from_slice(&p.list[p.idx("pos_emb")].w, (t, h), &self.dev)?;
+        let ids = Tensor::from_slice(tokens, b * t, &self.dev)?;
+        let x = te.index_select(&ids, 0)?.reshape((b, t, h))?.broadcast_add(&pe)?;
+        Ok(x.reshape((b * t, h))?)
+    }
+
+    fn layer(&self, l: usize, x: &Tensor, v: &LayerVars, routing: Option<&Routing>) -> Result<LayerOut> {
+        let m = &self.cfg.model;
+        let p = self.params;
+        let (n, h) = x.dims2()?;
+        let t = m.seq;
+        let b = n / t;
+        let (nh, hd) = (m.heads, m.hidden / m.heads);
+        let pi = |s: &str| p.idx(&format!("l{l}.{s}"));
+        // attention
+        let a = layer_norm(x, v.get(pi("ln1.g")), v.get(pi("ln1.b")))?;
+        let heads =
+            |w: &str| -> Result<Tensor> { Ok(a.matmul(v.get(pi(w)))?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()?) };
+        let (q, k, vv) = (heads("attn.wq")?, heads("attn.wk")?, heads("attn.wv")?);
+        let att =
+            q.matmul(&k.transpose(2, 3)?.contiguous()?)?.affine(1.0 / (hd as f64).sqrt(), 0.0)?.broadcast_add(&self.mask)?;
+        let att = softmax_last(&att)?;
+        let o = att.matmul(&vv)?.transpose(1, 2)?.contiguous()?.reshape((n, h))?;
+        let x = (x + o.matmul(v.get(pi("attn.wo")))?)?;
+        // feed-forward
+        let hn = layer_norm(&x, v.get(pi("ln2.g")), v.get(pi("ln2.b")))?;
+        if !self.cfg.is_moe(l) {
+            let f = hn.matmul(v.get(pi("mlp.w1")))?.gelu()?.matmul(v.get(pi("mlp.w2")))?;
+            return Ok(LayerOut { y: (x + f)?, aux: None, routing: None });
+        }
+        let e = m.experts;
+        let probs = softmax_last(&hn.matmul(v.get(pi("gate")))?)?;
+        let routing = match routing {
+            Some(r) => r.clone(),
+            None => {
+                let cap = ((m.capacity_factor * (n * m.top_k) as f64 / e as f64).ceil() as usize).max(1);
+                route(&probs.flatten_all()?.to_vec1::<f32>()?, n, e, m.top_k, cap)
+            }
+        };
+        let mut out = Tensor::zeros((n, h), DType::F32, &self.dev)?;
+        for x_e in 0..e {
+            let idx = &routing.tokens[x_e];
+            if idx.is_empty() {
+                continue;
+            }
+            let ids = Tensor::from_slice(idx, idx.len(), &self.dev)?;
+            let xe = hn.index_select(&ids, 0)?;
+            let ge = probs.index_select(&ids, 0)?.narrow(1, x_e, 1)?;
+            let ye = xe.matmul(v.get(pi(&format!("e{x_e}.w1"))))?.gelu()?.matmul(v.get(pi(&format!("e{x_e}.w2"))))?;
+            out = out.index_add(&ids, &ye.broadcast_mul(&ge)?, 0)?;
+        }
+        // Switch-style load balancing: E · Σ f_e · P_e
+        let total: u64 = routing.wanted.iter().sum::<u64>().max(1);
+        let f: Vec<f32> = routing.wanted.iter().map(|&c| c as f32 / total as f32).collect();
+        let f = Tensor::from_slice(&f, e, &self.dev)?;
+        let pm = probs.mean(0)?;
+        let aux = (pm * f)?.sum_all()?.affine(e as f64, 0.0)?;
+        Ok(LayerOut { y: (x + out)?, aux: Some(aux), routing: Some(routing) })
+    }
+
+    /// Forward of layer `l` (inputs detached: only this layer's graph).
+    pub fn forward_layer(&self, l: usize, x: &Tensor) -> Result<LayerOut> {
+        let v = self.layer_vars(l)?;
+        self.layer(l, &x.detach(), &v, None)
+    }
+
+    /// Backward of layer `l`: recompute it from its input `x` with the forward's routing and
+    /// back-propagate `grad_y` (plus the layer's load-balancing loss). Adds the parameter
+    /// gradients into `grads` and returns the gradient of the input.
+    pub fn backward_layer(
+        &self,
+        l: usize,
+        x: &Tensor,
+        routing: Option<&Routing>,
+        grad_y: &Tensor,
+        grads: &mut [Vec<f32>],
+    ) -> Result<Tensor> {
+        let v = self.layer_vars(l)?;
+        let xv = Var::from_tensor(&x.detach())?;
+        let out = self.layer(l, xv.as_tensor(), &v, routing)?;
+        let mut obj = (out.y * grad_y)?.sum_all()?;
+        if let Some(aux) = out.aux {
+            obj = (obj + aux.affine(self.cfg.model.aux_loss_coef, 0.0)?)?;
+        }
+        let g = obj.backward()?;
+        for (i, var) in &v.vars {
+            if let Some(gi) = g.get(var.as_tensor()) {
+                let gv = gi.flatten_all()?.to_vec1::<f32>()?;
+                for (a, b) in grads[*i].iter_mut().zip(gv) {
+                    *a += b;
+                }
+            }
+        }
+        Ok(g.get(xv.as_tensor()).cloned().unwrap_or(xv.as_tensor().zeros_like()?))
+    }
+
+    /// The head: loss of `x` against `targets`; adds head gradients and returns (loss, dL/dx).
+    pub fn head(&self, x: &Tensor, targets: &[u32], grads: &mut [Vec<f32>]) -> Result<(f32, Tensor)> {
+        let p = self.params;
+        let ids = [p.idx("lnf.g"), p.idx("lnf.b"), p.idx("head")];
+        let vars: Vec<Var> = ids.iter().map(|&i| var(&p.list[i], &self.dev)).collect::<Result<_>>()?;
+        let xv = Var::from_tensor(&x.detach())?;
+        let hn = layer_norm(xv.as_tensor(), vars[0].as_tensor(), vars[1].as_tensor())?;
+        let logits = hn.matmul(vars[2].as_tensor())?;
+        let tg = Tensor::from_slice(targets, targets.len(), &self.dev)?;
+        let loss = candle_nn::loss::cross_entropy(&logits, &tg)?;
+        let g = loss.backward()?;
+        for (i, v) in ids.iter().zip(&vars) {
+            if let Some(gi) = g.get(v.as_tensor()) {
+                for (a, b) in grads[*i].iter_mut().zip(gi.flatten_all()?.to_vec1::<f32>()?) {
+                    *a += b;
+                }
+            }
+        }
+        let gx = g.get(xv.as_tensor()).cloned().unwrap_or(xv.as_tensor().zeros_like()?);
+        Ok((loss.to_scalar::<f32>()?, gx))
+    }
+
+    /// Gradients of the embeddings from dL/d(embedding output).
+    pub fn embed_backward(&self, tokens: &[u32], b: usize, gx: &Tensor, grads: &mut [Vec<f32>]) -> Result<()> {
+        let (t, h) = (self.cfg.model.seq, self.cfg.model.hidden);
+        let g = gx.flatten_all()?.to_vec1::<f32>()?;
+        let (te, pe) = (self.params.idx("tok_emb"), self.params.idx("pos_emb"));
+        for s in 0..b {
+            for p in 0..t {
+                let row = &g[(s * t + p) * h..(s * t + p + 1) * h];
+                let tok = tokens[s * t + p] as usize;
+                for j in 0..h {
+                    grads[te][tok * h + j] += row[j];
+                    grads[pe][p * h + j] += row[j];
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// AdamW on the host vectors (decoupled weight decay on matrices).
+pub fn adamw(params: &mut Params, grads: &[Vec<f32>], lr: f64, wd: f64) {
+    params.step += 1;
+    let (b1, b2, eps) = (0.9f64, 0.95f64, 1e-8f64);
+    let t = params.step as i32;
+    let (c1, c2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+    for (p, g) in params.list.iter_mut().zip(grads) {
+        let decay = if p.shape.len() == 2 { wd } else { 0.0 };
+        for (((w, m), v), &gi) in p.w.iter_mut().zip(p.m.iter_mut()).zip(p.v.iter_mut()).zip(g) {
+            let gi = gi as f64;
+            let mn = b1 * *m as f64 + (1.0 - b1) * gi;
+            let vn = b2 * *v as f64 + (1.0 - b2) * gi * gi;
+            *m = mn as f32;
+            *v = vn as f32;
+            let upd = (mn / c1) / ((vn / c2).sqrt() + eps);
+            *w = (*w as f64 * (1.0 - lr * decay) - lr * upd) as f32;
+        }
+    }
+}
