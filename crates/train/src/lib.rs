@@ -8,6 +8,7 @@
 
 pub mod config;
 pub mod data;
+pub mod dist;
 mod error;
 pub mod model;
 pub mod trainer;

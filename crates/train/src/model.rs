@@ -8,6 +8,7 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 
 use crate::config::TrainConfig;
+use crate::dist::Dist;
 use crate::error::Result;
 
 /// SplitMix64 (seeded, the same on every machine).
@@ -171,6 +172,26 @@ pub struct Model<'a> {
     params: &'a Params,
     dev: Device,
     mask: Tensor,
+    dist: Option<&'a Dist>,
+}
+
+/// What the expert-parallel forward of an MoE layer leaves for its backward.
+#[derive(Debug, Clone, Default)]
+pub struct EpCtx {
+    /// Token row of each dispatched row (in send order: by destination rank, local expert, token).
+    ids: Vec<u32>,
+    /// Expert of each dispatched row.
+    cols: Vec<u32>,
+    /// Rows sent to each rank.
+    send_rows: Vec<usize>,
+    /// Rows received from each rank.
+    recv_rows: Vec<usize>,
+    /// Per local expert, its rows in the received buffer.
+    layout: Vec<Vec<u32>>,
+    /// The rows received (expert side).
+    rows_in: Vec<f32>,
+    /// The expert outputs received back (source side, send order).
+    y_back: Vec<f32>,
 }
 
 /// Everything one layer's forward produced.
@@ -182,6 +203,8 @@ pub struct LayerOut {
     pub aux: Option<Tensor>,
     /// Routing (MoE only).
     pub routing: Option<Routing>,
+    /// Expert-parallel context (MoE layers with more than one rank).
+    pub ep: Option<EpCtx>,
 }
 
 impl<'a> Model<'a> {
@@ -191,7 +214,15 @@ impl<'a> Model<'a> {
         let t = cfg.model.seq;
         let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
         let mask = Tensor::from_slice(&mask, (t, t), &dev)?;
-        Ok(Model { cfg, params, dev, mask })
+        Ok(Model { cfg, params, dev, mask, dist: None })
+    }
+
+    /// Bind for expert and data parallelism over `dist` (`params` holds this rank's experts only).
+    pub fn with_dist(mut self, dist: &'a Dist) -> Self {
+        if dist.world() > 1 {
+            self.dist = Some(dist);
+        }
+        self
     }
 
     fn layer_vars(&self, l: usize) -> Result<LayerVars> {
@@ -240,7 +271,7 @@ impl<'a> Model<'a> {
         let hn = layer_norm(&x, v.get(pi("ln2.g")), v.get(pi("ln2.b")))?;
         if !self.cfg.is_moe(l) {
             let f = hn.matmul(v.get(pi("mlp.w1")))?.gelu()?.matmul(v.get(pi("mlp.w2")))?;
-            return Ok(LayerOut { y: (x + f)?, aux: None, routing: None });
+            return Ok(LayerOut { y: (x + f)?, aux: None, routing: None, ep: None });
         }
         let e = m.experts;
         let probs = softmax_last(&hn.matmul(v.get(pi("gate")))?)?;
@@ -269,11 +300,213 @@ impl<'a> Model<'a> {
         let f = Tensor::from_slice(&f, e, &self.dev)?;
         let pm = probs.mean(0)?;
         let aux = (pm * f)?.sum_all()?.affine(e as f64, 0.0)?;
-        Ok(LayerOut { y: (x + out)?, aux: Some(aux), routing: Some(routing) })
+        Ok(LayerOut { y: (x + out)?, aux: Some(aux), routing: Some(routing), ep: None })
+    }
+
+    /// Attention, the second layer norm and the gate (the part of an MoE layer on the tokens' rank).
+    fn source(&self, l: usize, x: &Tensor, v: &LayerVars) -> Result<(Tensor, Tensor, Tensor)> {
+        let m = &self.cfg.model;
+        let p = self.params;
+        let (n, h) = x.dims2()?;
+        let t = m.seq;
+        let b = n / t;
+        let (nh, hd) = (m.heads, m.hidden / m.heads);
+        let pi = |s: &str| p.idx(&format!("l{l}.{s}"));
+        let a = layer_norm(x, v.get(pi("ln1.g")), v.get(pi("ln1.b")))?;
+        let heads =
+            |w: &str| -> Result<Tensor> { Ok(a.matmul(v.get(pi(w)))?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()?) };
+        let (q, k, vv) = (heads("attn.wq")?, heads("attn.wk")?, heads("attn.wv")?);
+        let att =
+            q.matmul(&k.transpose(2, 3)?.contiguous()?)?.affine(1.0 / (hd as f64).sqrt(), 0.0)?.broadcast_add(&self.mask)?;
+        let att = softmax_last(&att)?;
+        let o = att.matmul(&vv)?.transpose(1, 2)?.contiguous()?.reshape((n, h))?;
+        let x1 = (x + o.matmul(v.get(pi("attn.wo")))?)?;
+        let hn = layer_norm(&x1, v.get(pi("ln2.g")), v.get(pi("ln2.b")))?;
+        let probs = softmax_last(&hn.matmul(v.get(pi("gate")))?)?;
+        Ok((x1, hn, probs))
+    }
+
+    fn expert_ffn(&self, l: usize, e: usize, rows: &Tensor, v: &LayerVars) -> Result<Tensor> {
+        let p = self.params;
+        let w1 = v.get(p.idx(&format!("l{l}.e{e}.w1")));
+        let w2 = v.get(p.idx(&format!("l{l}.e{e}.w2")));
+        Ok(rows.matmul(w1)?.gelu()?.matmul(w2)?)
+    }
+
+    fn aux_loss(&self, probs: &Tensor, routing: &Routing) -> Result<Tensor> {
+        let e = self.cfg.model.experts;
+        let total: u64 = routing.wanted.iter().sum::<u64>().max(1);
+        let f: Vec<f32> = routing.wanted.iter().map(|&c| c as f32 / total as f32).collect();
+        let f = Tensor::from_slice(&f, e, &self.dev)?;
+        Ok((probs.mean(0)? * f)?.sum_all()?.affine(e as f64, 0.0)?)
+    }
+
+    /// Expert-parallel forward of MoE layer `l`.
+    fn forward_ep(&self, l: usize, x: &Tensor, d: &Dist) -> Result<LayerOut> {
+        let m = &self.cfg.model;
+        let (w, me) = (d.world(), d.rank());
+        let v = self.layer_vars(l)?;
+        let (x1, hn, probs) = self.source(l, x, &v)?;
+        let (n, h) = x1.dims2()?;
+        let e = m.experts;
+        let per = e / w;
+        let cap = ((m.capacity_factor * (n * m.top_k) as f64 / e as f64).ceil() as usize).max(1);
+        let routing = route(&probs.flatten_all()?.to_vec1::<f32>()?, n, e, m.top_k, cap);
+        let mut ctx = EpCtx { send_rows: vec![0; w], ..Default::default() };
+        let mut counts = vec![0i64; w * per];
+        for dst in 0..w {
+            for j in 0..per {
+                let ex = dst + j * w;
+                for &t in &routing.tokens[ex] {
+                    ctx.ids.push(t);
+                    ctx.cols.push(ex as u32);
+                }
+                counts[dst * per + j] = routing.tokens[ex].len() as i64;
+                ctx.send_rows[dst] += routing.tokens[ex].len();
+            }
+        }
+        let rc = d.exchange_counts(&counts)?;
+        ctx.recv_rows = (0..w).map(|s| (0..per).map(|j| rc[s * per + j] as usize).sum()).collect();
+        ctx.layout = vec![Vec::new(); per];
+        let mut row = 0u32;
+        for s in 0..w {
+            for j in 0..per {
+                for _ in 0..rc[s * per + j] {
+                    ctx.layout[j].push(row);
+                    row += 1;
+                }
+            }
+        }
+        let ids = Tensor::from_slice(&ctx.ids, ctx.ids.len(), &self.dev)?;
+        let sel = if ctx.ids.is_empty() { Vec::new() } else { hn.index_select(&ids, 0)?.flatten_all()?.to_vec1::<f32>()? };
+        ctx.rows_in = d.exchange(&sel, &ctx.send_rows, &ctx.recv_rows, h)?;
+        let mut y_out = vec![0f32; ctx.rows_in.len()];
+        if !ctx.rows_in.is_empty() {
+            let rows = Tensor::from_slice(&ctx.rows_in, (ctx.rows_in.len() / h, h), &self.dev)?;
+            for j in 0..per {
+                if ctx.layout[j].is_empty() {
+                    continue;
+                }
+                let li = Tensor::from_slice(&ctx.layout[j], ctx.layout[j].len(), &self.dev)?;
+                let y = self.expert_ffn(l, me + j * w, &rows.index_select(&li, 0)?, &v)?.flatten_all()?.to_vec1::<f32>()?;
+                for (k, &r) in ctx.layout[j].iter().enumerate() {
+                    y_out[r as usize * h..(r as usize + 1) * h].copy_from_slice(&y[k * h..(k + 1) * h]);
+                }
+            }
+        }
+        ctx.y_back = d.exchange(&y_out, &ctx.recv_rows, &ctx.send_rows, h)?;
+        let out = self.combine(&x1, &probs, &ctx, &Tensor::from_slice(&ctx.y_back, (ctx.ids.len(), h), &self.dev)?)?;
+        let aux = self.aux_loss(&probs, &routing)?;
+        Ok(LayerOut { y: out, aux: Some(aux), routing: Some(routing), ep: Some(ctx) })
+    }
+
+    fn combine(&self, x1: &Tensor, probs: &Tensor, ctx: &EpCtx, y: &Tensor) -> Result<Tensor> {
+        if ctx.ids.is_empty() {
+            return Ok(x1.clone());
+        }
+        let ids = Tensor::from_slice(&ctx.ids, ctx.ids.len(), &self.dev)?;
+        let cols = Tensor::from_slice(&ctx.cols, (ctx.cols.len(), 1), &self.dev)?;
+        let gate = probs.index_select(&ids, 0)?.gather(&cols, 1)?;
+        Ok(x1.index_add(&ids, &y.broadcast_mul(&gate)?, 0)?)
+    }
+
+    /// Expert-parallel backward of MoE layer `l` (two exchanges each way, see module docs).
+    fn backward_ep(
+        &self,
+        l: usize,
+        x: &Tensor,
+        ctx: &EpCtx,
+        routing: &Routing,
+        grad_y: &Tensor,
+        grads: &mut [Vec<f32>],
+    ) -> Result<Tensor> {
+        let Some(d) = self.dist else {
+            return Err(candle_core::Error::Msg("expert-parallel backward without a job".into()).into());
+        };
+        let m = &self.cfg.model;
+        let (w, me) = (d.world(), d.rank());
+        let per = m.experts / w;
+        let h = m.hidden;
+        let v = self.layer_vars(l)?;
+        let xv = Var::from_tensor(&x.detach())?;
+        let (x1, hn, probs) = self.source(l, xv.as_tensor(), &v)?;
+        let yv = Var::from_slice(&ctx.y_back, (ctx.ids.len(), h), &self.dev)?;
+        let out = self.combine(&x1, &probs, ctx, yv.as_tensor())?;
+        let obj1 = ((out * grad_y)?.sum_all()? + self.aux_loss(&probs, routing)?.affine(m.aux_loss_coef, 0.0)?)?;
+        let g1 = obj1.backward()?;
+        let gy = match g1.get(yv.as_tensor()) {
+            Some(t) if !ctx.ids.is_empty() => t.flatten_all()?.to_vec1::<f32>()?,
+            _ => Vec::new(),
+        };
+        // expert side: gradient of the outputs arrives, gradient of the inputs goes back
+        let gy_in = d.exchange(&gy, &ctx.send_rows, &ctx.recv_rows, h)?;
+        let mut g_rows = vec![0f32; ctx.rows_in.len()];
+        if !ctx.rows_in.is_empty() {
+            for j in 0..per {
+                if ctx.layout[j].is_empty() {
+                    continue;
+                }
+                let li = Tensor::from_slice(&ctx.layout[j], ctx.layout[j].len(), &self.dev)?;
+                let all = Tensor::from_slice(&ctx.rows_in, (ctx.rows_in.len() / h, h), &self.dev)?;
+                let rv = Var::from_tensor(&all.index_select(&li, 0)?)?;
+                let gys = Tensor::from_slice(&gy_in, (gy_in.len() / h, h), &self.dev)?.index_select(&li, 0)?;
+                let y = self.expert_ffn(l, me + j * w, rv.as_tensor(), &v)?;
+                let ge = (y * gys)?.sum_all()?.backward()?;
+                self.collect(&v, &ge, grads)?;
+                if let Some(gr) = ge.get(rv.as_tensor()) {
+                    let gr = gr.flatten_all()?.to_vec1::<f32>()?;
+                    for (k, &r) in ctx.layout[j].iter().enumerate() {
+                        g_rows[r as usize * h..(r as usize + 1) * h].copy_from_slice(&gr[k * h..(k + 1) * h]);
+                    }
+                }
+            }
+        }
+        let g_sel = d.exchange(&g_rows, &ctx.recv_rows, &ctx.send_rows, h)?;
+        // experts' parameters appear only in the expert-side graphs; the rest in the two source passes
+        let expert_prefix = format!("l{l}.e");
+        let source_only = |grads: &mut [Vec<f32>], g: &candle_core::backprop::GradStore| -> Result<()> {
+            for (i, var) in &v.vars {
+                if self.params.list[*i].name.starts_with(&expert_prefix) {
+                    continue;
+                }
+                if let Some(gi) = g.get(var.as_tensor()) {
+                    for (a, b) in grads[*i].iter_mut().zip(gi.flatten_all()?.to_vec1::<f32>()?) {
+                        *a += b;
+                    }
+                }
+            }
+            Ok(())
+        };
+        source_only(grads, &g1)?;
+        let mut gx = g1.get(xv.as_tensor()).cloned().unwrap_or(xv.as_tensor().zeros_like()?);
+        if !ctx.ids.is_empty() {
+            let ids = Tensor::from_slice(&ctx.ids, ctx.ids.len(), &self.dev)?;
+            let gs = Tensor::from_slice(&g_sel, (ctx.ids.len(), h), &self.dev)?;
+            let g2 = (hn.index_select(&ids, 0)? * gs)?.sum_all()?.backward()?;
+            source_only(grads, &g2)?;
+            if let Some(t) = g2.get(xv.as_tensor()) {
+                gx = (gx + t)?;
+            }
+        }
+        Ok(gx)
+    }
+
+    fn collect(&self, v: &LayerVars, g: &candle_core::backprop::GradStore, grads: &mut [Vec<f32>]) -> Result<()> {
+        for (i, var) in &v.vars {
+            if let Some(gi) = g.get(var.as_tensor()) {
+                for (a, b) in grads[*i].iter_mut().zip(gi.flatten_all()?.to_vec1::<f32>()?) {
+                    *a += b;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Forward of layer `l` (inputs detached: only this layer's graph).
     pub fn forward_layer(&self, l: usize, x: &Tensor) -> Result<LayerOut> {
+        if let (Some(d), true) = (self.dist, self.cfg.is_moe(l)) {
+            return self.forward_ep(l, &x.detach(), d);
+        }
         let v = self.layer_vars(l)?;
         self.layer(l, &x.detach(), &v, None)
     }
@@ -286,9 +519,14 @@ impl<'a> Model<'a> {
         l: usize,
         x: &Tensor,
         routing: Option<&Routing>,
+        ep: Option<&EpCtx>,
         grad_y: &Tensor,
         grads: &mut [Vec<f32>],
     ) -> Result<Tensor> {
+        if let (Some(d), Some(ctx), Some(r)) = (self.dist, ep, routing) {
+            let _ = d;
+            return self.backward_ep(l, x, ctx, r, grad_y, grads);
+        }
         let v = self.layer_vars(l)?;
         let xv = Var::from_tensor(&x.detach())?;
         let out = self.layer(l, xv.as_tensor(), &v, routing)?;
