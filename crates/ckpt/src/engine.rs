@@ -560,6 +560,11 @@ impl Engine {
         Ok(())
     }
 
+    /// The communicator the engine runs on.
+    pub fn comm(&self) -> &Arc<Communicator> {
+        &self.comm
+    }
+
     /// The ranks holding this rank's replicas.
     pub fn holders(&self) -> &[usize] {
         &self.holders

@@ -10,6 +10,7 @@ mod plan;
 mod selftest;
 mod simulate;
 mod snapbench;
+mod train;
 
 use std::time::Duration;
 
@@ -57,6 +58,55 @@ enum Cmd {
     Bench {
         #[command(subcommand)]
         what: BenchCmd,
+    },
+    /// Train the MoE workload across local ranks with a checkpoint every iteration.
+    Train {
+        /// Training configuration (configs/moe-tiny.toml, configs/moe-small.toml).
+        #[arg(long)]
+        config: std::path::PathBuf,
+        /// Number of ranks (processes).
+        #[arg(long, default_value_t = 4)]
+        ranks: usize,
+        /// Checkpoint strategy: none, blocking, async, gemini, capricorn.
+        #[arg(long, default_value = "capricorn")]
+        ckpt: String,
+        /// Backend.
+        #[arg(long, default_value = "tcp")]
+        backend: String,
+        /// Run on the emulated cluster of this topology file.
+        #[arg(long)]
+        topology: Option<std::path::PathBuf>,
+        /// Ranks per emulated host (with --topology).
+        #[arg(long, default_value_t = 1)]
+        ranks_per_host: usize,
+        /// Iterations (default: the config's).
+        #[arg(long)]
+        iters: Option<u64>,
+        /// Where report.json, trace.json (Perfetto) and timeline.svg go.
+        #[arg(long, default_value = "target/train-report")]
+        report_dir: std::path::PathBuf,
+        /// Kill rank R with SIGKILL in the middle of iteration I's backward pass: rank=R,iter=I.
+        #[arg(long)]
+        fail: Option<String>,
+        /// In-memory strategies: also write the persistent tier every N iterations (0: never).
+        #[arg(long, default_value_t = 10)]
+        persist_every: u64,
+    },
+    /// Per-rank body of `train` (started by it).
+    #[command(hide = true)]
+    TrainWorker {
+        #[arg(long)]
+        config: std::path::PathBuf,
+        #[arg(long)]
+        ckpt: String,
+        #[arg(long)]
+        iters: Option<u64>,
+        #[arg(long)]
+        report_dir: std::path::PathBuf,
+        #[arg(long)]
+        fail: Option<String>,
+        #[arg(long, default_value_t = 10)]
+        persist_every: u64,
     },
     /// Plan a parallel layout with a cost model and HiGHS.
     Plan {
@@ -426,6 +476,24 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Cmd::Cluster { what } => cluster_cmd(what),
+        Cmd::Train { config, ranks, ckpt, backend, topology, ranks_per_host, iters, report_dir, fail, persist_every } => {
+            train::run(
+                &config,
+                ranks,
+                &ckpt,
+                &backend,
+                topology.as_deref(),
+                ranks_per_host,
+                iters,
+                &report_dir,
+                fail.as_deref(),
+                persist_every,
+            )
+        }
+        Cmd::TrainWorker { config, ckpt, iters, report_dir, fail, persist_every } => {
+            train::worker(&config, &ckpt, iters, &report_dir, fail.as_deref(), persist_every)?;
+            Ok(0)
+        }
         Cmd::Simulate { scenario, args } => {
             simulate::run(&scenario, &args)?;
             Ok(0)

@@ -25,7 +25,6 @@ fn is_expert(name: &str) -> bool {
 }
 
 /// One rank's trainer.
-#[derive(Debug)]
 pub struct Trainer {
     /// Configuration.
     pub cfg: TrainConfig,
@@ -34,13 +33,26 @@ pub struct Trainer {
     corpus: Corpus,
     rank: usize,
     dist: Option<Dist>,
+    /// Called at the start of each layer's backward with (iteration, layer) — fault
+    /// injection (`--fail`) kills the process there, mid-backward.
+    pub backward_hook: Option<Box<dyn Fn(u64, usize) + Send>>,
+}
+
+impl std::fmt::Debug for Trainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("config", &self.cfg.name)
+            .field("rank", &self.rank)
+            .field("step", &self.params.step)
+            .finish()
+    }
 }
 
 impl Trainer {
     /// A trainer at iteration 0.
     pub fn new(cfg: TrainConfig, corpus: Corpus, rank: usize) -> Self {
         let params = init(&cfg);
-        Trainer { cfg, params, corpus, rank, dist: None }
+        Trainer { cfg, params, corpus, rank, dist: None, backward_hook: None }
     }
 
     /// A trainer for rank `dist.rank()` of an expert- and data-parallel job: it keeps the
@@ -57,7 +69,7 @@ impl Trainer {
                 None => true,
             }
         });
-        Ok(Trainer { cfg, params, corpus, rank: r, dist: Some(dist) })
+        Ok(Trainer { cfg, params, corpus, rank: r, dist: Some(dist), backward_hook: None })
     }
 
     /// Run one iteration (the next step), timing layers with `prof` when given.
@@ -108,6 +120,9 @@ impl Trainer {
         }
         let (loss, mut g) = model.head(&x, &y_tok, &mut grads)?;
         for l in (0..self.cfg.model.layers).rev() {
+            if let Some(h) = &self.backward_hook {
+                h(self.params.step + 1, l);
+            }
             let _t = prof.map(|p| p.layer(l as u32, Phase::Backward));
             g = model.backward_layer(l, &inputs[l], routings[l].as_ref(), eps[l].as_ref(), &g, &mut grads)?;
         }
@@ -139,6 +154,60 @@ impl Trainer {
         Ok((loss, load, grads))
     }
 
+    /// The checkpoint layout of this rank's state: every parameter with its two moments, the
+    /// optimizer step (which is also the data position) and the seed.
+    pub fn state_specs(&self) -> Vec<ironweave_ckpt::TensorSpec> {
+        use ironweave_ckpt::{Dtype, TensorSpec};
+        let mut v = Vec::new();
+        for p in &self.params.list {
+            let shape: Vec<u64> = p.shape.iter().map(|&d| d as u64).collect();
+            v.push(TensorSpec::new(p.name.clone(), Dtype::F32, &shape));
+            v.push(TensorSpec::new(format!("adam.m.{}", p.name), Dtype::F32, &shape));
+            v.push(TensorSpec::new(format!("adam.v.{}", p.name), Dtype::F32, &shape));
+        }
+        v.push(TensorSpec::new("step", Dtype::I64, &[]));
+        v.push(TensorSpec::new("seed", Dtype::I64, &[]));
+        v
+    }
+
+    /// The state as byte buffers, in `state_specs` order.
+    pub fn state_bytes(&self) -> (Vec<&[u8]>, [u8; 8], [u8; 8]) {
+        let mut v: Vec<&[u8]> = Vec::new();
+        for p in &self.params.list {
+            for x in [&p.w, &p.m, &p.v] {
+                v.push(f32_bytes(x));
+            }
+        }
+        (v, (self.params.step as i64).to_le_bytes(), (self.cfg.train.seed as i64).to_le_bytes())
+    }
+
+    /// Load a state laid out as `state_specs` (from a restored snapshot).
+    pub fn load_state(&mut self, tensor: impl Fn(&str) -> Option<Vec<u8>>) -> Result<()> {
+        let missing = |n: &str| TrainError::Config(format!("restored state lacks `{n}`"));
+        for p in &mut self.params.list {
+            for (prefix, dst) in [("", &mut p.w), ("adam.m.", &mut p.m), ("adam.v.", &mut p.v)] {
+                let name = format!("{prefix}{}", p.name);
+                let b = tensor(&name).ok_or_else(|| missing(&name))?;
+                if b.len() != dst.len() * 4 {
+                    return Err(TrainError::Config(format!("`{name}`: {} bytes for {} floats", b.len(), dst.len())));
+                }
+                for (d, c) in dst.iter_mut().zip(b.chunks_exact(4)) {
+                    *d = f32::from_le_bytes(c.try_into().expect("4 bytes"));
+                }
+            }
+        }
+        let step = tensor("step").ok_or_else(|| missing("step"))?;
+        self.params.step = i64::from_le_bytes(step.as_slice().try_into().map_err(|_| missing("step"))?) as u64;
+        Ok(())
+    }
+
+    /// Record communication in `prof` (the checkpoint engine's profiler) from now on.
+    pub fn set_profiler(&mut self, prof: std::sync::Arc<Profiler<MonotonicClock>>) {
+        if let Some(d) = &mut self.dist {
+            d.prof = Some(prof);
+        }
+    }
+
     /// SHA-256 of the parameters, both moments and the step, in order.
     pub fn state_sha256(&self) -> String {
         let mut h = Sha256::new();
@@ -153,4 +222,8 @@ impl Trainer {
         }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
+}
+
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    bytemuck::cast_slice(v)
 }

@@ -1,0 +1,328 @@
+//! `ironweave train`: launch the ranks of the MoE workload with per-iteration checkpoints,
+//! optionally kill one mid-backward (`--fail rank=R,iter=I`) and recover; write a report.
+//! `train-worker` (hidden) is the per-rank program.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use ironweave_ckpt::engine::Strategy;
+use ironweave_ckpt::{Engine, EngineConfig, Registry};
+use ironweave_profile::ExpertLoad;
+use ironweave_train::data::Corpus;
+use ironweave_train::dist::Dist;
+use ironweave_train::{TrainConfig, Trainer};
+use ironweave_transport::rendezvous::JobEnv;
+use ironweave_transport::CommOptions;
+use serde::{Deserialize, Serialize};
+
+/// `--fail rank=R,iter=I`.
+pub fn parse_fail(s: &str) -> Result<(usize, u64)> {
+    let mut rank = None;
+    let mut iter = None;
+    for part in s.split(',') {
+        match part.split_once('=') {
+            Some(("rank", v)) => rank = Some(v.trim().parse().with_context(|| format!("--fail: rank {v:?}"))?),
+            Some(("iter", v)) => iter = Some(v.trim().parse().with_context(|| format!("--fail: iter {v:?}"))?),
+            _ => bail!("--fail takes rank=R,iter=I (got {s:?})"),
+        }
+    }
+    match (rank, iter) {
+        (Some(r), Some(i)) if i >= 1 => Ok((r, i)),
+        _ => bail!("--fail takes rank=R,iter=I with I >= 1 (got {s:?})"),
+    }
+}
+
+/// What `report.json` holds.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Report {
+    pub config: String,
+    pub strategy: String,
+    pub ranks: usize,
+    pub iterations: u64,
+    pub iter_time_s: Vec<f64>,
+    pub loss: Vec<f32>,
+    pub ckpt_exposed_s: Vec<f64>,
+    pub partition_accuracy: Option<f64>,
+    pub profiling_activations: u64,
+    pub last_committed_iter: Option<u64>,
+    pub recoveries: u64,
+    pub final_state_sha256: String,
+    pub tokens_per_iter: u64,
+}
+
+pub fn load_config(path: &Path) -> Result<(TrainConfig, Corpus)> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let cfg = TrainConfig::from_toml_str(&text)?;
+    let data = {
+        let p = PathBuf::from(&cfg.data.path);
+        if p.is_absolute() || p.exists() {
+            p
+        } else {
+            // relative to the repository root (the config's grandparent or parent)
+            path.parent().and_then(|d| [d.join("..").join(&p), d.join(&p)].into_iter().find(|c| c.exists())).unwrap_or(p)
+        }
+    };
+    let corpus = Corpus::load(&data, cfg.model.seq)?;
+    Ok((cfg, corpus))
+}
+
+#[allow(clippy::too_many_arguments)] // one per command-line option
+pub fn worker(
+    config: &Path,
+    strategy: &str,
+    iters: Option<u64>,
+    report_dir: &Path,
+    fail: Option<&str>,
+    persist_every: u64,
+) -> Result<()> {
+    let (cfg, corpus) = load_config(config)?;
+    let iters = iters.unwrap_or(cfg.train.iters);
+    let strategy = Strategy::parse(strategy)?;
+    let fail = fail.map(parse_fail).transpose()?;
+    let base = JobEnv::from_env()?;
+    let mut gen: u16 = std::env::var("IRONWEAVE_GENERATION").ok().and_then(|g| g.parse().ok()).unwrap_or(0);
+    let start_gen = gen;
+    let rank = base.rank;
+    std::fs::create_dir_all(report_dir)?;
+    let ecfg = EngineConfig {
+        strategy,
+        chunk_bytes: 256 << 10,
+        persist_dir: Some(report_dir.join("persist")),
+        persist_every: if matches!(strategy, Strategy::Gemini | Strategy::Capricorn) { persist_every } else { 0 },
+        timeout: Duration::from_secs(60),
+        ..EngineConfig::default()
+    };
+    let ecfg = if strategy == Strategy::None { EngineConfig { persist_dir: None, ..ecfg } } else { ecfg };
+    let mut trainer: Option<Trainer> = None;
+    let mut engine: Option<Engine> = None;
+    let mut rep = Report { config: cfg.name.clone(), strategy: strategy.name().into(), iterations: iters, ..Default::default() };
+    let n = iters as usize;
+    rep.iter_time_s = vec![0.0; n];
+    rep.loss = vec![0.0; n];
+    rep.ckpt_exposed_s = vec![0.0; n];
+    let (mut acc_sum, mut acc_n) = (0.0, 0u64);
+    let mut need_restore = gen > 0;
+    loop {
+        if gen > start_gen + 8 {
+            bail!("gave up after 8 re-formations");
+        }
+        let mut env = base.clone();
+        env.master.set_port(base.master.port() + gen);
+        env.job_id = format!("{}-g{gen}", base.job_id);
+        let opts = CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() };
+        let comm = Arc::new(ironweave_tcp::connect(&env, &ironweave_tcp::TcpConfig::from_env()?, opts)?);
+        let dist = Dist { comm: comm.clone(), prof: None };
+        // a fresh trainer per generation (its communicator is new); parameters come back from
+        // the restore, or from the seed at generation 0
+        let mut tr = Trainer::distributed(cfg.clone(), corpus.clone(), dist)?;
+        if let Some(old) = trainer.take() {
+            tr.params = old.params;
+        }
+        match engine.as_mut() {
+            Some(e) => e.rebind(comm.clone())?,
+            None => engine = Some(Engine::new(comm.clone(), Registry::new(&tr.state_specs())?, ecfg.clone())?),
+        }
+        let e = engine.as_mut().expect("set");
+        tr.set_profiler(e.profiler().clone());
+        if let Some((fr, fi)) = fail {
+            let mid = cfg.model.layers / 2;
+            let armed = gen == 0 && rank == fr;
+            tr.backward_hook = Some(Box::new(move |it, layer| {
+                if armed && it == fi && layer == mid {
+                    eprintln!("rank {fr}: --fail: killing myself with SIGKILL in the backward of iteration {fi}, layer {mid}");
+                    // SAFETY: kill(2) on our own pid with a valid signal number.
+                    unsafe {
+                        libc::kill(libc::getpid(), libc::SIGKILL);
+                    }
+                }
+            }));
+        }
+        let r = (|| -> Result<()> {
+            let mut start = 1;
+            if need_restore {
+                let r = e.restore_latest()?;
+                tr.load_state(|name| r.snapshot.tensor(name).map(<[u8]>::to_vec))?;
+                rep.recoveries += 1;
+                if rank == 0 {
+                    println!("recovered: every rank restored iteration {} (rank 0 from {:?})", r.iter, r.source);
+                }
+                start = r.iter + 1;
+            }
+            let mut last_load: Option<ExpertLoad> = None;
+            for it in start..=iters {
+                let t0 = Instant::now();
+                e.begin_iteration(it, last_load.as_ref());
+                let s = tr.step(Some(e.profiler()))?;
+                let ir = e.end_iteration();
+                let (bufs, step, seed) = tr.state_bytes();
+                let mut all = bufs;
+                all.push(&step);
+                all.push(&seed);
+                e.checkpoint(it, &all)?;
+                let committed = e.commit(false)?;
+                let dt = t0.elapsed().as_secs_f64();
+                let k = (it - 1) as usize;
+                rep.iter_time_s[k] = dt;
+                rep.loss[k] = s.loss;
+                rep.ckpt_exposed_s[k] = ir.exposed_s;
+                if let Some(a) = ir.partition_accuracy {
+                    acc_sum += a;
+                    acc_n += 1;
+                }
+                rep.profiling_activations += u64::from(ir.profiled);
+                rep.last_committed_iter = committed;
+                last_load = Some(s.load);
+                if rank == 0 {
+                    let toks = (cfg.train.batch * cfg.model.seq * comm.size()) as f64;
+                    println!(
+                        "iter {it:>4}/{iters}  loss {:.4}  {:>8.0} tokens/s  ckpt exposed {:>7.2} ms  committed {}",
+                        s.loss,
+                        toks / dt,
+                        ir.exposed_s * 1e3,
+                        committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
+                    );
+                    let _ = std::io::stdout().flush();
+                }
+            }
+            Ok(())
+        })();
+        trainer = Some(tr);
+        match r {
+            Ok(()) => break,
+            Err(err) => {
+                eprintln!("rank {rank}: generation {gen} failed: {err:#}; re-forming the job");
+                gen += 1;
+                need_restore = true;
+            }
+        }
+    }
+    let e = engine.as_mut().expect("ran");
+    rep.last_committed_iter = e.commit(true)?;
+    let tr = trainer.expect("ran");
+    // final_state_sha256: SHA-256 of every rank's state digest, in rank order
+    let mine: Vec<u8> = (0..32).map(|i| u8::from_str_radix(&tr.state_sha256()[2 * i..2 * i + 2], 16).unwrap_or(0)).collect();
+    let comm = e_comm(e);
+    let mut all = vec![0u8; 32 * comm.size()];
+    comm.all_gather(&mine, &mut all)?;
+    use sha2::Digest;
+    rep.final_state_sha256 = sha2::Sha256::digest(&all).iter().map(|b| format!("{b:02x}")).collect();
+    rep.partition_accuracy = (acc_n > 0).then(|| acc_sum / acc_n as f64);
+    rep.ranks = comm.size();
+    rep.tokens_per_iter = (cfg.train.batch * cfg.model.seq * comm.size()) as u64;
+    if rank == 0 {
+        std::fs::write(report_dir.join("report.json"), serde_json::to_vec_pretty(&rep)?)?;
+        let hist = e.profiler().history();
+        let trace = ironweave_profile::export::chrome_trace(&hist, &[], 0);
+        std::fs::write(report_dir.join("trace.json"), serde_json::to_vec(&trace)?)?;
+        if let Some(p) = hist.last() {
+            let w = ironweave_profile::idle_windows(p, 0, 50_000);
+            std::fs::write(
+                report_dir.join("timeline.svg"),
+                ironweave_profile::export::svg_timeline(p, &w, &format!("rank 0, iteration {}", p.iter)),
+            )?;
+        }
+    }
+    engine.take().expect("ran").shutdown()?;
+    Ok(())
+}
+
+fn e_comm(e: &Engine) -> Arc<ironweave_transport::Communicator> {
+    e.comm().clone()
+}
+
+#[allow(clippy::too_many_arguments)] // one per command-line option
+pub fn run(
+    config: &Path,
+    ranks: usize,
+    strategy: &str,
+    backend: &str,
+    topology: Option<&Path>,
+    ranks_per_host: usize,
+    iters: Option<u64>,
+    report_dir: &Path,
+    fail: Option<&str>,
+    persist_every: u64,
+) -> Result<i32> {
+    crate::backend::check(backend)?;
+    if backend != "tcp" {
+        bail!("training runs on the tcp backend today (got --backend {backend})");
+    }
+    let (cfg, _) = load_config(config)?;
+    Strategy::parse(strategy)?;
+    if let Some(f) = fail {
+        let (r, i) = parse_fail(f)?;
+        if r >= ranks {
+            bail!("--fail rank={r}: there are only {ranks} ranks");
+        }
+        if i > iters.unwrap_or(cfg.train.iters) {
+            bail!("--fail iter={i} is past the last iteration");
+        }
+    }
+    std::fs::create_dir_all(report_dir).with_context(|| format!("creating {}", report_dir.display()))?;
+    let _ = std::fs::remove_dir_all(report_dir.join("persist"));
+    let _ = std::fs::remove_file(report_dir.join("report.json"));
+    let exe = std::env::current_exe().context("locating the ironweave binary")?;
+    let mut args = vec![
+        "train-worker".to_string(),
+        "--config".into(),
+        config.display().to_string(),
+        "--ckpt".into(),
+        strategy.into(),
+        "--report-dir".into(),
+        report_dir.display().to_string(),
+        "--persist-every".into(),
+        persist_every.to_string(),
+    ];
+    if let Some(i) = iters {
+        args.extend(["--iters".into(), i.to_string()]);
+    }
+    if let Some(f) = fail {
+        args.extend(["--fail".into(), f.to_string()]);
+    }
+    let topology = match topology {
+        Some(p) => Some((crate::cluster::Topology::load(p)?, ranks_per_host.max(1))),
+        None => None,
+    };
+    eprintln!(
+        "ironweave train: {} on {ranks} ranks, checkpoint strategy {strategy}, report in {}",
+        cfg.name,
+        report_dir.display()
+    );
+    let spec = crate::launch::LaunchSpec {
+        ranks,
+        program: exe.to_string_lossy().into_owned(),
+        args,
+        prefix: false,
+        env: vec![],
+        timeout: None,
+        topology,
+        max_restarts: if fail.is_some() { 4 } else { 0 },
+    };
+    crate::launch::install_signal_handlers();
+    let outcome = crate::launch::run(&spec)?;
+    match outcome {
+        crate::launch::Outcome::Success => {}
+        crate::launch::Outcome::RankFailed { code } => return Ok(code.max(1)),
+        crate::launch::Outcome::Interrupted { signal } => return Ok(128 + signal),
+        crate::launch::Outcome::TimedOut => return Ok(124),
+    }
+    let rep: Report = serde_json::from_slice(&std::fs::read(report_dir.join("report.json")).context("reading report.json")?)?;
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    println!(
+        "done: {} iterations, loss {:.4} -> {:.4}, mean iteration {:.1} ms, mean exposed checkpoint {:.2} ms, partition accuracy {}, profiling activations {}, last committed {:?}, recoveries {}, final state {}",
+        rep.iterations,
+        rep.loss.first().copied().unwrap_or(f32::NAN),
+        rep.loss.last().copied().unwrap_or(f32::NAN),
+        mean(&rep.iter_time_s) * 1e3,
+        mean(&rep.ckpt_exposed_s) * 1e3,
+        rep.partition_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into()),
+        rep.profiling_activations,
+        rep.last_committed_iter,
+        rep.recoveries,
+        &rep.final_state_sha256[..16]
+    );
+    Ok(0)
+}
