@@ -1,6 +1,7 @@
 //! `ironweave train`: launch the ranks of the MoE workload with per-iteration checkpoints,
 //! optionally kill one mid-backward (`--fail rank=R,iter=I`) and recover; write a report.
-//! `train-worker` (hidden) is the per-rank program.
+//! `train-worker` (hidden) is the per-rank program. Rank 0 also records its expert load per
+//! iteration as `expert_load.json`, the trace format `ironweave simulate ckpt --load-trace` reads.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -104,6 +105,8 @@ pub fn worker(
     rep.loss = vec![0.0; n];
     rep.ckpt_exposed_s = vec![0.0; n];
     let (mut acc_sum, mut acc_n) = (0.0, 0u64);
+    // rank 0's expert load per iteration, in `ironweave simulate ckpt --load-trace` format
+    let mut loads: Vec<Vec<Vec<f64>>> = vec![Vec::new(); n];
     let mut need_restore = gen > 0;
     loop {
         if gen > start_gen + 8 {
@@ -174,6 +177,7 @@ pub fn worker(
                 }
                 rep.profiling_activations += u64::from(ir.profiled);
                 rep.last_committed_iter = committed;
+                loads[k] = s.load.tokens.iter().map(|l| l.iter().map(|&c| c as f64).collect()).collect();
                 last_load = Some(s.load);
                 if rank == 0 {
                     let toks = (cfg.train.batch * cfg.model.seq * comm.size()) as f64;
@@ -214,6 +218,9 @@ pub fn worker(
     rep.tokens_per_iter = (cfg.train.batch * cfg.model.seq * comm.size()) as u64;
     if rank == 0 {
         std::fs::write(report_dir.join("report.json"), serde_json::to_vec_pretty(&rep)?)?;
+        let trace_loads: Vec<_> = loads.into_iter().filter(|l| !l.is_empty()).collect();
+        let lt = serde_json::json!({ "experts": cfg.model.experts, "iterations": trace_loads });
+        std::fs::write(report_dir.join("expert_load.json"), serde_json::to_vec(&lt)?)?;
         let hist = e.profiler().history();
         let trace = ironweave_profile::export::chrome_trace(&hist, &[], 0);
         std::fs::write(report_dir.join("trace.json"), serde_json::to_vec(&trace)?)?;

@@ -50,6 +50,27 @@ fn kill_9_mid_backward_recovers_to_the_same_final_state() {
         assert!(!clean[key].is_null(), "report.json lacks {key}");
     }
     assert!(base.join("clean/trace.json").exists() && base.join("clean/timeline.svg").exists());
+    // the recorded expert load feeds the simulator
+    let sim = |model: &str| {
+        Command::new(env!("CARGO_BIN_EXE_ironweave"))
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+            .args(["simulate", "ckpt", "--model", model, "--cluster", "configs/clusters/4x8-a100.toml"])
+            .arg("--load-trace")
+            .arg(base.join("clean/expert_load.json"))
+            .args(["--iterations", "6", "--strategies", "none,capricorn"])
+            .output()
+            .unwrap()
+    };
+    let out = sim("configs/models/moe-tiny.toml");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("capricorn"));
+    // a trace of another shape is refused with the reason
+    let out = sim("configs/models/moe-gpt-32e.toml");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("load trace has 4 experts, the model 32"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::fs::remove_dir_all(&base).ok();
 }
 
