@@ -19,20 +19,24 @@ use ironweave_transport::rendezvous::JobEnv;
 use ironweave_transport::CommOptions;
 use serde::{Deserialize, Serialize};
 
-/// `--fail rank=R,iter=I`.
-pub fn parse_fail(s: &str) -> Result<(usize, u64)> {
-    let mut rank = None;
+/// `--fail rank=R,iter=I` (several ranks: `rank=R1+R2,iter=I`, killed together).
+pub fn parse_fail(s: &str) -> Result<(Vec<usize>, u64)> {
+    let mut ranks = Vec::new();
     let mut iter = None;
     for part in s.split(',') {
         match part.split_once('=') {
-            Some(("rank", v)) => rank = Some(v.trim().parse().with_context(|| format!("--fail: rank {v:?}"))?),
+            Some(("rank", v)) => {
+                for r in v.split('+') {
+                    ranks.push(r.trim().parse().with_context(|| format!("--fail: rank {r:?}"))?);
+                }
+            }
             Some(("iter", v)) => iter = Some(v.trim().parse().with_context(|| format!("--fail: iter {v:?}"))?),
             _ => bail!("--fail takes rank=R,iter=I (got {s:?})"),
         }
     }
-    match (rank, iter) {
-        (Some(r), Some(i)) if i >= 1 => Ok((r, i)),
-        _ => bail!("--fail takes rank=R,iter=I with I >= 1 (got {s:?})"),
+    match iter {
+        Some(i) if i >= 1 && !ranks.is_empty() => Ok((ranks, i)),
+        _ => bail!("--fail takes rank=R,iter=I (or rank=R1+R2,iter=I) with I >= 1 (got {s:?})"),
     }
 }
 
@@ -130,9 +134,10 @@ pub fn worker(
         }
         let e = engine.as_mut().expect("set");
         tr.set_profiler(e.profiler().clone());
-        if let Some((fr, fi)) = fail {
+        if let Some((frs, fi)) = fail.clone() {
             let mid = cfg.model.layers / 2;
-            let armed = gen == 0 && rank == fr;
+            let armed = gen == 0 && frs.contains(&rank);
+            let fr = rank;
             tr.backward_hook = Some(Box::new(move |it, layer| {
                 if armed && it == fi && layer == mid {
                     eprintln!("rank {fr}: --fail: killing myself with SIGKILL in the backward of iteration {fi}, layer {mid}");
@@ -177,6 +182,14 @@ pub fn worker(
                 }
                 rep.profiling_activations += u64::from(ir.profiled);
                 rep.last_committed_iter = committed;
+                if rank == 0 {
+                    // one line per iteration, so a restarted rank 0 can still report the whole run
+                    let line = serde_json::json!({"iter": it, "time": dt, "loss": s.loss, "exposed": ir.exposed_s,
+                        "profiled": ir.profiled, "accuracy": ir.partition_accuracy, "load": s.load.tokens});
+                    let mut f =
+                        std::fs::OpenOptions::new().create(true).append(true).open(report_dir.join("iterations.jsonl"))?;
+                    writeln!(f, "{line}")?;
+                }
                 loads[k] = s.load.tokens.iter().map(|l| l.iter().map(|&c| c as f64).collect()).collect();
                 last_load = Some(s.load);
                 if rank == 0 {
@@ -217,6 +230,40 @@ pub fn worker(
     rep.ranks = comm.size();
     rep.tokens_per_iter = (cfg.train.batch * cfg.model.seq * comm.size()) as u64;
     if rank == 0 {
+        // the whole run from the per-iteration lines (the last line of a re-run iteration wins),
+        // so a restarted rank 0 still reports every iteration
+        let text = std::fs::read_to_string(report_dir.join("iterations.jsonl")).unwrap_or_default();
+        let mut last: std::collections::BTreeMap<u64, serde_json::Value> = std::collections::BTreeMap::new();
+        for l in text.lines() {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(l) {
+                if let Some(it) = v["iter"].as_u64() {
+                    last.insert(it, v);
+                }
+            }
+        }
+        let (mut acc_sum, mut acc_n) = (0.0, 0u64);
+        rep.profiling_activations = 0;
+        for (it, v) in &last {
+            let k = (*it - 1) as usize;
+            if k >= n {
+                continue;
+            }
+            rep.iter_time_s[k] = v["time"].as_f64().unwrap_or(0.0);
+            rep.loss[k] = v["loss"].as_f64().unwrap_or(0.0) as f32;
+            rep.ckpt_exposed_s[k] = v["exposed"].as_f64().unwrap_or(0.0);
+            rep.profiling_activations += u64::from(v["profiled"].as_bool().unwrap_or(false));
+            if let Some(a) = v["accuracy"].as_f64() {
+                acc_sum += a;
+                acc_n += 1;
+            }
+            if let Some(l) = v["load"].as_array() {
+                loads[k] = l
+                    .iter()
+                    .map(|x| x.as_array().map(|a| a.iter().filter_map(|y| y.as_f64()).collect()).unwrap_or_default())
+                    .collect();
+            }
+        }
+        rep.partition_accuracy = (acc_n > 0).then(|| acc_sum / acc_n as f64);
         std::fs::write(report_dir.join("report.json"), serde_json::to_vec_pretty(&rep)?)?;
         let trace_loads: Vec<_> = loads.into_iter().filter(|l| !l.is_empty()).collect();
         let lt = serde_json::json!({ "experts": cfg.model.experts, "iterations": trace_loads });
@@ -260,8 +307,8 @@ pub fn run(
     let (cfg, _) = load_config(config)?;
     Strategy::parse(strategy)?;
     if let Some(f) = fail {
-        let (r, i) = parse_fail(f)?;
-        if r >= ranks {
+        let (rs, i) = parse_fail(f)?;
+        if let Some(r) = rs.iter().find(|&&r| r >= ranks) {
             bail!("--fail rank={r}: there are only {ranks} ranks");
         }
         if i > iters.unwrap_or(cfg.train.iters) {
@@ -271,6 +318,7 @@ pub fn run(
     std::fs::create_dir_all(report_dir).with_context(|| format!("creating {}", report_dir.display()))?;
     let _ = std::fs::remove_dir_all(report_dir.join("persist"));
     let _ = std::fs::remove_file(report_dir.join("report.json"));
+    let _ = std::fs::remove_file(report_dir.join("iterations.jsonl"));
     let exe = std::env::current_exe().context("locating the ironweave binary")?;
     let mut args = vec![
         "train-worker".to_string(),

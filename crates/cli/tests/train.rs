@@ -43,6 +43,12 @@ fn kill_9_mid_backward_recovers_to_the_same_final_state() {
     assert_eq!(clean["recoveries"], 0);
     assert!(failed["recoveries"].as_u64().unwrap() >= 1, "{failed}");
     assert_eq!(clean["final_state_sha256"], failed["final_state_sha256"], "the recovered run must end in the same state");
+    // a rank and its replica peer (0 and 1 hold each other's state) killed together: only the
+    // persistent tier (every 10 iterations) has their state; the run still ends the same
+    let both = train(&base.join("both"), Some("rank=0+1,iter=14"));
+    assert!(both["recoveries"].as_u64().unwrap() >= 1, "{both}");
+    assert_eq!(clean["final_state_sha256"], both["final_state_sha256"]);
+    assert_eq!(clean["loss"], both["loss"], "the restarted rank 0 still reports every iteration");
     let loss = clean["loss"].as_array().unwrap();
     assert!(loss.last().unwrap().as_f64().unwrap() < loss[0].as_f64().unwrap() - 1.0, "{loss:?}");
     assert_eq!(clean["last_committed_iter"], 30);
