@@ -258,6 +258,31 @@ enum BenchCmd {
         #[arg(long, default_value = "")]
         link: String,
     },
+    /// The same training under each checkpoint strategy, one after the other (same seed and
+    /// data): iteration time, overhead vs `none`, Capricorn's speedup over each.
+    Ckpt {
+        /// Training configuration.
+        #[arg(long, default_value = "configs/moe-small.toml")]
+        config: std::path::PathBuf,
+        /// Strategies to compare.
+        #[arg(long, value_delimiter = ',', default_value = "none,blocking,async,gemini,capricorn")]
+        strategies: Vec<String>,
+        /// Ranks.
+        #[arg(long, default_value_t = 4)]
+        ranks: usize,
+        /// Iterations per strategy (the first two are warm-up and not averaged).
+        #[arg(long, default_value_t = 12)]
+        iters: u64,
+        /// Run on the emulated cluster of this topology file.
+        #[arg(long)]
+        topology: Option<std::path::PathBuf>,
+        /// Ranks per emulated host (with --topology).
+        #[arg(long, default_value_t = 2)]
+        ranks_per_host: usize,
+        /// Where the per-strategy reports, ckpt.json and ckpt.md go.
+        #[arg(long, default_value = "target/bench/ckpt")]
+        out: std::path::PathBuf,
+    },
     /// Snapshot a state to host memory (ironweave-ckpt vs memcpy) and to the persistent tier
     /// (vs a sequential write); `cargo xtask bench snapshot` adds torch.save and torchsnapshot.
     Snapshot {
@@ -385,6 +410,10 @@ fn run(cli: Cli) -> Result<i32> {
                 launch::Outcome::Interrupted { signal } => 128 + signal,
                 launch::Outcome::TimedOut => 124,
             })
+        }
+        Cmd::Bench { what: BenchCmd::Ckpt { config, strategies, ranks, iters, topology, ranks_per_host, out } } => {
+            train::bench(&config, &strategies, ranks, iters, topology.as_deref(), ranks_per_host, &out)?;
+            Ok(0)
         }
         Cmd::Bench { what: BenchCmd::Snapshot { bytes, repeat, dir, json } } => {
             snapbench::run(bench::parse_size(&bytes)? as u64, repeat, &dir, json.as_deref())?;

@@ -381,3 +381,61 @@ pub fn run(
     );
     Ok(0)
 }
+
+/// `ironweave bench ckpt`: every strategy on the same training, one after the other.
+pub fn bench(
+    config: &Path,
+    strategies: &[String],
+    ranks: usize,
+    iters: u64,
+    topology: Option<&Path>,
+    ranks_per_host: usize,
+    out: &Path,
+) -> Result<()> {
+    if iters < 3 {
+        bail!("--iters must be at least 3 (two warm-up iterations are not averaged)");
+    }
+    for s in strategies {
+        Strategy::parse(s)?;
+    }
+    let mut rows: Vec<(String, Report)> = Vec::new();
+    for s in strategies {
+        let dir = out.join(s);
+        let code = run(config, ranks, s, "tcp", topology, ranks_per_host, Some(iters), &dir, None, 0)?;
+        if code != 0 {
+            bail!("the {s} run failed (status {code}); see its output above");
+        }
+        let rep: Report = serde_json::from_slice(&std::fs::read(dir.join("report.json"))?)?;
+        rows.push((s.clone(), rep));
+    }
+    let mean = |r: &Report| {
+        let v = &r.iter_time_s[2..];
+        v.iter().sum::<f64>() / v.len() as f64
+    };
+    let none = rows.iter().find(|(s, _)| s == "none").map(|(_, r)| mean(r));
+    let cap = rows.iter().find(|(s, _)| s == "capricorn").map(|(_, r)| mean(r));
+    let mut md = String::new();
+    md.push_str("| strategy | mean iteration | overhead vs none | Capricorn speedup over it | exposed checkpoint | partition accuracy | profiling activations | committed |\n");
+    md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (s, r) in &rows {
+        let m = mean(r);
+        let exposed = r.ckpt_exposed_s[2..].iter().sum::<f64>() / (r.ckpt_exposed_s.len() - 2) as f64;
+        md.push_str(&format!(
+            "| {s} | {:.1} ms | {} | {} | {:.1} ms | {} | {} | {} |\n",
+            m * 1e3,
+            none.map(|n| format!("{:+.1}%", (m / n - 1.0) * 100.0)).unwrap_or_else(|| "-".into()),
+            cap.map(|c| format!("{:.2}x", m / c)).unwrap_or_else(|| "-".into()),
+            exposed * 1e3,
+            r.partition_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into()),
+            r.profiling_activations,
+            r.last_committed_iter.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
+        ));
+    }
+    print!("{md}");
+    std::fs::write(out.join("ckpt.md"), &md)?;
+    let json: Vec<serde_json::Value> =
+        rows.iter().map(|(s, r)| serde_json::json!({"strategy": s, "mean_iter_s": mean(r), "report": r})).collect();
+    std::fs::write(out.join("ckpt.json"), serde_json::to_vec_pretty(&json)?)?;
+    eprintln!("wrote {} and {}", out.join("ckpt.md").display(), out.join("ckpt.json").display());
+    Ok(())
+}

@@ -97,3 +97,34 @@ fn bad_train_arguments_fail_with_a_message() {
     assert!(run(&["--config", "configs/moe-tiny.toml", "--ckpt", "zip"]).contains("unknown strategy"));
     assert!(run(&["--config", "configs/nope.toml"]).contains("nope.toml"));
 }
+
+#[test]
+fn bench_ckpt_prints_a_row_per_strategy() {
+    let out_dir = std::env::temp_dir().join(format!("ironweave-benchckpt-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .args([
+            "bench",
+            "ckpt",
+            "--config",
+            "configs/moe-tiny.toml",
+            "--strategies",
+            "none,capricorn",
+            "--ranks",
+            "2",
+            "--iters",
+            "4",
+            "--out",
+        ])
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        stdout.lines().any(|l| l.starts_with("| none |")) && stdout.lines().any(|l| l.starts_with("| capricorn |")),
+        "{stdout}"
+    );
+    assert!(out_dir.join("ckpt.json").exists() && out_dir.join("ckpt.md").exists());
+    std::fs::remove_dir_all(&out_dir).ok();
+}
