@@ -252,27 +252,13 @@ impl<'a> Model<'a> {
     fn layer(&self, l: usize, x: &Tensor, v: &LayerVars, routing: Option<&Routing>) -> Result<LayerOut> {
         let m = &self.cfg.model;
         let p = self.params;
-        let (n, h) = x.dims2()?;
-        let t = m.seq;
-        let b = n / t;
-        let (nh, hd) = (m.heads, m.hidden / m.heads);
         let pi = |s: &str| p.idx(&format!("l{l}.{s}"));
-        // attention
-        let a = layer_norm(x, v.get(pi("ln1.g")), v.get(pi("ln1.b")))?;
-        let heads =
-            |w: &str| -> Result<Tensor> { Ok(a.matmul(v.get(pi(w)))?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()?) };
-        let (q, k, vv) = (heads("attn.wq")?, heads("attn.wk")?, heads("attn.wv")?);
-        let att =
-            q.matmul(&k.transpose(2, 3)?.contiguous()?)?.affine(1.0 / (hd as f64).sqrt(), 0.0)?.broadcast_add(&self.mask)?;
-        let att = softmax_last(&att)?;
-        let o = att.matmul(&vv)?.transpose(1, 2)?.contiguous()?.reshape((n, h))?;
-        let x = (x + o.matmul(v.get(pi("attn.wo")))?)?;
-        // feed-forward
-        let hn = layer_norm(&x, v.get(pi("ln2.g")), v.get(pi("ln2.b")))?;
+        let (x, hn) = self.attention(l, x, v)?;
         if !self.cfg.is_moe(l) {
             let f = hn.matmul(v.get(pi("mlp.w1")))?.gelu()?.matmul(v.get(pi("mlp.w2")))?;
             return Ok(LayerOut { y: (x + f)?, aux: None, routing: None, ep: None });
         }
+        let (n, h) = x.dims2()?;
         let e = m.experts;
         let probs = softmax_last(&hn.matmul(v.get(pi("gate")))?)?;
         let routing = match routing {
@@ -289,22 +275,16 @@ impl<'a> Model<'a> {
                 continue;
             }
             let ids = Tensor::from_slice(idx, idx.len(), &self.dev)?;
-            let xe = hn.index_select(&ids, 0)?;
             let ge = probs.index_select(&ids, 0)?.narrow(1, x_e, 1)?;
-            let ye = xe.matmul(v.get(pi(&format!("e{x_e}.w1"))))?.gelu()?.matmul(v.get(pi(&format!("e{x_e}.w2"))))?;
+            let ye = self.expert_ffn(l, x_e, &hn.index_select(&ids, 0)?, v)?;
             out = out.index_add(&ids, &ye.broadcast_mul(&ge)?, 0)?;
         }
-        // Switch-style load balancing: E · Σ f_e · P_e
-        let total: u64 = routing.wanted.iter().sum::<u64>().max(1);
-        let f: Vec<f32> = routing.wanted.iter().map(|&c| c as f32 / total as f32).collect();
-        let f = Tensor::from_slice(&f, e, &self.dev)?;
-        let pm = probs.mean(0)?;
-        let aux = (pm * f)?.sum_all()?.affine(e as f64, 0.0)?;
+        let aux = self.aux_loss(&probs, &routing)?;
         Ok(LayerOut { y: (x + out)?, aux: Some(aux), routing: Some(routing), ep: None })
     }
 
-    /// Attention, the second layer norm and the gate (the part of an MoE layer on the tokens' rank).
-    fn source(&self, l: usize, x: &Tensor, v: &LayerVars) -> Result<(Tensor, Tensor, Tensor)> {
+    /// Attention with its residual, then the second layer norm: `(x1, ln2(x1))`.
+    fn attention(&self, l: usize, x: &Tensor, v: &LayerVars) -> Result<(Tensor, Tensor)> {
         let m = &self.cfg.model;
         let p = self.params;
         let (n, h) = x.dims2()?;
@@ -322,7 +302,13 @@ impl<'a> Model<'a> {
         let o = att.matmul(&vv)?.transpose(1, 2)?.contiguous()?.reshape((n, h))?;
         let x1 = (x + o.matmul(v.get(pi("attn.wo")))?)?;
         let hn = layer_norm(&x1, v.get(pi("ln2.g")), v.get(pi("ln2.b")))?;
-        let probs = softmax_last(&hn.matmul(v.get(pi("gate")))?)?;
+        Ok((x1, hn))
+    }
+
+    /// Attention, the second layer norm and the gate (the part of an MoE layer on the tokens' rank).
+    fn source(&self, l: usize, x: &Tensor, v: &LayerVars) -> Result<(Tensor, Tensor, Tensor)> {
+        let (x1, hn) = self.attention(l, x, v)?;
+        let probs = softmax_last(&hn.matmul(v.get(self.params.idx(&format!("l{l}.gate"))))?)?;
         Ok((x1, hn, probs))
     }
 
@@ -452,7 +438,7 @@ impl<'a> Model<'a> {
                 let gys = Tensor::from_slice(&gy_in, (gy_in.len() / h, h), &self.dev)?.index_select(&li, 0)?;
                 let y = self.expert_ffn(l, me + j * w, rv.as_tensor(), &v)?;
                 let ge = (y * gys)?.sum_all()?.backward()?;
-                self.collect(&v, &ge, grads)?;
+                self.collect(&v, &ge, grads, None)?;
                 if let Some(gr) = ge.get(rv.as_tensor()) {
                     let gr = gr.flatten_all()?.to_vec1::<f32>()?;
                     for (k, &r) in ctx.layout[j].iter().enumerate() {
@@ -464,26 +450,13 @@ impl<'a> Model<'a> {
         let g_sel = d.exchange(&g_rows, &ctx.recv_rows, &ctx.send_rows, h)?;
         // experts' parameters appear only in the expert-side graphs; the rest in the two source passes
         let expert_prefix = format!("l{l}.e");
-        let source_only = |grads: &mut [Vec<f32>], g: &candle_core::backprop::GradStore| -> Result<()> {
-            for (i, var) in &v.vars {
-                if self.params.list[*i].name.starts_with(&expert_prefix) {
-                    continue;
-                }
-                if let Some(gi) = g.get(var.as_tensor()) {
-                    for (a, b) in grads[*i].iter_mut().zip(gi.flatten_all()?.to_vec1::<f32>()?) {
-                        *a += b;
-                    }
-                }
-            }
-            Ok(())
-        };
-        source_only(grads, &g1)?;
+        self.collect(&v, &g1, grads, Some(&expert_prefix))?;
         let mut gx = g1.get(xv.as_tensor()).cloned().unwrap_or(xv.as_tensor().zeros_like()?);
         if !ctx.ids.is_empty() {
             let ids = Tensor::from_slice(&ctx.ids, ctx.ids.len(), &self.dev)?;
             let gs = Tensor::from_slice(&g_sel, (ctx.ids.len(), h), &self.dev)?;
             let g2 = (hn.index_select(&ids, 0)? * gs)?.sum_all()?.backward()?;
-            source_only(grads, &g2)?;
+            self.collect(&v, &g2, grads, Some(&expert_prefix))?;
             if let Some(t) = g2.get(xv.as_tensor()) {
                 gx = (gx + t)?;
             }
@@ -491,8 +464,19 @@ impl<'a> Model<'a> {
         Ok(gx)
     }
 
-    fn collect(&self, v: &LayerVars, g: &candle_core::backprop::GradStore, grads: &mut [Vec<f32>]) -> Result<()> {
+    /// Add the gradients `g` holds for the layer's variables into `grads`, except those whose
+    /// name starts with `skip`.
+    fn collect(
+        &self,
+        v: &LayerVars,
+        g: &candle_core::backprop::GradStore,
+        grads: &mut [Vec<f32>],
+        skip: Option<&str>,
+    ) -> Result<()> {
         for (i, var) in &v.vars {
+            if skip.is_some_and(|s| self.params.list[*i].name.starts_with(s)) {
+                continue;
+            }
             if let Some(gi) = g.get(var.as_tensor()) {
                 for (a, b) in grads[*i].iter_mut().zip(gi.flatten_all()?.to_vec1::<f32>()?) {
                     *a += b;
@@ -523,8 +507,7 @@ impl<'a> Model<'a> {
         grad_y: &Tensor,
         grads: &mut [Vec<f32>],
     ) -> Result<Tensor> {
-        if let (Some(d), Some(ctx), Some(r)) = (self.dist, ep, routing) {
-            let _ = d;
+        if let (true, Some(ctx), Some(r)) = (self.dist.is_some(), ep, routing) {
             return self.backward_ep(l, x, ctx, r, grad_y, grads);
         }
         let v = self.layer_vars(l)?;
@@ -535,14 +518,7 @@ impl<'a> Model<'a> {
             obj = (obj + aux.affine(self.cfg.model.aux_loss_coef, 0.0)?)?;
         }
         let g = obj.backward()?;
-        for (i, var) in &v.vars {
-            if let Some(gi) = g.get(var.as_tensor()) {
-                let gv = gi.flatten_all()?.to_vec1::<f32>()?;
-                for (a, b) in grads[*i].iter_mut().zip(gv) {
-                    *a += b;
-                }
-            }
-        }
+        self.collect(&v, &g, grads, None)?;
         Ok(g.get(xv.as_tensor()).cloned().unwrap_or(xv.as_tensor().zeros_like()?))
     }
 
