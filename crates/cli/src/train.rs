@@ -104,13 +104,6 @@ pub fn worker(
     let mut trainer: Option<Trainer> = None;
     let mut engine: Option<Engine> = None;
     let mut rep = Report { config: cfg.name.clone(), strategy: strategy.name().into(), iterations: iters, ..Default::default() };
-    let n = iters as usize;
-    rep.iter_time_s = vec![0.0; n];
-    rep.loss = vec![0.0; n];
-    rep.ckpt_exposed_s = vec![0.0; n];
-    let (mut acc_sum, mut acc_n) = (0.0, 0u64);
-    // rank 0's expert load per iteration, in `ironweave simulate ckpt --load-trace` format
-    let mut loads: Vec<Vec<Vec<f64>>> = vec![Vec::new(); n];
     let mut need_restore = gen > 0;
     loop {
         if gen > start_gen + 8 {
@@ -172,25 +165,15 @@ pub fn worker(
                 e.checkpoint(it, &all)?;
                 let committed = e.commit(false)?;
                 let dt = t0.elapsed().as_secs_f64();
-                let k = (it - 1) as usize;
-                rep.iter_time_s[k] = dt;
-                rep.loss[k] = s.loss;
-                rep.ckpt_exposed_s[k] = ir.exposed_s;
-                if let Some(a) = ir.partition_accuracy {
-                    acc_sum += a;
-                    acc_n += 1;
-                }
-                rep.profiling_activations += u64::from(ir.profiled);
-                rep.last_committed_iter = committed;
                 if rank == 0 {
-                    // one line per iteration, so a restarted rank 0 can still report the whole run
+                    // the report is built from these lines, so a restarted rank 0 still reports
+                    // the whole run
                     let line = serde_json::json!({"iter": it, "time": dt, "loss": s.loss, "exposed": ir.exposed_s,
                         "profiled": ir.profiled, "accuracy": ir.partition_accuracy, "load": s.load.tokens});
                     let mut f =
                         std::fs::OpenOptions::new().create(true).append(true).open(report_dir.join("iterations.jsonl"))?;
                     writeln!(f, "{line}")?;
                 }
-                loads[k] = s.load.tokens.iter().map(|l| l.iter().map(|&c| c as f64).collect()).collect();
                 last_load = Some(s.load);
                 if rank == 0 {
                     let toks = (cfg.train.batch * cfg.model.seq * comm.size()) as f64;
@@ -220,13 +203,12 @@ pub fn worker(
     rep.last_committed_iter = e.commit(true)?;
     let tr = trainer.expect("ran");
     // final_state_sha256: SHA-256 of every rank's state digest, in rank order
-    let mine: Vec<u8> = (0..32).map(|i| u8::from_str_radix(&tr.state_sha256()[2 * i..2 * i + 2], 16).unwrap_or(0)).collect();
-    let comm = e_comm(e);
+    let mine = tr.state_digest();
+    let comm = e.comm().clone();
     let mut all = vec![0u8; 32 * comm.size()];
     comm.all_gather(&mine, &mut all)?;
     use sha2::Digest;
     rep.final_state_sha256 = sha2::Sha256::digest(&all).iter().map(|b| format!("{b:02x}")).collect();
-    rep.partition_accuracy = (acc_n > 0).then(|| acc_sum / acc_n as f64);
     rep.ranks = comm.size();
     rep.tokens_per_iter = (cfg.train.batch * cfg.model.seq * comm.size()) as u64;
     if rank == 0 {
@@ -241,8 +223,13 @@ pub fn worker(
                 }
             }
         }
+        let n = iters as usize;
+        rep.iter_time_s = vec![0.0; n];
+        rep.loss = vec![0.0; n];
+        rep.ckpt_exposed_s = vec![0.0; n];
+        // rank 0's expert load per iteration, in `ironweave simulate ckpt --load-trace` format
+        let mut loads: Vec<Vec<Vec<f64>>> = vec![Vec::new(); n];
         let (mut acc_sum, mut acc_n) = (0.0, 0u64);
-        rep.profiling_activations = 0;
         for (it, v) in &last {
             let k = (*it - 1) as usize;
             if k >= n {
@@ -281,10 +268,6 @@ pub fn worker(
     }
     engine.take().expect("ran").shutdown()?;
     Ok(())
-}
-
-fn e_comm(e: &Engine) -> Arc<ironweave_transport::Communicator> {
-    e.comm().clone()
 }
 
 #[allow(clippy::too_many_arguments)] // one per command-line option

@@ -209,7 +209,7 @@ impl Trainer {
     }
 
     /// SHA-256 of the parameters, both moments and the step, in order.
-    pub fn state_sha256(&self) -> String {
+    pub fn state_digest(&self) -> [u8; 32] {
         let mut h = Sha256::new();
         h.update(self.params.step.to_le_bytes());
         for p in &self.params.list {
@@ -220,7 +220,12 @@ impl Trainer {
                 }
             }
         }
-        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+        h.finalize().into()
+    }
+
+    /// [`Trainer::state_digest`] in hex.
+    pub fn state_sha256(&self) -> String {
+        self.state_digest().iter().map(|b| format!("{b:02x}")).collect()
     }
 }
 
