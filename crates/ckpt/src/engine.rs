@@ -740,13 +740,7 @@ impl Engine {
             }
             Strategy::Gemini | Strategy::Capricorn => {
                 // whatever of the previous snapshot was not sent yet goes now
-                {
-                    let mut s = lock_sched(&self.sched);
-                    s.flush();
-                }
-                if let Some(prev) = self.pending.take() {
-                    self.release_all(prev);
-                }
+                self.flush_pending();
                 let snap = self.snaps.take(iter, &self.registry, bufs)?;
                 if let Some(dir) = &self.cfg.persist_dir {
                     if self.cfg.persist_every > 0 && iter % self.cfg.persist_every == 0 {
@@ -762,6 +756,15 @@ impl Engine {
             }
         }
         Ok(CheckpointReport { iter, bytes: self.registry.total, blocking_s: t0.elapsed().as_secs_f64(), persisted })
+    }
+
+    /// Release every chunk still held back: the rest of the plan in progress, then a snapshot
+    /// whose iteration has not begun.
+    fn flush_pending(&mut self) {
+        lock_sched(&self.sched).flush();
+        if let Some(prev) = self.pending.take() {
+            self.release_all(prev);
+        }
     }
 
     /// Send a whole snapshot now, back to back.
@@ -819,10 +822,7 @@ impl Engine {
                     self.durable = Some(done);
                 }
             }
-            lock_sched(&self.sched).flush();
-            if let Some(prev) = self.pending.take() {
-                self.release_all(prev);
-            }
+            self.flush_pending();
             if let (true, Some(want)) = (self.cfg.strategy.in_memory(), self.last_sent) {
                 // half the timeout, so that peers already in the all-reduce below do not time out first
                 let deadline = Instant::now() + self.cfg.timeout / 2;

@@ -63,6 +63,18 @@ pub fn apply_probe(cluster: &mut ClusterDesc, probe: Option<&Path>) -> Result<()
     Ok(())
 }
 
+/// The model (with `--global-batch` applied) and the cluster (with `--probe` figures applied).
+pub fn load_inputs(
+    model: &Path,
+    cluster: &Path,
+    global_batch: Option<u32>,
+    probe: Option<&Path>,
+) -> Result<(ModelDesc, ClusterDesc)> {
+    let (m, mut c) = (load_model(model, global_batch)?, load_cluster(cluster)?);
+    apply_probe(&mut c, probe)?;
+    Ok((m, c))
+}
+
 pub fn load_profile(path: Option<&Path>) -> Result<Option<ProfileTable>> {
     let Some(path) = path else { return Ok(None) };
     let text = std::fs::read_to_string(path).with_context(|| format!("reading profile table {}", path.display()))?;
@@ -101,8 +113,7 @@ pub fn tmp(
     global_batch: Option<u32>,
     probe: Option<&Path>,
 ) -> Result<()> {
-    let (m, mut c) = (load_model(model, global_batch)?, load_cluster(cluster)?);
-    apply_probe(&mut c, probe)?;
+    let (m, c) = load_inputs(model, cluster, global_batch, probe)?;
     let prof = load_profile(profile)?;
     let mut cm = CostModel::new(&c);
     cm.profile = prof.as_ref();
@@ -171,8 +182,7 @@ pub fn sdp(
     global_batch: Option<u32>,
     probe: Option<&Path>,
 ) -> Result<()> {
-    let (m, mut c) = (load_model(model, global_batch)?, load_cluster(cluster)?);
-    apply_probe(&mut c, probe)?;
+    let (m, c) = load_inputs(model, cluster, global_batch, probe)?;
     let prof = load_profile(profile)?;
     let mut cm = CostModel::new(&c);
     cm.profile = prof.as_ref();

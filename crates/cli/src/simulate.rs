@@ -10,7 +10,7 @@ use ironweave_sim::ckpt::{self, CkptOptions, Strategy};
 use ironweave_sim::load::{LoadSource, LoadTrace, SyntheticLoad};
 use ironweave_sim::{sdp, svg, tp};
 
-use crate::plan::{apply_probe, load_cluster, load_model, write_json};
+use crate::plan::{load_inputs, write_json};
 
 #[derive(Debug, clap::Args)]
 pub struct SimArgs {
@@ -69,8 +69,7 @@ pub fn run(scenario: &str, a: &SimArgs) -> Result<()> {
 }
 
 fn run_tp(a: &SimArgs) -> Result<()> {
-    let (m, mut c) = (load_model(&a.model, a.global_batch)?, load_cluster(&a.cluster)?);
-    apply_probe(&mut c, a.probe.as_deref())?;
+    let (m, c) = load_inputs(&a.model, &a.cluster, a.global_batch, a.probe.as_deref())?;
     let cm = CostModel::new(&c);
     let opts = tmp::TmpOptions { solver: Method::Auto, ..Default::default() };
     let problem = tmp::build(&m, &c, &cm, &opts)?;
@@ -113,8 +112,7 @@ fn run_tp(a: &SimArgs) -> Result<()> {
 }
 
 fn run_sdp(a: &SimArgs) -> Result<()> {
-    let (m, mut c) = (load_model(&a.model, a.global_batch)?, load_cluster(&a.cluster)?);
-    apply_probe(&mut c, a.probe.as_deref())?;
+    let (m, c) = load_inputs(&a.model, &a.cluster, a.global_batch, a.probe.as_deref())?;
     let cm = CostModel::new(&c);
     let plan = psdp::plan(&m, &c, &cm, &psdp::SdpOptions::default())?;
     let layers = psdp::layers(&m, &c, &cm)?;
@@ -148,8 +146,7 @@ fn run_sdp(a: &SimArgs) -> Result<()> {
 }
 
 fn run_ckpt(a: &SimArgs) -> Result<()> {
-    let (m, mut c) = (load_model(&a.model, a.global_batch)?, load_cluster(&a.cluster)?);
-    apply_probe(&mut c, a.probe.as_deref())?;
+    let (m, c) = load_inputs(&a.model, &a.cluster, a.global_batch, a.probe.as_deref())?;
     let strategies: Vec<Strategy> = a.strategies.iter().map(|s| Strategy::parse(s.trim())).collect::<Result<_, _>>()?;
     let load = match &a.load_trace {
         Some(p) => {

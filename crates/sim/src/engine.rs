@@ -331,7 +331,6 @@ pub fn run(dag: &Dag) -> Result<Trace> {
                 _ => Class::Training,
             };
             let tr = fl.iter().filter(|&&i| class_of(i) == Class::Training).count();
-            let ck = fl.len() - tr;
             for &i in fl {
                 rate[i] = if res.priority && tr > 0 {
                     if class_of(i) == Class::Training {
@@ -343,7 +342,6 @@ pub fn run(dag: &Dag) -> Result<Trace> {
                     bw / fl.len() as f64
                 };
             }
-            let _ = ck;
         }
         // 5. next event
         let mut next = f64::INFINITY;
