@@ -1,0 +1,826 @@
+//! [`UcxLink`]: one UCX worker (one transport set) moving tagged messages as active messages.
+//!
+//! Every UCX call runs on the link's progress thread, which owns the context, the worker and
+//! the endpoints. Callers hand it commands through a channel and wake it with
+//! `ucp_worker_signal`; it progresses the worker, spins briefly after activity and otherwise
+//! sleeps on the worker's event descriptor. Messages are active messages whose 20-byte header
+//! carries (source rank, tag, sequence number); the receive side feeds the shared [`Mailbox`],
+//! so matching is the same as in every other backend. Rendezvous-sized messages are received
+//! straight into a posted landing zone when there is one (zero copy), else into a pooled buffer.
+
+use std::cell::{Cell, RefCell};
+use std::ffi::c_void;
+use std::rc::Rc;
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ironweave_transport::{Error, Link, LinkInfo, Mailbox, RecvHandle, Result, SendCompleter, SendHandle, SeqTable, Tag};
+use ironweave_ucx_sys as sys;
+
+use crate::ucp::{self, Context, Endpoint, Signal, Worker};
+
+const AM_DATA: u32 = 0;
+const AM_BYE: u32 = 1;
+const AM_ABORT: u32 = 2;
+const HDR: usize = 20;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What one link is: a name and the UCX transports it may use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UcxLinkSpec {
+    /// Short name (`shm`, `tcp`); the link is called `ucx:<name>`.
+    pub name: String,
+    /// Value for `UCX_TLS`; `None` leaves UCX's own choice (and the environment's `UCX_TLS`).
+    pub tls: Option<String>,
+}
+
+/// Tunables shared by the links of one job.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Tuning {
+    pub spin: Duration,
+    pub linger: Duration,
+    pub timeout: Duration,
+}
+
+enum Payload {
+    Owned(Vec<u8>),
+    Borrowed(*const u8, usize),
+}
+
+/// A send handed to the progress thread.
+struct SendOp {
+    peer: usize,
+    header: [u8; HDR],
+    hlen: usize,
+    data: Payload,
+    done: Option<SendCompleter>,
+}
+
+// SAFETY: the only non-Send part is the borrowed pointer of a blocking send, whose caller
+// waits for the completion (or for the link to cancel it) before the memory is released.
+unsafe impl Send for SendOp {}
+
+impl SendOp {
+    fn bytes(&self) -> (*const u8, usize) {
+        match &self.data {
+            Payload::Owned(v) => (v.as_ptr(), v.len()),
+            Payload::Borrowed(p, n) => (*p, *n),
+        }
+    }
+
+    fn finish(mut self, result: Result<()>) {
+        if let Some(c) = self.done.take() {
+            let data = std::mem::replace(&mut self.data, Payload::Owned(Vec::new()));
+            c.complete(result.map(|()| match data {
+                Payload::Owned(v) => v,
+                Payload::Borrowed(..) => Vec::new(),
+            }));
+        }
+    }
+}
+
+impl Drop for SendOp {
+    fn drop(&mut self) {
+        // Never leave a sender waiting for a completion that cannot come.
+        if let Some(c) = self.done.take() {
+            c.complete(Err(Error::Aborted { reason: "the UCX link closed before the send was issued".into() }));
+        }
+    }
+}
+
+enum Cmd {
+    Send { id: u32, op: Box<SendOp> },
+    Abort(String),
+    Close,
+}
+
+/// State shared by the API side and the progress thread.
+#[derive(Debug)]
+struct Shared {
+    rank: usize,
+    size: usize,
+    info: LinkInfo,
+    mailbox: Arc<Mailbox>,
+    seq: SeqTable,
+    cmds: Mutex<Option<mpsc::Sender<Cmd>>>,
+    /// Cleared (under the lock) by the progress thread before it destroys the worker.
+    signal: Mutex<Option<Signal>>,
+}
+
+impl Shared {
+    fn submit(&self, cmd: Cmd) -> Result<()> {
+        let sent = lock(&self.cmds).as_ref().is_some_and(|tx| tx.send(cmd).is_ok());
+        if !sent {
+            return Err(self.mailbox.failure().unwrap_or(Error::Aborted { reason: "the UCX link is closed".into() }));
+        }
+        if let Some(s) = lock(&self.signal).as_ref() {
+            // SAFETY: the worker exists while the signal is stored (cleared under this lock
+            // before the worker is destroyed).
+            unsafe { s.raise() };
+        }
+        Ok(())
+    }
+}
+
+/// One UCX link to every rank of the job.
+#[derive(Debug)]
+pub struct UcxLink {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    linger: Duration,
+}
+
+fn header(src: usize, tag: Tag, seq: u64) -> [u8; HDR] {
+    let mut h = [0u8; HDR];
+    h[..4].copy_from_slice(&(src as u32).to_le_bytes());
+    h[4..12].copy_from_slice(&tag.0.to_le_bytes());
+    h[12..20].copy_from_slice(&seq.to_le_bytes());
+    h
+}
+
+fn parse_header(h: &[u8], size: usize) -> Result<(usize, Tag, u64)> {
+    let bad = |d: String| Error::Protocol { from: "UCX peer".into(), detail: d };
+    if h.len() != HDR {
+        return Err(bad(format!("active-message header of {} bytes, expected {HDR}", h.len())));
+    }
+    let src = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
+    if src >= size {
+        return Err(bad(format!("message from rank {src} in a world of {size}")));
+    }
+    let mut t = [0u8; 8];
+    t.copy_from_slice(&h[4..12]);
+    let mut s = [0u8; 8];
+    s.copy_from_slice(&h[12..20]);
+    Ok((src, Tag(u64::from_le_bytes(t)), u64::from_le_bytes(s)))
+}
+
+impl UcxLink {
+    /// Starts the progress thread for `spec`: returns the half-built link and this worker's
+    /// address; [`UcxLink::wire`] finishes it with every rank's address.
+    pub(crate) fn start(spec: &UcxLinkSpec, rank: usize, size: usize, tuning: Tuning) -> Result<(UcxLink, Vec<u8>, Wiring)> {
+        let info = LinkInfo {
+            name: format!("ucx:{}", spec.name),
+            backend: "ucx",
+            // Placeholders until a probe measures the link.
+            bandwidth_bytes_per_s: if spec.name == "shm" { 5e9 } else { 1.25e9 },
+            latency_s: 5e-6,
+            speed_source: ironweave_transport::SpeedSource::Unknown,
+            memory: vec![ironweave_transport::MemKind::Host],
+        };
+        let shared = Arc::new(Shared {
+            rank,
+            size,
+            info,
+            mailbox: Arc::new(Mailbox::new(rank, size, 1, usize::MAX)),
+            seq: SeqTable::default(),
+            cmds: Mutex::new(None),
+            signal: Mutex::new(None),
+        });
+        let (cmd_tx, cmd_rx) = mpsc::channel();
+        *lock(&shared.cmds) = Some(cmd_tx);
+        let (addr_tx, addr_rx) = mpsc::sync_channel(1);
+        let (peers_tx, peers_rx) = mpsc::sync_channel::<Vec<Vec<u8>>>(1);
+        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+        let (sh, tls, linger) = (shared.clone(), spec.tls.clone(), tuning.linger);
+        let thread = std::thread::Builder::new()
+            .name(format!("iw-ucx-{}-{rank}", spec.name))
+            .spawn(move || progress_thread(sh, tls, tuning, cmd_rx, addr_tx, peers_rx, ready_tx))
+            .map_err(|e| Error::io("spawn the UCX progress thread", &e))?;
+        let link = UcxLink { shared, thread: Mutex::new(Some(thread)), linger };
+        let addr = addr_rx
+            .recv_timeout(Duration::from_secs(60))
+            .map_err(|_| Error::Config("the UCX progress thread did not start within 60 s".into()))??;
+        Ok((link, addr, Wiring { peers: peers_tx, ready: ready_rx }))
+    }
+}
+
+/// The second half of link setup: peers' addresses in, readiness out.
+#[derive(Debug)]
+pub(crate) struct Wiring {
+    peers: mpsc::SyncSender<Vec<Vec<u8>>>,
+    ready: mpsc::Receiver<Result<()>>,
+}
+
+impl Wiring {
+    /// Connects to every peer (addresses indexed by rank).
+    pub(crate) fn finish(self, addrs: Vec<Vec<u8>>, timeout: Duration) -> Result<()> {
+        self.peers.send(addrs).map_err(|_| Error::Config("the UCX progress thread exited during setup".into()))?;
+        self.ready.recv_timeout(timeout).map_err(|_| Error::Config("UCX endpoints were not created in time".into()))?
+    }
+}
+
+impl Link for UcxLink {
+    fn info(&self) -> &LinkInfo {
+        &self.shared.info
+    }
+
+    fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    fn size(&self) -> usize {
+        self.shared.size
+    }
+
+    fn send(&self, peer: usize, tag: Tag, data: &[u8], deadline: Instant) -> Result<()> {
+        let sh = &self.shared;
+        self.check(peer)?;
+        let seq = sh.seq.next(peer, tag);
+        if peer == sh.rank {
+            return self.loopback(tag, seq, data.to_vec());
+        }
+        let (h, c) = SendHandle::pending();
+        let op = Box::new(SendOp {
+            peer,
+            header: header(sh.rank, tag, seq),
+            hlen: HDR,
+            data: Payload::Borrowed(data.as_ptr(), data.len()),
+            done: Some(c),
+        });
+        sh.submit(Cmd::Send { id: AM_DATA, op })?;
+        match h.clone().wait(deadline) {
+            Ok(_) => Ok(()),
+            Err(e @ Error::Timeout { .. }) => {
+                // UCX may still read `data`: cancel everything, then wait for the release.
+                self.abort(&format!("a send to rank {peer} timed out"));
+                let _ = h.wait(Instant::now() + self.linger + Duration::from_secs(10));
+                Err(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn isend(&self, peer: usize, tag: Tag, data: Vec<u8>) -> Result<SendHandle> {
+        let sh = &self.shared;
+        self.check(peer)?;
+        let seq = sh.seq.next(peer, tag);
+        if peer == sh.rank {
+            self.loopback(tag, seq, data.clone())?;
+            return Ok(SendHandle::ready(Ok(data)));
+        }
+        let (h, c) = SendHandle::pending();
+        let op =
+            Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, data: Payload::Owned(data), done: Some(c) });
+        sh.submit(Cmd::Send { id: AM_DATA, op })?;
+        Ok(h)
+    }
+
+    fn irecv(&self, peer: usize, tag: Tag) -> Result<RecvHandle> {
+        self.check_rank(peer)?;
+        Ok(self.shared.mailbox.post(peer, tag))
+    }
+
+    unsafe fn irecv_into(&self, peer: usize, tag: Tag, dst: *mut u8, len: usize) -> Result<RecvHandle> {
+        self.check_rank(peer)?;
+        // SAFETY: forwarded from the caller (Link::irecv_into's contract).
+        Ok(unsafe { self.shared.mailbox.post_into(peer, tag, dst, len) })
+    }
+
+    fn abort(&self, reason: &str) {
+        let _ = self.shared.submit(Cmd::Abort(reason.to_string()));
+        self.shared.mailbox.fail(Error::Aborted { reason: reason.to_string() });
+    }
+}
+
+impl UcxLink {
+    fn check_rank(&self, peer: usize) -> Result<()> {
+        if peer >= self.shared.size {
+            return Err(Error::RankOutOfRange { rank: peer, size: self.shared.size });
+        }
+        Ok(())
+    }
+
+    fn check(&self, peer: usize) -> Result<()> {
+        self.check_rank(peer)?;
+        match self.shared.mailbox.failure() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn loopback(&self, tag: Tag, seq: u64, data: Vec<u8>) -> Result<()> {
+        let mb = &self.shared.mailbox;
+        mb.reserve(data.len());
+        mb.deliver(self.shared.rank, tag, seq, data.len(), 0, data)
+    }
+}
+
+impl Drop for UcxLink {
+    fn drop(&mut self) {
+        let _ = self.shared.submit(Cmd::Close);
+        // The thread says goodbye, waits (bounded by the linger) for the peers', closes.
+        let until = Instant::now() + self.linger + Duration::from_secs(15);
+        if let Some(t) = lock(&self.thread).take() {
+            while !t.is_finished() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            }
+        }
+        self.shared.mailbox.fail(Error::Aborted { reason: "link closed".into() });
+    }
+}
+
+// ------------------------------------------------------------------ the progress thread
+
+/// A rendezvous message whose data UCX holds until we give it a destination.
+struct Rndv {
+    src: usize,
+    tag: Tag,
+    seq: u64,
+    desc: *mut c_void,
+    len: usize,
+}
+
+/// State the C callbacks reach through their `arg` pointer (boxed, so it never moves; only
+/// the progress thread touches it).
+struct CbState {
+    size: usize,
+    mailbox: Arc<Mailbox>,
+    eps: RefCell<Vec<sys::ucp_ep_h>>,
+    rndv: RefCell<Vec<Rndv>>,
+    byes: RefCell<Vec<bool>>,
+    in_flight: Cell<usize>,
+    failed: Cell<bool>,
+    /// Every endpoint reports peer failures (false when a transport cannot).
+    peer_errors: Cell<bool>,
+}
+
+impl CbState {
+    fn fail(&self, e: Error) {
+        self.failed.set(true);
+        self.mailbox.fail(e);
+    }
+}
+
+enum RecvDst {
+    Landed,
+    Buffered(Vec<u8>),
+}
+
+/// A rendezvous receive in flight.
+struct RecvOp {
+    cb: *const CbState,
+    src: usize,
+    tag: Tag,
+    seq: u64,
+    len: usize,
+    dst: RecvDst,
+}
+
+impl RecvOp {
+    fn finish(self, status: sys::ucs_status_t) {
+        // SAFETY: the CbState outlives every operation (the worker is destroyed, which ends
+        // them all, before the CbState is dropped).
+        let cb = unsafe { &*self.cb };
+        cb.in_flight.set(cb.in_flight.get() - 1);
+        let ok = status == sys::UCS_OK;
+        let (src, tag, seq, len) = (self.src, self.tag, self.seq, self.len);
+        match self.dst {
+            RecvDst::Landed => cb.mailbox.land_done(src, tag, seq, len, ok),
+            RecvDst::Buffered(buf) if ok => {
+                if let Err(e) = cb.mailbox.deliver(src, tag, seq, len, 0, buf) {
+                    cb.fail(e);
+                }
+            }
+            RecvDst::Buffered(_) => {}
+        }
+        if !ok {
+            cb.fail(Error::PeerLost { rank: src, detail: format!("UCX receive failed: {}", ucp::status_text(status)) });
+        }
+    }
+}
+
+fn free_request(req: *mut c_void) {
+    if let Ok(l) = sys::load() {
+        // SAFETY: called once per completed request, from its completion callback.
+        unsafe { l.ucp_request_free(req) };
+    }
+}
+
+unsafe extern "C" fn send_done(req: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
+    // SAFETY: `user` is the SendOp leaked by `issue_send` for this request, reclaimed once.
+    let op = unsafe { Box::from_raw(user.cast::<SendOp>()) };
+    finish_send(*op, status);
+    free_request(req);
+}
+
+unsafe extern "C" fn recv_done(req: *mut c_void, status: sys::ucs_status_t, _len: usize, user: *mut c_void) {
+    // SAFETY: `user` is the RecvOp leaked by `start_rndv` for this request, reclaimed once.
+    let op = unsafe { Box::from_raw(user.cast::<RecvOp>()) };
+    (*op).finish(status);
+    free_request(req);
+}
+
+fn finish_send(op: SendOp, status: sys::ucs_status_t) {
+    let peer = op.peer;
+    let r = match status {
+        sys::UCS_OK => Ok(()),
+        sys::UCS_ERR_CANCELED => Err(Error::Aborted { reason: "the UCX link was aborted while the send was in flight".into() }),
+        s => Err(Error::PeerLost { rank: peer, detail: format!("UCX send failed: {}", ucp::status_text(s)) }),
+    };
+    op.finish(r);
+}
+
+unsafe extern "C" fn on_data(
+    arg: *mut c_void,
+    hdr: *const c_void,
+    hlen: usize,
+    data: *mut c_void,
+    len: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: `arg` is the boxed CbState registered with the handler; it outlives the worker.
+    let cb = unsafe { &*arg.cast::<CbState>() };
+    // SAFETY: UCX passes `hlen` readable header bytes (or a null pointer with 0).
+    let h = if hlen == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(hdr.cast::<u8>(), hlen) } };
+    let (src, tag, seq) = match parse_header(h, cb.size) {
+        Ok(x) => x,
+        Err(e) => {
+            cb.fail(e);
+            return sys::UCS_OK;
+        }
+    };
+    // SAFETY: UCX passes a valid parameter struct.
+    let attr = unsafe { (*param).recv_attr };
+    if attr & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
+        // Keep the descriptor; the data is fetched after progress returns (outside the callback).
+        cb.rndv.borrow_mut().push(Rndv { src, tag, seq, desc: data, len });
+        return sys::UCS_INPROGRESS;
+    }
+    // SAFETY: eager data: `len` bytes at `data`, valid during this callback.
+    let bytes = if len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) } };
+    let mb = &cb.mailbox;
+    match mb.land(src, tag, seq, len, 0, len) {
+        Ok(Some(dst)) => {
+            // SAFETY: the mailbox granted `len` writable bytes at `dst` until land_done.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, len) };
+            mb.land_done(src, tag, seq, len, true);
+        }
+        Ok(None) => {
+            mb.reserve(len);
+            let mut buf = mb.buffer(len);
+            buf.copy_from_slice(bytes);
+            if let Err(e) = mb.deliver(src, tag, seq, len, 0, buf) {
+                cb.fail(e);
+            }
+        }
+        Err(e) => cb.fail(e),
+    }
+    sys::UCS_OK
+}
+
+fn src_of(hdr: *const c_void, hlen: usize, size: usize) -> Option<usize> {
+    if hlen != 4 {
+        return None;
+    }
+    let mut b = [0u8; 4];
+    // SAFETY: UCX passes `hlen` (= 4) readable header bytes.
+    b.copy_from_slice(unsafe { std::slice::from_raw_parts(hdr.cast::<u8>(), 4) });
+    Some(u32::from_le_bytes(b) as usize).filter(|&s| s < size)
+}
+
+unsafe extern "C" fn on_bye(
+    arg: *mut c_void,
+    hdr: *const c_void,
+    hlen: usize,
+    _data: *mut c_void,
+    _len: usize,
+    _param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: as in `on_data`.
+    let cb = unsafe { &*arg.cast::<CbState>() };
+    if let Some(src) = src_of(hdr, hlen, cb.size) {
+        cb.byes.borrow_mut()[src] = true;
+        cb.mailbox.goodbye(src);
+    }
+    sys::UCS_OK
+}
+
+unsafe extern "C" fn on_abort(
+    arg: *mut c_void,
+    hdr: *const c_void,
+    hlen: usize,
+    data: *mut c_void,
+    len: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: as in `on_data`.
+    let cb = unsafe { &*arg.cast::<CbState>() };
+    // SAFETY: valid parameter struct from UCX.
+    let rndv = unsafe { (*param).recv_attr } & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    let reason = if rndv || len == 0 {
+        "no reason given".to_string()
+    } else {
+        // SAFETY: eager data of `len` bytes valid during the callback.
+        String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len.min(4096)) }).into_owned()
+    };
+    let rank = src_of(hdr, hlen, cb.size).unwrap_or(usize::MAX);
+    cb.fail(Error::PeerAborted { rank, reason });
+    sys::UCS_OK
+}
+
+unsafe extern "C" fn on_ep_error(arg: *mut c_void, ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
+    // SAFETY: `arg` is the boxed CbState given at endpoint creation; it outlives the worker.
+    let cb = unsafe { &*arg.cast::<CbState>() };
+    let rank = cb.eps.borrow().iter().position(|&e| e == ep);
+    if let Some(r) = rank {
+        if !cb.byes.borrow()[r] {
+            cb.fail(Error::PeerLost { rank: r, detail: format!("UCX endpoint failed: {}", ucp::status_text(status)) });
+        }
+    }
+}
+
+struct Engine {
+    worker: Worker,
+    eps: Vec<Option<Endpoint>>,
+    cb: Box<CbState>,
+    me: usize,
+}
+
+impl Engine {
+    fn issue_send(&self, id: u32, op: Box<SendOp>) {
+        let Some(ep) = self.eps.get(op.peer).and_then(Option::as_ref) else {
+            let e = self.cb.mailbox.failure().unwrap_or(Error::Aborted { reason: "the UCX endpoint is closed".into() });
+            (*op).finish(Err(e));
+            return;
+        };
+        let (ptr, len) = op.bytes();
+        let raw = Box::into_raw(op);
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
+            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(send_done) },
+            user_data: raw.cast(),
+            ..Default::default()
+        };
+        // SAFETY: live endpoint; the header and data live in the leaked SendOp (or the blocked
+        // caller's buffer) until the completion callback reclaims it.
+        let req = unsafe {
+            self.worker.lib().ucp_am_send_nbx(ep.raw(), id, (*raw).header.as_ptr().cast(), (*raw).hlen, ptr.cast(), len, &param)
+        };
+        if !sys::ucs_ptr_is_ptr(req) {
+            // Completed (or failed) at once: the callback will not run.
+            // SAFETY: reclaim the SendOp leaked above; UCX holds no reference to it.
+            finish_send(*unsafe { Box::from_raw(raw) }, sys::ucs_ptr_status(req));
+        }
+    }
+
+    fn start_rndv(&self) {
+        loop {
+            let Some(r) = self.cb.rndv.borrow_mut().pop() else { return };
+            let mb = &self.cb.mailbox;
+            let (dst, target) = match mb.land(r.src, r.tag, r.seq, r.len, 0, r.len) {
+                Ok(Some(p)) => (RecvDst::Landed, p),
+                Ok(None) => {
+                    mb.reserve(r.len);
+                    let mut buf = mb.buffer(r.len);
+                    let p = buf.as_mut_ptr();
+                    (RecvDst::Buffered(buf), p)
+                }
+                Err(e) => {
+                    self.cb.fail(e);
+                    // SAFETY: a descriptor we kept (returned UCS_INPROGRESS) and now drop.
+                    unsafe { self.worker.lib().ucp_am_data_release(self.worker.raw(), r.desc) };
+                    continue;
+                }
+            };
+            let op = Box::new(RecvOp { cb: &*self.cb, src: r.src, tag: r.tag, seq: r.seq, len: r.len, dst });
+            self.cb.in_flight.set(self.cb.in_flight.get() + 1);
+            let raw = Box::into_raw(op);
+            let param = sys::ucp_request_param_t {
+                op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
+                cb: sys::ucp_request_param_t__bindgen_ty_1 { recv_am: Some(recv_done) },
+                user_data: raw.cast(),
+                ..Default::default()
+            };
+            // SAFETY: `desc` is a rendezvous descriptor we kept; `target` is `len` writable
+            // bytes (a landing zone granted by the mailbox, or the buffer owned by the RecvOp)
+            // that stay valid until the completion reclaims the RecvOp.
+            let req = unsafe { self.worker.lib().ucp_am_recv_data_nbx(self.worker.raw(), r.desc, target.cast(), r.len, &param) };
+            if !sys::ucs_ptr_is_ptr(req) {
+                // SAFETY: completed at once; reclaim the RecvOp leaked above.
+                (*unsafe { Box::from_raw(raw) }).finish(sys::ucs_ptr_status(req));
+            }
+        }
+    }
+
+    fn progress(&self) -> bool {
+        let mut any = false;
+        while self.worker.progress() {
+            any = true;
+        }
+        if !self.cb.rndv.borrow().is_empty() {
+            self.start_rndv();
+            any = true;
+        }
+        any
+    }
+
+    fn control(&self, id: u32, peer: usize, payload: Vec<u8>) {
+        let mut header = [0u8; HDR];
+        header[..4].copy_from_slice(&(self.me as u32).to_le_bytes());
+        let op = Box::new(SendOp { peer, header, hlen: 4, data: Payload::Owned(payload), done: None });
+        self.issue_send(id, op);
+    }
+
+    fn abort(&mut self, reason: &str) {
+        for peer in 0..self.eps.len() {
+            if self.eps[peer].is_some() {
+                self.control(AM_ABORT, peer, reason.as_bytes().to_vec());
+            }
+        }
+        let until = Instant::now() + Duration::from_millis(200);
+        while Instant::now() < until && self.progress() {}
+        self.cb.fail(Error::Aborted { reason: reason.to_string() });
+        self.close_all(true);
+    }
+
+    fn close_all(&mut self, force: bool) {
+        let until = Instant::now() + Duration::from_secs(2);
+        for ep in self.eps.iter_mut().filter_map(Option::take) {
+            self.worker.close(ep, force, until);
+        }
+    }
+}
+
+fn progress_thread(
+    shared: Arc<Shared>,
+    tls: Option<String>,
+    tuning: Tuning,
+    cmds: mpsc::Receiver<Cmd>,
+    addr_tx: mpsc::SyncSender<Result<Vec<u8>>>,
+    peers_rx: mpsc::Receiver<Vec<Vec<u8>>>,
+    ready_tx: mpsc::SyncSender<Result<()>>,
+) {
+    let (me, size) = (shared.rank, shared.size);
+    let cb = Box::new(CbState {
+        size,
+        mailbox: shared.mailbox.clone(),
+        eps: RefCell::new(vec![std::ptr::null_mut(); size]),
+        rndv: RefCell::new(Vec::new()),
+        byes: RefCell::new(vec![false; size]),
+        in_flight: Cell::new(0),
+        failed: Cell::new(false),
+        // UCX 1.13's shared-memory transports have no peer-failure handler: asking for one
+        // only makes endpoint creation fail (and log an error) before the fallback.
+        peer_errors: Cell::new(shared.info.name != "ucx:shm"),
+    });
+    let setup = || -> Result<(Rc<Context>, Worker, Vec<u8>)> {
+        let ctx = Context::new(tls.as_deref())?;
+        let worker = Worker::new(&ctx)?;
+        let arg = (&*cb as *const CbState).cast_mut().cast::<c_void>();
+        type Handler = unsafe extern "C" fn(
+            *mut c_void,
+            *const c_void,
+            usize,
+            *mut c_void,
+            usize,
+            *const sys::ucp_am_recv_param_t,
+        ) -> sys::ucs_status_t;
+        for (id, f) in [(AM_DATA, on_data as Handler), (AM_BYE, on_bye as Handler), (AM_ABORT, on_abort as Handler)] {
+            // SAFETY: `cb` (boxed) outlives the worker: it is dropped after the worker at the end
+            // of this function, and the handlers only touch it on this thread.
+            unsafe { worker.set_am_handler(id, Some(f), arg)? };
+        }
+        let addr = worker.address()?;
+        Ok((ctx, worker, addr))
+    };
+    let (_ctx, worker, addr) = match setup() {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = addr_tx.send(Err(e));
+            return;
+        }
+    };
+    *lock(&shared.signal) = Some(worker.signal());
+    let _ = addr_tx.send(Ok(addr));
+    let Ok(addrs) = peers_rx.recv() else {
+        *lock(&shared.signal) = None;
+        return;
+    };
+    let mut eng = Engine { worker, eps: (0..size).map(|_| None).collect(), cb, me };
+    let mut wired = Ok(());
+    for (r, a) in addrs.iter().enumerate() {
+        if r == me {
+            continue;
+        }
+        let arg = (&*eng.cb as *const CbState).cast_mut().cast::<c_void>();
+        // SAFETY: the CbState outlives the endpoint (closed before the engine is dropped).
+        // Peer-failure detection where the transports support it; otherwise a dead peer
+        // shows as a deadline (Timeout) instead of PeerLost.
+        let first = if eng.cb.peer_errors.get() {
+            // SAFETY: as below.
+            unsafe { eng.worker.connect(a, true, Some(on_ep_error), arg) }
+        } else {
+            Err(Error::Config("peer-failure detection unsupported".into()))
+        };
+        let made = match first {
+            Err(_) => {
+                // SAFETY: as above.
+                let made = unsafe { eng.worker.connect(a, false, Some(on_ep_error), arg) };
+                if made.is_ok() {
+                    eng.cb.peer_errors.set(false);
+                }
+                made
+            }
+            ok => ok,
+        };
+        match made {
+            Ok(ep) => {
+                eng.cb.eps.borrow_mut()[r] = ep.raw();
+                eng.eps[r] = Some(ep);
+            }
+            Err(e) => {
+                wired = Err(Error::Config(format!(
+                    "link {:?} cannot reach rank {r}: {e} (shared-memory links only reach ranks on this host; \
+                     set IRONWEAVE_UCX_LINKS=tcp for multi-host jobs)",
+                    shared.info.name
+                )));
+                break;
+            }
+        }
+    }
+    let ok = wired.is_ok();
+    let _ = ready_tx.send(wired);
+    if ok {
+        run(&mut eng, &cmds, &tuning);
+    }
+    eng.close_all(eng.cb.failed.get() || !ok);
+    *lock(&shared.signal) = None;
+    drop(lock(&shared.cmds).take());
+    // Sends still queued complete with an error (SendOp's Drop).
+    while cmds.try_recv().is_ok() {}
+    shared.mailbox.fail(Error::Aborted { reason: "link closed".into() });
+    let Engine { worker, cb, .. } = eng;
+    drop(worker);
+    drop(cb);
+}
+
+fn run(eng: &mut Engine, cmds: &mpsc::Receiver<Cmd>, tuning: &Tuning) {
+    let mut last_busy = Instant::now();
+    let mut closing: Option<Instant> = None;
+    loop {
+        let mut busy = false;
+        loop {
+            match cmds.try_recv() {
+                Ok(Cmd::Send { id, op }) => {
+                    eng.issue_send(id, op);
+                    busy = true;
+                }
+                Ok(Cmd::Abort(reason)) => {
+                    eng.abort(&reason);
+                    busy = true;
+                }
+                Ok(Cmd::Close) | Err(mpsc::TryRecvError::Disconnected) => {
+                    if closing.is_none() {
+                        closing = Some(Instant::now() + tuning.linger);
+                        if !eng.cb.failed.get() {
+                            for peer in 0..eng.eps.len() {
+                                if eng.eps[peer].is_some() {
+                                    eng.control(AM_BYE, peer, Vec::new());
+                                }
+                            }
+                        }
+                    }
+                    break;
+                }
+                Err(mpsc::TryRecvError::Empty) => break,
+            }
+        }
+        busy |= eng.progress();
+        if let Some(until) = closing {
+            let everyone_left = {
+                let byes = eng.cb.byes.borrow();
+                (0..byes.len()).all(|r| r == eng.me || byes[r])
+            };
+            if eng.cb.failed.get() || (everyone_left && eng.cb.in_flight.get() == 0) || Instant::now() >= until {
+                return;
+            }
+        }
+        let now = Instant::now();
+        if busy {
+            last_busy = now;
+        } else if now.duration_since(last_busy) >= tuning.spin {
+            // Sleep until UCX has events or a command arrives (bounded, to notice a close).
+            eng.worker.wait(now + Duration::from_millis(if closing.is_some() { 1 } else { 100 }));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_and_bad_ones_are_rejected() {
+        let h = header(3, Tag(0xdead_beef_0000_0001), 42);
+        assert_eq!(parse_header(&h, 4).unwrap(), (3, Tag(0xdead_beef_0000_0001), 42));
+        assert!(matches!(parse_header(&h, 3), Err(Error::Protocol { .. })));
+        assert!(matches!(parse_header(&h[..19], 4), Err(Error::Protocol { .. })));
+    }
+}
