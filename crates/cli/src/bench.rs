@@ -151,7 +151,7 @@ pub fn select_link(world: &Communicator, link: &str) -> Result<Communicator> {
         }
         name => {
             let infos = world.links();
-            let i = infos.iter().position(|l| l.name == name || l.name.strip_prefix("tcp:") == Some(name));
+            let i = infos.iter().position(|l| l.name == name || l.name.split_once(':').map(|(_, n)| n) == Some(name));
             let names: Vec<&str> = infos.iter().map(|l| l.name.as_str()).collect();
             let i = i.with_context(|| format!("no link named {name:?}; this job has {names:?}"))?;
             Ok(world.on_link(i)?)

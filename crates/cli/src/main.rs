@@ -151,6 +151,14 @@ enum Cmd {
         #[arg(long)]
         out: String,
     },
+    /// Which backends this build has, which work on this machine (and why not), and the
+    /// links each one finds.
+    #[command(alias = "info")]
+    Doctor {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Small rank programs used by the fault tests (ok, loop, mismatch).
     #[command(hide = true)]
     Selftest {
@@ -540,6 +548,25 @@ fn run(cli: Cli) -> Result<i32> {
                 )?,
                 PlanCmd::Sdp(a) => {
                     plan::sdp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref(), a.global_batch, a.probe.as_deref())?
+                }
+            }
+            Ok(0)
+        }
+        Cmd::Doctor { json } => {
+            let reports = backend::doctor();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&reports)?);
+            } else {
+                for r in &reports {
+                    let state = match (r.compiled, r.usable) {
+                        (false, _) => "not compiled",
+                        (true, true) => "usable",
+                        (true, false) => "NOT usable",
+                    };
+                    println!("{:<6} {:<13} {}", r.backend, state, r.detail);
+                    for l in &r.links {
+                        println!("       {} {:<16} {}", if l.usable { "ok " } else { "BAD" }, l.name, l.detail);
+                    }
                 }
             }
             Ok(0)
