@@ -24,6 +24,9 @@ const AM_DATA: u32 = 0;
 const AM_BYE: u32 = 1;
 const AM_ABORT: u32 = 2;
 const HDR: usize = 20;
+/// How long a rendezvous message waits for its receive to be posted before it is fetched into
+/// a buffer anyway.
+const RNDV_GRACE: Duration = Duration::from_millis(20);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -109,19 +112,25 @@ struct Shared {
     cmds: Mutex<Option<mpsc::Sender<Cmd>>>,
     /// Cleared (under the lock) by the progress thread before it destroys the worker.
     signal: Mutex<Option<Signal>>,
+    /// Rendezvous messages waiting for their receive (the post hook wakes the thread then).
+    held: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
-    fn submit(&self, cmd: Cmd) -> Result<()> {
-        let sent = lock(&self.cmds).as_ref().is_some_and(|tx| tx.send(cmd).is_ok());
-        if !sent {
-            return Err(self.mailbox.failure().unwrap_or(Error::Aborted { reason: "the UCX link is closed".into() }));
-        }
+    fn wake(&self) {
         if let Some(s) = lock(&self.signal).as_ref() {
             // SAFETY: the worker exists while the signal is stored (cleared under this lock
             // before the worker is destroyed).
             unsafe { s.raise() };
         }
+    }
+
+    fn submit(&self, cmd: Cmd) -> Result<()> {
+        let sent = lock(&self.cmds).as_ref().is_some_and(|tx| tx.send(cmd).is_ok());
+        if !sent {
+            return Err(self.mailbox.failure().unwrap_or(Error::Aborted { reason: "the UCX link is closed".into() }));
+        }
+        self.wake();
         Ok(())
     }
 }
@@ -179,7 +188,16 @@ impl UcxLink {
             seq: SeqTable::default(),
             cmds: Mutex::new(None),
             signal: Mutex::new(None),
+            held: std::sync::atomic::AtomicUsize::new(0),
         });
+        let weak = Arc::downgrade(&shared);
+        shared.mailbox.set_on_post(Box::new(move || {
+            if let Some(sh) = weak.upgrade() {
+                if sh.held.load(std::sync::atomic::Ordering::Acquire) > 0 {
+                    sh.wake();
+                }
+            }
+        }));
         let (cmd_tx, cmd_rx) = mpsc::channel();
         *lock(&shared.cmds) = Some(cmd_tx);
         let (addr_tx, addr_rx) = mpsc::sync_channel(1);
@@ -335,11 +353,13 @@ struct Rndv {
     seq: u64,
     desc: *mut c_void,
     len: usize,
+    since: Instant,
 }
 
 /// State the C callbacks reach through their `arg` pointer (boxed, so it never moves; only
 /// the progress thread touches it).
 struct CbState {
+    shared: Arc<Shared>,
     size: usize,
     mailbox: Arc<Mailbox>,
     eps: RefCell<Vec<sys::ucp_ep_h>>,
@@ -450,7 +470,9 @@ unsafe extern "C" fn on_data(
     let attr = unsafe { (*param).recv_attr };
     if attr & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 {
         // Keep the descriptor; the data is fetched after progress returns (outside the callback).
-        cb.rndv.borrow_mut().push(Rndv { src, tag, seq, desc: data, len });
+        cb.rndv.borrow_mut().push(Rndv { src, tag, seq, desc: data, len, since: Instant::now() });
+        // Before anyone checks whether the receive is posted (see Engine::start_rndv).
+        cb.shared.held.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         return sys::UCS_INPROGRESS;
     }
     // SAFETY: eager data: `len` bytes at `data`, valid during this callback.
@@ -570,9 +592,23 @@ impl Engine {
         }
     }
 
-    fn start_rndv(&self) {
-        loop {
-            let Some(r) = self.cb.rndv.borrow_mut().pop() else { return };
+    /// Starts fetching the rendezvous messages whose destination is known: a posted landing
+    /// zone (zero copy), a posted plain receive, or no receive after [`RNDV_GRACE`] (then into
+    /// a buffer, so that a sender is never held hostage by a receiver that posts late).
+    /// Returns whether any fetch started.
+    fn start_rndv(&self) -> bool {
+        let ready: Vec<Rndv> = {
+            let mut pending = self.cb.rndv.borrow_mut();
+            let mb = &self.cb.mailbox;
+            let (go, wait): (Vec<Rndv>, Vec<Rndv>) = pending
+                .drain(..)
+                .partition(|r| mb.posted(r.src, r.tag, r.seq).is_some() || r.since.elapsed() >= RNDV_GRACE);
+            *pending = wait;
+            self.cb.shared.held.store(pending.len(), std::sync::atomic::Ordering::Release);
+            go
+        };
+        let started = !ready.is_empty();
+        for r in ready {
             let mb = &self.cb.mailbox;
             let (dst, target) = match mb.land(r.src, r.tag, r.seq, r.len, 0, r.len) {
                 Ok(Some(p)) => (RecvDst::Landed, p),
@@ -607,6 +643,7 @@ impl Engine {
                 (*unsafe { Box::from_raw(raw) }).finish(sys::ucs_ptr_status(req));
             }
         }
+        started
     }
 
     fn progress(&self) -> bool {
@@ -615,8 +652,7 @@ impl Engine {
             any = true;
         }
         if !self.cb.rndv.borrow().is_empty() {
-            self.start_rndv();
-            any = true;
+            any |= self.start_rndv();
         }
         any
     }
@@ -659,6 +695,7 @@ fn progress_thread(
 ) {
     let (me, size) = (shared.rank, shared.size);
     let cb = Box::new(CbState {
+        shared: shared.clone(),
         size,
         mailbox: shared.mailbox.clone(),
         eps: RefCell::new(vec![std::ptr::null_mut(); size]),
@@ -805,6 +842,10 @@ fn run(eng: &mut Engine, cmds: &mpsc::Receiver<Cmd>, tuning: &Tuning) {
         let now = Instant::now();
         if busy {
             last_busy = now;
+        } else if let Some(first) = eng.cb.rndv.borrow().iter().map(|r| r.since).min() {
+            // Rendezvous messages wait for their receive: posting one wakes us (the mailbox's
+            // post hook), else the grace period ends.
+            eng.worker.wait((first + RNDV_GRACE).min(now + Duration::from_millis(100)));
         } else if now.duration_since(last_busy) >= tuning.spin {
             // Sleep until UCX has events or a command arrives (bounded, to notice a close).
             eng.worker.wait(now + Duration::from_millis(if closing.is_some() { 1 } else { 100 }));

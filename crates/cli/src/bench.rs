@@ -9,8 +9,14 @@ use ironweave_transport::testing::{check_collective, Case};
 use ironweave_transport::{bf16, f16, Communicator, DType, Element, ReduceOp};
 use serde::{Deserialize, Serialize};
 
-/// Collectives the benchmark knows, by name.
-pub const OPS: [&str; 5] = ["allreduce", "allgather", "reducescatter", "alltoall", "broadcast"];
+/// Operations the benchmark knows, by name: collectives, and two point-to-point tests between
+/// ranks 0 and 1 (`pingpong`: one-way time of a round trip / 2, as `ucx_perftest -t tag_lat`;
+/// `stream`: rank 0 sends one buffer to rank 1 back to back, as `-t tag_bw`).
+pub const OPS: [&str; 7] = ["allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "pingpong", "stream"];
+
+fn is_p2p(op: &str) -> bool {
+    matches!(op, "pingpong" | "stream")
+}
 
 /// One measured row.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -59,6 +65,8 @@ pub fn human(b: usize) -> String {
 
 fn case_of(op: &str) -> Result<Case> {
     Ok(match op {
+        // Checked by name before use; the point-to-point tests run in `p2p_row`.
+        "pingpong" | "stream" => Case::Barrier,
         "allreduce" => Case::AllReduce,
         "allgather" => Case::AllGather,
         "reducescatter" => Case::ReduceScatter,
@@ -168,6 +176,22 @@ fn rows<T: Element>(c: &Communicator, backend: &str, ops: &[String], sizes: &[St
         let case = case_of(op)?;
         for s in sizes {
             let bytes = parse_size(s)?;
+            if is_p2p(op) {
+                let row = p2p_row(c, op, bytes, backend, min_time)?;
+                if c.rank() == 0 {
+                    eprintln!(
+                        "[{}/{total}] {:>13} {:>9}: {:>10.2} us  bw {:>6.3} GB/s  {}",
+                        out.len() + 1,
+                        row.op,
+                        human(row.bytes),
+                        row.time_us,
+                        row.algbw_gbps,
+                        if row.verified { "verified" } else { "NOT VERIFIED" }
+                    );
+                }
+                out.push(row);
+                continue;
+            }
             let mut count = bytes / es;
             if matches!(case, Case::AllGather | Case::ReduceScatter | Case::AllToAll) {
                 count = count / n * n;
@@ -211,6 +235,87 @@ fn rows<T: Element>(c: &Communicator, backend: &str, ops: &[String], sizes: &[St
         }
     }
     Ok(out)
+}
+
+/// Rounds of the warm-up that sizes the timed loop.
+const WINDOW: usize = 16;
+
+/// One point-to-point row between ranks 0 and 1 (other ranks only take part in the barriers).
+fn p2p_row(c: &Communicator, op: &str, bytes: usize, backend: &str, min_time: f64) -> Result<Row> {
+    if c.size() < 2 {
+        bail!("{op} needs at least two ranks");
+    }
+    let pattern: Vec<u8> = (0..bytes).map(|i| (i.wrapping_mul(31) ^ (i >> 8)) as u8).collect();
+    let me = c.rank();
+    let mut dst = vec![0u8; bytes];
+    // One round: pingpong = there and back; stream = `k` messages 0 -> 1, then a 1-byte ack.
+    let round = |k: usize, dst: &mut Vec<u8>| -> ironweave_transport::Result<()> {
+        match (op, me) {
+            ("pingpong", 0) => {
+                for _ in 0..k {
+                    c.send(1, 1, &pattern)?;
+                    c.recv(1, 1, dst)?;
+                }
+            }
+            ("pingpong", 1) => {
+                for _ in 0..k {
+                    c.recv(0, 1, dst)?;
+                    c.send(0, 1, dst)?;
+                }
+            }
+            ("stream", 0) => {
+                // One buffer sent back to back (as ucx_perftest's tag_bw reuses its buffer):
+                // owned buffers in flight would measure cold memory instead of the link.
+                for _ in 0..k {
+                    c.send(1, 2, &pattern)?;
+                }
+                let mut ack = [0u8; 1];
+                c.recv(1, 3, &mut ack)?;
+            }
+            ("stream", 1) => {
+                for _ in 0..k {
+                    c.recv(0, 2, dst)?;
+                }
+                c.send(0, 3, &[1u8])?;
+            }
+            _ => {}
+        }
+        Ok(())
+    };
+    // Verification: one round, the received bytes compared with the pattern.
+    round(1, &mut dst)?;
+    // Rank 0 of `stream` only sends; ranks above 1 only watch.
+    let ok = me > 1 || (op == "stream" && me == 0) || dst == pattern;
+    let mut flag = [i32::from(ok)];
+    c.all_reduce(&mut flag, ReduceOp::Min)?;
+    c.barrier()?;
+    let t = Instant::now();
+    round(WINDOW, &mut dst)?;
+    let mut est = [t.elapsed().as_secs_f64() / WINDOW as f64];
+    c.all_reduce(&mut est, ReduceOp::Max)?;
+    let mut iters = [((min_time / est[0].max(1e-7)) as i64).clamp(WINDOW as i64, 200_000)];
+    c.broadcast(&mut iters, 0)?;
+    c.barrier()?;
+    let t = Instant::now();
+    round(iters[0] as usize, &mut dst)?;
+    let per = t.elapsed().as_secs_f64() / iters[0] as f64;
+    let mut secs = [if op == "pingpong" { per / 2.0 } else { per }];
+    c.broadcast(&mut secs, 0)?;
+    Ok(Row {
+        op: op.into(),
+        bytes,
+        count: bytes,
+        dtype: "u8".into(),
+        ranks: 2,
+        backend: backend.into(),
+        iters: iters[0] as usize,
+        time_us: secs[0] * 1e6,
+        algbw_gbps: bytes as f64 / secs[0] / 1e9,
+        busbw_gbps: bytes as f64 / secs[0] / 1e9,
+        memcpy_gbps: 0.0,
+        verified: flag[0] == 1,
+        error: (!ok).then(|| "received bytes differ from the pattern".to_string()),
+    })
 }
 
 /// Times `case` on `count` elements: rank 0 picks the iteration count from a warm-up so the

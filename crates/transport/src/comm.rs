@@ -242,8 +242,15 @@ impl Communicator {
         if let Some(Ok(())) = self.stripe_plan(dst.len()) {
             return self.striped_recv(peer, tag, dst);
         }
-        let m = wait_exact(self.irecv_bytes(peer, tag)?, "recv", peer, dst.len(), self.deadline())?;
-        m.copy_to(dst);
+        let (src, tag) = (self.peer(peer)?, self.user_tag(tag)?);
+        // SAFETY: `dst` is borrowed mutably for this whole call and only written through the
+        // zone; the handle is consumed by `wait_exact` (whose drop on failure withdraws the
+        // zone and waits for a writer in progress) before we return.
+        let h = unsafe { self.l().irecv_into(src, tag, dst.as_mut_ptr(), dst.len()) }?;
+        let m = wait_exact(h, "recv", peer, dst.len(), self.deadline())?;
+        if !m.is_landed() {
+            m.copy_to(dst);
+        }
         Ok(())
     }
 

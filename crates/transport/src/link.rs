@@ -480,9 +480,32 @@ pub struct Mailbox {
     state: Mutex<MbState>,
     cv: Condvar,
     space: Condvar,
+    on_post: std::sync::OnceLock<PostHook>,
+}
+
+/// Called after every receive is posted (see [`Mailbox::set_on_post`]).
+struct PostHook(Box<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for PostHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PostHook")
+    }
 }
 
 impl Mailbox {
+    /// Installs `f`, called (without the mailbox lock) after each receive is posted: a
+    /// backend whose progress thread holds rendezvous messages until their receive is posted
+    /// uses it to wake that thread. Only the first hook installed is kept.
+    pub fn set_on_post(&self, f: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.on_post.set(PostHook(f));
+    }
+
+    fn posted_hook(&self) {
+        if let Some(h) = self.on_post.get() {
+            (h.0)();
+        }
+    }
+
     /// A mailbox for rank `me` of `size`; a peer counts as closed after `goodbyes_needed`
     /// goodbyes (one per connection); at most `cap_bytes` of unconsumed data are buffered
     /// (a single larger message is still accepted when nothing else is buffered).
@@ -495,6 +518,7 @@ impl Mailbox {
             state: Mutex::new(MbState { queues: HashMap::new(), fatal: None, goodbyes: vec![0; size], buffered: 0 }),
             cv: Condvar::new(),
             space: Condvar::new(),
+            on_post: std::sync::OnceLock::new(),
         }
     }
 
@@ -504,6 +528,8 @@ impl Mailbox {
         let q = st.queues.entry((src, tag)).or_default();
         let seq = q.next_claim;
         q.next_claim += 1;
+        drop(st);
+        self.posted_hook();
         RecvHandle { mailbox: self.clone(), src, tag, seq, done: false }
     }
 
@@ -577,6 +603,8 @@ impl Mailbox {
         if !p.buffering && !p.landed && p.frames == 0 {
             p.zone = Some((dst as usize, len));
         }
+        drop(st);
+        self.posted_hook();
         RecvHandle { mailbox: self.clone(), src, tag, seq, done: false }
     }
 
@@ -625,6 +653,19 @@ impl Mailbox {
         }
         drop(st);
         self.cv.notify_all();
+    }
+
+    /// Whether the receive that will take message `seq` from `src` on `tag` has been posted:
+    /// `None` if not yet, `Some(true)` if it offers a landing zone, `Some(false)` if it takes
+    /// a buffered message. Backends with a rendezvous protocol use it to fetch the data when
+    /// its destination is known (straight into the zone) instead of buffering it first.
+    pub fn posted(&self, src: usize, tag: Tag, seq: u64) -> Option<bool> {
+        let st = lock(&self.state);
+        let q = st.queues.get(&(src, tag))?;
+        if q.next_claim <= seq {
+            return None;
+        }
+        Some(q.msgs.get(&seq).is_some_and(|p| p.zone.is_some() && !p.abandoned))
     }
 
     fn is_complete(&self, src: usize, tag: Tag, seq: u64) -> bool {
