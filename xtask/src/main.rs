@@ -6,6 +6,15 @@
 //! of the same size; writes `target/bench/collectives.json` and prints a Markdown table for
 //! docs/BENCHMARKS.md.
 //!
+//! `cargo xtask bench transport [--repeat 3] [--min-time S]` runs, interleaved in one
+//! invocation, ironweave's UCX backend on its shared-memory and TCP links beside
+//! `ucx_perftest` restricted to the same UCX transports (4 MiB `tag_bw`, 8-byte `tag_lat`), and
+//! 2-rank collectives over ironweave-ucx beside OpenMPI's default (shared memory) path;
+//! `target/bench/transport.json` and a table.
+//!
+//! `cargo xtask bindings ucx` regenerates the checked-in UCX bindings
+//! (`backends/ucx-sys/src/bindings.rs`) from the installed headers (libucx-dev, libclang-dev).
+//!
 //! `cargo xtask bench snapshot [--bytes 1G] [--repeat 3]` snapshots a state of mixed buffers
 //! with ironweave-ckpt beside memcpy (1 and all threads), torch.save and torchsnapshot (a venv
 //! under `target/bench-venv`, made on first use: torch from PyPI is large), and writes the
@@ -20,11 +29,35 @@ use serde_json::{json, Value};
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
+        Some("bindings") => match args.get(1).map(String::as_str) {
+            Some("ucx") => {
+                let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+                let out = root().join("backends/ucx-sys/src/bindings.rs");
+                run(Command::new(cargo)
+                    .args([
+                        "run",
+                        "-q",
+                        "-p",
+                        "ironweave-ucx-sys",
+                        "--features",
+                        "generate",
+                        "--bin",
+                        "ironweave-ucx-sys-generate",
+                        "--",
+                    ])
+                    .arg(&out)
+                    .current_dir(root()))?;
+                eprintln!("xtask: wrote {}", out.display());
+                Ok(())
+            }
+            other => bail!("unknown bindings {other:?}; available: ucx"),
+        },
         Some("bench") => match args.get(1).map(String::as_str) {
             Some("collectives") => bench_collectives(&args[2..]),
             Some("links") => bench_links(&args[2..]),
             Some("snapshot") => bench_snapshot(&args[2..]),
-            other => bail!("unknown benchmark {other:?}; available: collectives, links, snapshot"),
+            Some("transport") => bench_transport(&args[2..]),
+            other => bail!("unknown benchmark {other:?}; available: collectives, links, snapshot, transport"),
         },
         _ => {
             eprintln!(
@@ -317,6 +350,148 @@ fn human(b: u64) -> String {
     } else {
         format!("{b} B")
     }
+}
+
+/// Runs `ucx_perftest` as a server and a client on loopback with `UCX_TLS=tls`; returns the
+/// client's `Final:` figures (one-way latency in us, bandwidth in bytes/s).
+fn perftest(tls: &str, test: &str, size: u64, iters: u64, port: u16) -> Result<(f64, f64)> {
+    let mut server = Command::new("ucx_perftest")
+        .env("UCX_TLS", tls)
+        .args(["-p", &port.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("starting ucx_perftest: install ucx-utils")?;
+    let mut last_err = None;
+    let mut result = None;
+    for _ in 0..50 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let out = Command::new("ucx_perftest")
+            .env("UCX_TLS", tls)
+            .args(["127.0.0.1", "-p", &port.to_string(), "-t", test, "-s", &size.to_string(), "-n", &iters.to_string()])
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if let Some(line) = text.lines().find(|l| l.trim_start().starts_with("Final:")) {
+            let f: Vec<f64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+            // Final: iterations, latency p50/avg/overall (us), bandwidth avg/overall (MB/s = 2^20 B/s), ...
+            if f.len() >= 6 {
+                result = Some((f[3], f[5] * (1u64 << 20) as f64));
+                break;
+            }
+        }
+        last_err = Some(format!("{}{}", text, String::from_utf8_lossy(&out.stderr)));
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    result.with_context(|| format!("ucx_perftest {test} with UCX_TLS={tls} gave no result: {}", last_err.unwrap_or_default()))
+}
+
+fn bench_transport(args: &[String]) -> Result<()> {
+    let repeat: usize = flag(args, "--repeat", "3").parse().context("--repeat")?;
+    let min_time = flag(args, "--min-time", "0.5");
+    let coll_ops = "allreduce,allgather,reducescatter,alltoall";
+    let coll_sizes = "1M,16M";
+    let tdir = target_dir();
+    let out_dir = tdir.join("bench");
+    std::fs::create_dir_all(&out_dir)?;
+    eprintln!("xtask: building ironweave (release, default features include ucx)");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    run(Command::new(cargo).args(["build", "--release", "-p", "ironweave"]).current_dir(root()))?;
+    let iw = tdir.join("release").join("ironweave");
+    eprintln!("xtask: building the OpenMPI peer with mpicc");
+    let mpi_bin = out_dir.join("mpi_collectives");
+    run(Command::new("mpicc").args(["-O2", "-o"]).arg(&mpi_bin).arg(root().join("xtask/peers/mpi_collectives.c")))
+        .context("mpicc failed: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev)")?;
+    let size_bytes: Vec<String> = coll_sizes.split(',').map(|s| parse_size(s).map(|b| b.to_string())).collect::<Result<_>>()?;
+    let links = [("shm", "posix,sysv,cma,self"), ("tcp", "tcp")];
+    let mut rows: Vec<Value> = Vec::new();
+    let port = 13337 + (std::process::id() % 1000) as u16;
+    for round in 0..repeat {
+        for (link, tls) in links {
+            eprintln!("xtask: round {}/{repeat}: ironweave-ucx on {link}", round + 1);
+            let path = out_dir.join(format!("transport-{link}.json"));
+            run(Command::new(&iw)
+                .args(["bench", "collectives", "--ranks", "2", "--backend", "ucx", "--link", link])
+                .args(["--ops", "stream,pingpong", "--sizes", "4M,8", "--min-time", &min_time, "--json"])
+                .arg(&path))?;
+            let got: Vec<Value> = serde_json::from_slice(&std::fs::read(&path)?)?;
+            for r in got {
+                rows.push(json!({"peer": format!("ironweave-ucx:{link}"), "op": r["op"], "bytes": r["bytes"],
+                    "time_us": r["time_us"], "bw": r["algbw_gbps"].as_f64().unwrap_or(0.0) * 1e9, "verified": r["verified"], "round": round}));
+            }
+            eprintln!("xtask: round {}/{repeat}: ucx_perftest with UCX_TLS={tls}", round + 1);
+            let (_, bw) = perftest(tls, "tag_bw", 4 << 20, 1000, port)?;
+            rows.push(json!({"peer": format!("ucx_perftest:{link}"), "op": "stream", "bytes": 4u64 << 20, "bw": bw, "verified": true, "round": round}));
+            let (lat, _) = perftest(tls, "tag_lat", 8, 100_000, port + 1)?;
+            rows.push(json!({"peer": format!("ucx_perftest:{link}"), "op": "pingpong", "bytes": 8, "time_us": lat, "verified": true, "round": round}));
+        }
+        eprintln!("xtask: round {}/{repeat}: collectives, ironweave-ucx (shm link) and OpenMPI default", round + 1);
+        let path = out_dir.join("transport-coll.json");
+        run(Command::new(&iw)
+            .args(["bench", "collectives", "--ranks", "2", "--backend", "ucx", "--ops", coll_ops, "--sizes", coll_sizes])
+            .args(["--min-time", &min_time, "--json"])
+            .arg(&path))?;
+        let got: Vec<Value> = serde_json::from_slice(&std::fs::read(&path)?)?;
+        for r in got {
+            rows.push(json!({"peer": "ironweave-ucx", "op": r["op"], "bytes": r["bytes"], "busbw": r["busbw_gbps"],
+                "verified": r["verified"], "round": round}));
+        }
+        let mut c = Command::new("mpirun");
+        c.args(["--allow-run-as-root", "--oversubscribe", "-np", "2"]).arg(&mpi_bin).args(["ompi-default", &min_time]);
+        c.args(coll_ops.split(',')).arg("--").args(&size_bytes);
+        for line in run(&mut c)?.lines().filter(|l| l.starts_with('{')) {
+            let v: Value = serde_json::from_str(line)?;
+            let bytes = v["bytes"].as_f64().unwrap_or(0.0);
+            let f = if v["op"] == "allreduce" { 1.0 } else { 0.5 };
+            let busbw = bytes / (v["time_us"].as_f64().unwrap_or(f64::INFINITY) * 1e-6) / 1e9 * f;
+            rows.push(json!({"peer": "ompi-default", "op": v["op"], "bytes": v["bytes"], "busbw": busbw,
+                "verified": v["verified"], "round": round}));
+        }
+    }
+    std::fs::write(out_dir.join("transport.json"), serde_json::to_vec_pretty(&rows)?)?;
+    let median = |peer: &str, op: &str, bytes: u64, key: &str| -> f64 {
+        let mut v: Vec<f64> = rows
+            .iter()
+            .filter(|r| r["peer"] == peer && r["op"] == op && r["bytes"].as_u64() == Some(bytes))
+            .filter_map(|r| r[key].as_f64())
+            .collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let all_ok = |peer: &str| rows.iter().filter(|r| r["peer"] == peer).all(|r| r["verified"] == json!(true));
+    let mut t = format!("Median of {repeat} interleaved rounds; bandwidth in GB/s (10^9 B/s), latency one way in us.\n\n");
+    t.push_str("| link | ironweave-ucx 4 MiB bw | ucx_perftest tag_bw | ratio | ironweave-ucx 8 B latency | ucx_perftest tag_lat | ratio (perftest / ours) | verified |\n");
+    t.push_str("|---|---:|---:|---:|---:|---:|---:|---|\n");
+    for (link, _) in links {
+        let (ours, peer) = (format!("ironweave-ucx:{link}"), format!("ucx_perftest:{link}"));
+        let (bw, pbw) = (median(&ours, "stream", 4 << 20, "bw"), median(&peer, "stream", 4 << 20, "bw"));
+        let (lat, plat) = (median(&ours, "pingpong", 8, "time_us"), median(&peer, "pingpong", 8, "time_us"));
+        t.push_str(&format!(
+            "| {link} | {:.3} | {:.3} | {:.2}x | {lat:.2} | {plat:.2} | {:.2}x | {} |\n",
+            bw / 1e9,
+            pbw / 1e9,
+            bw / pbw,
+            plat / lat,
+            if all_ok(&ours) { "yes" } else { "NO" }
+        ));
+    }
+    t.push_str("\n| op | size | ranks | ironweave-ucx (shm link) busbw | OpenMPI default (shm) busbw | ratio | verified |\n|---|---:|---:|---:|---:|---:|---|\n");
+    for op in coll_ops.split(',') {
+        for s in coll_sizes.split(',') {
+            let b = parse_size(s)?;
+            let (ours, peer) = (median("ironweave-ucx", op, b, "busbw"), median("ompi-default", op, b, "busbw"));
+            t.push_str(&format!(
+                "| {op} | {} | 2 | {ours:.3} | {peer:.3} | {:.2}x | {} |\n",
+                human(b),
+                ours / peer,
+                if all_ok("ironweave-ucx") && all_ok("ompi-default") { "yes" } else { "NO" }
+            ));
+        }
+    }
+    println!("{t}");
+    std::fs::write(out_dir.join("transport.md"), &t)?;
+    eprintln!("xtask: wrote {}", out_dir.join("transport.json").display());
+    Ok(())
 }
 
 fn bench_snapshot(args: &[String]) -> Result<()> {

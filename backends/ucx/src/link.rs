@@ -600,9 +600,8 @@ impl Engine {
         let ready: Vec<Rndv> = {
             let mut pending = self.cb.rndv.borrow_mut();
             let mb = &self.cb.mailbox;
-            let (go, wait): (Vec<Rndv>, Vec<Rndv>) = pending
-                .drain(..)
-                .partition(|r| mb.posted(r.src, r.tag, r.seq).is_some() || r.since.elapsed() >= RNDV_GRACE);
+            let (go, wait): (Vec<Rndv>, Vec<Rndv>) =
+                pending.drain(..).partition(|r| mb.posted(r.src, r.tag, r.seq).is_some() || r.since.elapsed() >= RNDV_GRACE);
             *pending = wait;
             self.cb.shared.held.store(pending.len(), std::sync::atomic::Ordering::Release);
             go
