@@ -146,32 +146,8 @@ pub fn init_from_env() -> Result<Communicator> {
 /// rendezvous client, listeners and sockets (tests, examples, single-host tools). Returns the
 /// communicators in rank order, or the first rank's error.
 pub fn local_world(n: usize, cfg: &TcpConfig, opts: CommOptions) -> Result<Vec<Communicator>> {
-    let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|l| l.local_addr())
-        .map_err(|e| Error::Config(format!("no free loopback port for the rendezvous: {e}")))?
-        .port();
-    let hs: Vec<_> = (0..n)
-        .map(|rank| {
-            let (cfg, opts) = (cfg.clone(), opts.clone());
-            std::thread::spawn(move || {
-                let env = JobEnv {
-                    rank,
-                    world_size: n,
-                    local_rank: rank,
-                    master: (Ipv4Addr::LOCALHOST, port).into(),
-                    job_id: format!("local-{port}"),
-                    secret: b"local".to_vec(),
-                    source: ironweave_transport::rendezvous::EnvSource::Ironweave,
-                };
-                connect(&env, &cfg, opts)
-            })
-        })
-        .collect();
-    let mut out = Vec::with_capacity(n);
-    for (rank, h) in hs.into_iter().enumerate() {
-        out.push(h.join().map_err(|_| Error::Config(format!("rank {rank}'s thread panicked while joining the local job")))??);
-    }
-    Ok(out)
+    let cfg = cfg.clone();
+    ironweave_transport::rendezvous::local_job(n, "tcp", move |env| connect(&env, &cfg, opts.clone()))
 }
 
 /// Joins the job: rendezvous, one link per [`LinkSpec`], the world communicator.

@@ -18,7 +18,6 @@
 mod link;
 pub mod ucp;
 
-use std::net::{Ipv4Addr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -196,32 +195,8 @@ pub fn local_world(n: usize, cfg: &UcxConfig, opts: CommOptions) -> Result<Vec<C
 /// Like [`local_world`] but returns each rank's links themselves.
 pub fn local_links(n: usize, cfg: &UcxConfig) -> Result<Vec<Vec<Arc<UcxLink>>>> {
     available()?;
-    let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|l| l.local_addr())
-        .map_err(|e| Error::Config(format!("no free loopback port for the rendezvous: {e}")))?
-        .port();
-    let hs: Vec<_> = (0..n)
-        .map(|rank| {
-            let cfg = cfg.clone();
-            std::thread::spawn(move || {
-                let env = JobEnv {
-                    rank,
-                    world_size: n,
-                    local_rank: rank,
-                    master: (Ipv4Addr::LOCALHOST, port).into(),
-                    job_id: format!("local-ucx-{port}"),
-                    secret: b"local".to_vec(),
-                    source: ironweave_transport::rendezvous::EnvSource::Ironweave,
-                };
-                join(&env, &cfg)
-            })
-        })
-        .collect();
-    let mut out = Vec::with_capacity(n);
-    for (rank, h) in hs.into_iter().enumerate() {
-        out.push(h.join().map_err(|_| Error::Config(format!("rank {rank}'s thread panicked while joining the local job")))??);
-    }
-    Ok(out)
+    let cfg = cfg.clone();
+    ironweave_transport::rendezvous::local_job(n, "ucx", move |env| join(&env, &cfg))
 }
 
 #[cfg(test)]

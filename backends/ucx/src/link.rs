@@ -15,7 +15,9 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use ironweave_transport::{Error, Link, LinkInfo, Mailbox, RecvHandle, Result, SendCompleter, SendHandle, SeqTable, Tag};
+use ironweave_transport::{
+    wait_blocking_send, Error, Link, LinkInfo, Mailbox, PendingSend, RecvHandle, Result, SendHandle, SeqTable, Tag,
+};
 use ironweave_ucx_sys as sys;
 
 use crate::ucp::{self, Context, Endpoint, Signal, Worker};
@@ -49,50 +51,12 @@ pub(crate) struct Tuning {
     pub timeout: Duration,
 }
 
-enum Payload {
-    Owned(Vec<u8>),
-    Borrowed(*const u8, usize),
-}
-
-/// A send handed to the progress thread.
+/// A send handed to the progress thread: the active-message header and the bytes.
 struct SendOp {
     peer: usize,
     header: [u8; HDR],
     hlen: usize,
-    data: Payload,
-    done: Option<SendCompleter>,
-}
-
-// SAFETY: the only non-Send part is the borrowed pointer of a blocking send, whose caller
-// waits for the completion (or for the link to cancel it) before the memory is released.
-unsafe impl Send for SendOp {}
-
-impl SendOp {
-    fn bytes(&self) -> (*const u8, usize) {
-        match &self.data {
-            Payload::Owned(v) => (v.as_ptr(), v.len()),
-            Payload::Borrowed(p, n) => (*p, *n),
-        }
-    }
-
-    fn finish(mut self, result: Result<()>) {
-        if let Some(c) = self.done.take() {
-            let data = std::mem::replace(&mut self.data, Payload::Owned(Vec::new()));
-            c.complete(result.map(|()| match data {
-                Payload::Owned(v) => v,
-                Payload::Borrowed(..) => Vec::new(),
-            }));
-        }
-    }
-}
-
-impl Drop for SendOp {
-    fn drop(&mut self) {
-        // Never leave a sender waiting for a completion that cannot come.
-        if let Some(c) = self.done.take() {
-            c.complete(Err(Error::Aborted { reason: "the UCX link closed before the send was issued".into() }));
-        }
-    }
+    send: PendingSend,
 }
 
 enum Cmd {
@@ -251,25 +215,13 @@ impl Link for UcxLink {
         if peer == sh.rank {
             return self.loopback(tag, seq, data.to_vec());
         }
-        let (h, c) = SendHandle::pending();
-        let op = Box::new(SendOp {
-            peer,
-            header: header(sh.rank, tag, seq),
-            hlen: HDR,
-            data: Payload::Borrowed(data.as_ptr(), data.len()),
-            done: Some(c),
-        });
-        sh.submit(Cmd::Send { id: AM_DATA, op })?;
-        match h.clone().wait(deadline) {
-            Ok(_) => Ok(()),
-            Err(e @ Error::Timeout { .. }) => {
-                // UCX may still read `data`: cancel everything, then wait for the release.
-                self.abort(&format!("a send to rank {peer} timed out"));
-                let _ = h.wait(Instant::now() + self.linger + Duration::from_secs(10));
-                Err(e)
-            }
-            Err(e) => Err(e),
-        }
+        // SAFETY: we block below until the send completes or the link let go of `data`.
+        let (send, h) = unsafe { PendingSend::borrowed(data) };
+        sh.submit(Cmd::Send { id: AM_DATA, op: Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send }) })?;
+        wait_blocking_send(h, deadline, self.linger + Duration::from_secs(10), || {
+            // UCX may still read `data`: cancel everything first.
+            self.abort(&format!("a send to rank {peer} timed out"));
+        })
     }
 
     fn isend(&self, peer: usize, tag: Tag, data: Vec<u8>) -> Result<SendHandle> {
@@ -280,10 +232,8 @@ impl Link for UcxLink {
             self.loopback(tag, seq, data.clone())?;
             return Ok(SendHandle::ready(Ok(data)));
         }
-        let (h, c) = SendHandle::pending();
-        let op =
-            Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, data: Payload::Owned(data), done: Some(c) });
-        sh.submit(Cmd::Send { id: AM_DATA, op })?;
+        let (send, h) = PendingSend::owned(data);
+        sh.submit(Cmd::Send { id: AM_DATA, op: Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send }) })?;
         Ok(h)
     }
 
@@ -444,7 +394,7 @@ fn finish_send(op: SendOp, status: sys::ucs_status_t) {
         sys::UCS_ERR_CANCELED => Err(Error::Aborted { reason: "the UCX link was aborted while the send was in flight".into() }),
         s => Err(Error::PeerLost { rank: peer, detail: format!("UCX send failed: {}", ucp::status_text(s)) }),
     };
-    op.finish(r);
+    op.send.finish(r);
 }
 
 unsafe extern "C" fn on_data(
@@ -569,10 +519,10 @@ impl Engine {
     fn issue_send(&self, id: u32, op: Box<SendOp>) {
         let Some(ep) = self.eps.get(op.peer).and_then(Option::as_ref) else {
             let e = self.cb.mailbox.failure().unwrap_or(Error::Aborted { reason: "the UCX endpoint is closed".into() });
-            (*op).finish(Err(e));
+            op.send.finish(Err(e));
             return;
         };
-        let (ptr, len) = op.bytes();
+        let (ptr, len) = (op.send.bytes().as_ptr(), op.send.bytes().len());
         let raw = Box::into_raw(op);
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
@@ -659,7 +609,7 @@ impl Engine {
     fn control(&self, id: u32, peer: usize, payload: Vec<u8>) {
         let mut header = [0u8; HDR];
         header[..4].copy_from_slice(&(self.me as u32).to_le_bytes());
-        let op = Box::new(SendOp { peer, header, hlen: 4, data: Payload::Owned(payload), done: None });
+        let op = Box::new(SendOp { peer, header, hlen: 4, send: PendingSend::detached(payload) });
         self.issue_send(id, op);
     }
 

@@ -351,6 +351,100 @@ impl SendHandle {
     }
 }
 
+enum Payload {
+    Owned(Vec<u8>),
+    Borrowed(*const u8, usize),
+}
+
+/// A send a caller hands to a backend's progress thread: the bytes (owned, or borrowed from a
+/// caller that blocks until completion) and the completer of the caller's [`SendHandle`].
+/// Dropping it unfinished completes the handle with an error, so no caller waits for a send
+/// that a closing backend discarded.
+#[derive(Debug)]
+pub struct PendingSend {
+    data: Payload,
+    done: Option<SendCompleter>,
+}
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Payload::Owned(v) => write!(f, "Owned({} bytes)", v.len()),
+            Payload::Borrowed(_, n) => write!(f, "Borrowed({n} bytes)"),
+        }
+    }
+}
+
+// SAFETY: the only non-Send part is the pointer of a borrowed send, whose caller blocks until
+// the send completes (see `PendingSend::borrowed`).
+unsafe impl Send for PendingSend {}
+
+impl PendingSend {
+    /// A send of an owned buffer (returned through the handle when done).
+    pub fn owned(data: Vec<u8>) -> (PendingSend, SendHandle) {
+        let (h, c) = SendHandle::pending();
+        (PendingSend { data: Payload::Owned(data), done: Some(c) }, h)
+    }
+
+    /// A send of borrowed bytes.
+    ///
+    /// # Safety
+    /// `data` must stay valid and unchanged until the handle completes: the caller waits for it
+    /// (and, on a deadline, aborts the link and waits again, see [`wait_blocking_send`]).
+    pub unsafe fn borrowed(data: &[u8]) -> (PendingSend, SendHandle) {
+        let (h, c) = SendHandle::pending();
+        (PendingSend { data: Payload::Borrowed(data.as_ptr(), data.len()), done: Some(c) }, h)
+    }
+
+    /// A send nobody waits for (control messages).
+    pub fn detached(data: Vec<u8>) -> PendingSend {
+        PendingSend { data: Payload::Owned(data), done: None }
+    }
+
+    /// The bytes to send.
+    pub fn bytes(&self) -> &[u8] {
+        match &self.data {
+            Payload::Owned(v) => v,
+            // SAFETY: valid until completion by `borrowed`'s contract; completion consumes self.
+            Payload::Borrowed(p, n) => unsafe { std::slice::from_raw_parts(*p, *n) },
+        }
+    }
+
+    /// Completes the caller's handle (owned buffers go back to it).
+    pub fn finish(mut self, result: Result<()>) {
+        if let Some(c) = self.done.take() {
+            let data = std::mem::replace(&mut self.data, Payload::Owned(Vec::new()));
+            c.complete(result.map(|()| match data {
+                Payload::Owned(v) => v,
+                Payload::Borrowed(..) => Vec::new(),
+            }));
+        }
+    }
+}
+
+impl Drop for PendingSend {
+    fn drop(&mut self) {
+        if let Some(c) = self.done.take() {
+            c.complete(Err(Error::Aborted { reason: "the link closed before the send was issued".into() }));
+        }
+    }
+}
+
+/// Waits for a blocking send handed to a progress thread. On the deadline it aborts the link
+/// (`abort`), which makes the backend cancel the send, and waits (up to `grace` more) for the
+/// backend to let go of the caller's bytes before reporting the timeout.
+pub fn wait_blocking_send(h: SendHandle, deadline: Instant, grace: std::time::Duration, abort: impl FnOnce()) -> Result<()> {
+    match h.clone().wait(deadline) {
+        Ok(_) => Ok(()),
+        Err(e @ Error::Timeout { .. }) => {
+            abort();
+            let _ = h.wait(Instant::now() + grace);
+            Err(e)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// A posted receive. Dropping it without waiting discards the matching message when it comes.
 #[derive(Debug)]
 pub struct RecvHandle {

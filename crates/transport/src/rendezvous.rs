@@ -354,6 +354,43 @@ fn serve(listener: TcpListener, creds: Credentials, size: usize, timeout: Durati
     }
 }
 
+/// Runs an `n`-rank job inside this process: one thread per rank calls `join` with its
+/// [`JobEnv`] (a loopback rendezvous on a free port, job id `local-<what>-<port>`). Returns
+/// the results in rank order, or the first rank's error. Backends build their `local_world`
+/// (tests, benchmarks, single-host tools) on it.
+pub fn local_job<T, F>(n: usize, what: &str, join: F) -> Result<Vec<T>>
+where
+    T: Send + 'static,
+    F: Fn(JobEnv) -> Result<T> + Send + Sync + 'static,
+{
+    let port = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
+        .and_then(|l| l.local_addr())
+        .map_err(|e| Error::Config(format!("no free loopback port for the rendezvous: {e}")))?
+        .port();
+    let join = std::sync::Arc::new(join);
+    let hs: Vec<_> = (0..n)
+        .map(|rank| {
+            let (join, what) = (join.clone(), what.to_string());
+            std::thread::spawn(move || {
+                join(JobEnv {
+                    rank,
+                    world_size: n,
+                    local_rank: rank,
+                    master: (std::net::Ipv4Addr::LOCALHOST, port).into(),
+                    job_id: format!("local-{what}-{port}"),
+                    secret: b"local".to_vec(),
+                    source: EnvSource::Ironweave,
+                })
+            })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    for (rank, h) in hs.into_iter().enumerate() {
+        out.push(h.join().map_err(|_| Error::Config(format!("rank {rank}'s thread panicked while joining the local job")))??);
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -275,19 +275,32 @@ pub fn run_world(comms: Vec<Communicator>, case: Case) {
 
 /// Expands to the conformance tests for a backend. `$make` is an expression of type
 /// `fn(usize) -> Vec<Communicator>` building an n-rank world (one communicator per rank).
+///
+/// With `skip_if = f` (`f: fn(usize) -> Option<String>`, given the world size), every test
+/// first asks `f`; a reason means the hardware is missing: the test prints `SKIPPED ...: reason` straight to stderr (so it
+/// shows even when libtest captures output) and passes.
 #[macro_export]
 macro_rules! conformance_suite {
     ($make:expr) => {
-        $crate::conformance_suite!(@cases $make;
+        $crate::conformance_suite!($make, skip_if = |_| None);
+    };
+    ($make:expr, skip_if = $skip:expr) => {
+        $crate::conformance_suite!(@cases $make; $skip;
             all_reduce AllReduce, broadcast Broadcast, all_gather AllGather, reduce_scatter ReduceScatter,
             all_to_all AllToAll, all_to_all_v AllToAllV, barrier Barrier, split Split);
     };
-    (@cases $make:expr; $($name:ident $case:ident),*) => {
+    (@cases $make:expr; $skip:expr; $($name:ident $case:ident),*) => {
         $(
             mod $name {
                 #[allow(unused_imports)]
                 use super::*;
                 fn go(n: usize) {
+                    let skip: fn(usize) -> Option<String> = $skip;
+                    if let Some(reason) = skip(n) {
+                        use std::io::Write as _;
+                        let _ = writeln!(std::io::stderr(), "SKIPPED {}::world_{n}: {reason}", module_path!());
+                        return;
+                    }
                     let make: fn(usize) -> Vec<$crate::Communicator> = $make;
                     $crate::testing::run_world(make(n), $crate::testing::Case::$case);
                 }
