@@ -52,10 +52,17 @@ fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
-#[test]
-fn peer_killed_mid_collective_fails_every_survivor_with_peer_lost() {
+/// Starts three `selftest loop` ranks, kills rank 1 with SIGKILL once rank 0 reports progress,
+/// and returns the survivors' outputs.
+fn kill_rank_1_mid_collective(configure: impl Fn(&mut Command)) -> Vec<(usize, Output)> {
     let port = free_port();
-    let mut kids: Vec<Child> = (0..3).map(|r| rank_cmd(r, 3, port, "loop").spawn().unwrap()).collect();
+    let mut kids: Vec<Child> = (0..3)
+        .map(|r| {
+            let mut c = rank_cmd(r, 3, port, "loop");
+            configure(&mut c);
+            c.spawn().unwrap()
+        })
+        .collect();
     // Watch rank 0's progress; kill rank 1 once the collectives are running.
     let (tx, rx) = mpsc::channel();
     let out0 = kids[0].stdout.take().unwrap();
@@ -76,11 +83,45 @@ fn peer_killed_mid_collective_fails_every_survivor_with_peer_lost() {
     }
     kids[1].kill().unwrap(); // SIGKILL
     let _ = kids[1].wait();
-    for (r, k) in kids.into_iter().enumerate().filter(|(r, _)| *r != 1) {
-        let o = finish(k, &format!("survivor rank {r}"));
+    kids.into_iter().enumerate().filter(|(r, _)| *r != 1).map(|(r, k)| (r, finish(k, &format!("survivor rank {r}")))).collect()
+}
+
+#[test]
+fn peer_killed_mid_collective_fails_every_survivor_with_peer_lost() {
+    for (r, o) in kill_rank_1_mid_collective(|_| {}) {
         let t = text(&o);
         assert_eq!(o.status.code(), Some(3), "rank {r} should fail with a typed error:\n{t}");
         assert!(t.contains("PeerLost { rank: 1"), "rank {r} should name the lost rank:\n{t}");
+    }
+}
+
+#[test]
+fn ucx_tcp_link_reports_a_killed_peer_as_lost() {
+    let outs = kill_rank_1_mid_collective(|c| {
+        c.args(["--backend", "ucx"]).env("IRONWEAVE_UCX_LINKS", "tcp").env("IRONWEAVE_UCX_LINGER_S", "1");
+    });
+    for (r, o) in outs {
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(3), "rank {r} should fail with a typed error:\n{t}");
+        // UCX's TCP transport detects the closed connection: the survivors name the dead rank
+        // (or, for the one that learns it second hand, the rank that aborted after it).
+        assert!(t.contains("PeerLost { rank: 1") || t.contains("PeerAborted"), "rank {r}:\n{t}");
+    }
+}
+
+#[test]
+fn ucx_shared_memory_link_turns_a_killed_peer_into_a_deadline_not_a_hang() {
+    // UCX 1.13's shared-memory transports cannot report a dead peer: the deadline must.
+    let outs = kill_rank_1_mid_collective(|c| {
+        c.args(["--backend", "ucx"])
+            .env("IRONWEAVE_UCX_LINKS", "shm")
+            .env("IRONWEAVE_UCX_LINGER_S", "1")
+            .env("IRONWEAVE_TIMEOUT_S", "5");
+    });
+    for (r, o) in outs {
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(3), "rank {r} should fail with a typed error:\n{t}");
+        assert!(t.contains("Timeout") || t.contains("PeerAborted") || t.contains("PeerLost"), "rank {r}:\n{t}");
     }
 }
 

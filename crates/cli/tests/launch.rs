@@ -89,9 +89,51 @@ fn bench_collectives_writes_verified_json() {
 }
 
 #[test]
-fn disabled_backends_say_which_feature_is_missing() {
-    let o = Command::new(BIN).args(["bench", "collectives", "--backend", "ucx"]).output().unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success());
-    assert!(err.contains("--features ucx"), "{err}");
+fn disabled_backends_say_which_feature_is_missing_and_doctor_agrees() {
+    let o = Command::new(BIN).args(["doctor", "--json"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let reports: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).unwrap();
+    let names: Vec<&str> = reports.iter().filter_map(|r| r["backend"].as_str()).collect();
+    assert_eq!(names, ["tcp", "ucx", "verbs", "nccl"]);
+    for (name, compiled) in [("ucx", cfg!(feature = "ucx")), ("verbs", cfg!(feature = "verbs")), ("nccl", cfg!(feature = "nccl"))] {
+        let r = reports.iter().find(|r| r["backend"] == name).unwrap();
+        assert_eq!(r["compiled"], serde_json::json!(compiled), "{r}");
+        assert!(!r["detail"].as_str().unwrap_or("").is_empty(), "doctor must say why or what: {r}");
+        let o = Command::new(BIN)
+            .args(["bench", "collectives", "--ranks", "2", "--backend", name, "--ops", "allreduce", "--sizes", "4K"])
+            .env("IRONWEAVE_TIMEOUT_S", "30")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        if !compiled {
+            assert!(!o.status.success());
+            assert!(err.contains(&format!("--features {name}")), "{err}");
+        } else if r["usable"] == serde_json::json!(false) {
+            // Compiled in but no hardware here: a clean error naming the reason, no panic.
+            assert!(!o.status.success(), "{name} ran without being usable?");
+            assert!(!err.contains("panicked"), "{err}");
+            let why = r["detail"].as_str().unwrap();
+            assert!(err.contains(&why[..why.len().min(30)]), "the job should fail with doctor's reason {why:?}:\n{err}");
+        }
+    }
+    // The TCP backend always lists at least the loopback interface.
+    let tcp = &reports[0];
+    assert!(tcp["links"].as_array().unwrap().iter().any(|l| l["name"] == "tcp:lo"), "{tcp}");
+}
+
+#[cfg(feature = "ucx")]
+#[test]
+fn bench_collectives_over_ucx_verifies_every_row() {
+    let json = std::env::temp_dir().join(format!("iw-ucx-bench-{}.json", std::process::id()));
+    let o = Command::new(BIN)
+        .args(["bench", "collectives", "--ranks", "2", "--backend", "ucx", "--ops", "allreduce,alltoall,stream,pingpong"])
+        .args(["--sizes", "1M,16M", "--min-time", "0.05", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(rows.len(), 8);
+    assert!(rows.iter().all(|r| r["verified"] == serde_json::json!(true) && r["backend"] == "ucx"), "{rows:?}");
+    let _ = std::fs::remove_file(&json);
 }
