@@ -144,7 +144,20 @@ pub fn init_from_env() -> Result<Communicator> {
 
 /// Joins the job: rendezvous, one UCX link per spec, the world communicator.
 pub fn connect(env: &JobEnv, cfg: &UcxConfig, opts: CommOptions) -> Result<Communicator> {
-    Communicator::new(join(env, cfg)?.into_iter().map(|l| l as Arc<dyn Link>).collect(), opts)
+    Communicator::new(join(env, cfg)?.into_iter().map(|l| l as Arc<dyn Link>).collect(), with_ucx_segments(opts))
+}
+
+/// Segment size of collectives over UCX unless the caller chose one (`IRONWEAVE_SEGMENT_BYTES`
+/// or a non-default [`CommOptions::segment_bytes`]): every UCX message costs a few thread
+/// hand-offs and a rendezvous handshake (tens of microseconds), so fewer, larger messages win
+/// (measured in docs/BENCHMARKS.md); the TCP backend's 1 MiB favours pipelining instead.
+pub const SEGMENT_BYTES: usize = 8 << 20;
+
+fn with_ucx_segments(mut opts: CommOptions) -> CommOptions {
+    if std::env::var_os("IRONWEAVE_SEGMENT_BYTES").is_none() && opts.segment_bytes == CommOptions::default().segment_bytes {
+        opts.segment_bytes = SEGMENT_BYTES;
+    }
+    opts
 }
 
 /// Joins the job and returns its links (rendezvous opened and closed here).

@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ironweave_transport::{
-    wait_blocking_send, Error, Link, LinkInfo, Mailbox, PendingSend, RecvHandle, Result, SendHandle, SeqTable, Tag,
+    wait_blocking_send, Error, Link, LinkInfo, Mailbox, PendingSend, RecvHandle, Result, SendHandle, SeqTable, Tag, PROGRESS_SPIN,
 };
 use ironweave_ucx_sys as sys;
 
@@ -59,11 +59,19 @@ struct SendOp {
     send: PendingSend,
 }
 
-enum Cmd {
-    Send { id: u32, op: Box<SendOp> },
-    Abort(String),
-    Close,
+/// The engine behind the shared lock.
+struct Core(Engine);
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Core")
+    }
 }
+
+// SAFETY: the worker runs in UCS_THREAD_MODE_SERIALIZED, and every use of the engine (UCX calls
+// and the callbacks they run, which touch the `CbState`) happens under `Shared::core`'s mutex,
+// so no two threads ever touch it at once; the `Rc`s inside are never cloned out of it.
+unsafe impl Send for Core {}
 
 /// State shared by the API side and the progress thread.
 #[derive(Debug)]
@@ -73,7 +81,10 @@ struct Shared {
     info: LinkInfo,
     mailbox: Arc<Mailbox>,
     seq: SeqTable,
-    cmds: Mutex<Option<mpsc::Sender<Cmd>>>,
+    /// The engine, once wired; `None` after the link closed. Any thread may drive it.
+    core: Mutex<Option<Core>>,
+    /// Set by `UcxLink::drop`: the progress thread says goodbye and closes.
+    closing: std::sync::atomic::AtomicBool,
     /// Cleared (under the lock) by the progress thread before it destroys the worker.
     signal: Mutex<Option<Signal>>,
     /// Rendezvous messages waiting for their receive (the post hook wakes the thread then).
@@ -89,13 +100,26 @@ impl Shared {
         }
     }
 
-    fn submit(&self, cmd: Cmd) -> Result<()> {
-        let sent = lock(&self.cmds).as_ref().is_some_and(|tx| tx.send(cmd).is_ok());
-        if !sent {
-            return Err(self.mailbox.failure().unwrap_or(Error::Aborted { reason: "the UCX link is closed".into() }));
+    /// Runs `f` on the engine (waiting for the lock); an error when the link is closed.
+    fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> Result<R> {
+        match lock(&self.core).as_mut() {
+            Some(c) => Ok(f(&mut c.0)),
+            None => Err(self.mailbox.failure().unwrap_or(Error::Aborted { reason: "the UCX link is closed".into() })),
         }
-        self.wake();
-        Ok(())
+    }
+
+    /// One round of progress from a waiting thread, unless another thread is driving the
+    /// engine right now. Returns whether anything happened.
+    fn progress_once(&self) -> bool {
+        match self.core.try_lock() {
+            Ok(mut g) => g.as_mut().is_some_and(|c| c.0.progress()),
+            Err(_) => false,
+        }
+    }
+
+    fn issue(&self, op: Box<SendOp>) -> Result<()> {
+        // Without an engine the op is dropped here, which fails the caller's handle.
+        self.with_engine(|e| e.issue_send(AM_DATA, op))
     }
 }
 
@@ -150,10 +174,13 @@ impl UcxLink {
             info,
             mailbox: Arc::new(Mailbox::new(rank, size, 1, usize::MAX)),
             seq: SeqTable::default(),
-            cmds: Mutex::new(None),
+            core: Mutex::new(None),
+            closing: std::sync::atomic::AtomicBool::new(false),
             signal: Mutex::new(None),
             held: std::sync::atomic::AtomicUsize::new(0),
         });
+        let weak = Arc::downgrade(&shared);
+        shared.mailbox.set_progress(Box::new(move || weak.upgrade().is_some_and(|sh| sh.progress_once())));
         let weak = Arc::downgrade(&shared);
         shared.mailbox.set_on_post(Box::new(move || {
             if let Some(sh) = weak.upgrade() {
@@ -162,15 +189,13 @@ impl UcxLink {
                 }
             }
         }));
-        let (cmd_tx, cmd_rx) = mpsc::channel();
-        *lock(&shared.cmds) = Some(cmd_tx);
         let (addr_tx, addr_rx) = mpsc::sync_channel(1);
         let (peers_tx, peers_rx) = mpsc::sync_channel::<Vec<Vec<u8>>>(1);
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let (sh, tls, linger) = (shared.clone(), spec.tls.clone(), tuning.linger);
         let thread = std::thread::Builder::new()
             .name(format!("iw-ucx-{}-{rank}", spec.name))
-            .spawn(move || progress_thread(sh, tls, tuning, cmd_rx, addr_tx, peers_rx, ready_tx))
+            .spawn(move || progress_thread(sh, tls, tuning, addr_tx, peers_rx, ready_tx))
             .map_err(|e| Error::io("spawn the UCX progress thread", &e))?;
         let link = UcxLink { shared, thread: Mutex::new(Some(thread)), linger };
         let addr = addr_rx
@@ -217,7 +242,16 @@ impl Link for UcxLink {
         }
         // SAFETY: we block below until the send completes or the link let go of `data`.
         let (send, h) = unsafe { PendingSend::borrowed(data) };
-        sh.submit(Cmd::Send { id: AM_DATA, op: Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send }) })?;
+        sh.issue(Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send }))?;
+        // Drive the engine while the send is in flight (MPI-style), then sleep on the handle.
+        let mut last = Instant::now();
+        while !h.is_done() && last.elapsed() < PROGRESS_SPIN && Instant::now() < deadline {
+            if sh.progress_once() {
+                last = Instant::now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
         wait_blocking_send(h, deadline, self.linger + Duration::from_secs(10), || {
             // UCX may still read `data`: cancel everything first.
             self.abort(&format!("a send to rank {peer} timed out"));
@@ -233,7 +267,7 @@ impl Link for UcxLink {
             return Ok(SendHandle::ready(Ok(data)));
         }
         let (send, h) = PendingSend::owned(data);
-        sh.submit(Cmd::Send { id: AM_DATA, op: Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send }) })?;
+        sh.issue(Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send }))?;
         Ok(h)
     }
 
@@ -249,8 +283,8 @@ impl Link for UcxLink {
     }
 
     fn abort(&self, reason: &str) {
-        let _ = self.shared.submit(Cmd::Abort(reason.to_string()));
         self.shared.mailbox.fail(Error::Aborted { reason: reason.to_string() });
+        let _ = self.shared.with_engine(|e| e.abort(reason));
     }
 }
 
@@ -279,7 +313,8 @@ impl UcxLink {
 
 impl Drop for UcxLink {
     fn drop(&mut self) {
-        let _ = self.shared.submit(Cmd::Close);
+        self.shared.closing.store(true, std::sync::atomic::Ordering::Release);
+        self.shared.wake();
         // The thread says goodbye, waits (bounded by the linger) for the peers', closes.
         let until = Instant::now() + self.linger + Duration::from_secs(15);
         if let Some(t) = lock(&self.thread).take() {
@@ -637,7 +672,6 @@ fn progress_thread(
     shared: Arc<Shared>,
     tls: Option<String>,
     tuning: Tuning,
-    cmds: mpsc::Receiver<Cmd>,
     addr_tx: mpsc::SyncSender<Result<Vec<u8>>>,
     peers_rx: mpsc::Receiver<Vec<Vec<u8>>>,
     ready_tx: mpsc::SyncSender<Result<()>>,
@@ -732,53 +766,43 @@ fn progress_thread(
         }
     }
     let ok = wired.is_ok();
+    let efd = eng.worker.efd();
+    *lock(&shared.core) = Some(Core(eng));
     let _ = ready_tx.send(wired);
     if ok {
-        run(&mut eng, &cmds, &tuning);
+        run(&shared, efd, &tuning);
     }
-    eng.close_all(eng.cb.failed.get() || !ok);
+    let taken = lock(&shared.core).take();
     *lock(&shared.signal) = None;
-    drop(lock(&shared.cmds).take());
-    // Sends still queued complete with an error (SendOp's Drop).
-    while cmds.try_recv().is_ok() {}
     shared.mailbox.fail(Error::Aborted { reason: "link closed".into() });
-    let Engine { worker, cb, .. } = eng;
-    drop(worker);
-    drop(cb);
+    if let Some(Core(mut eng)) = taken {
+        eng.close_all(eng.cb.failed.get() || !ok);
+        let Engine { worker, cb, .. } = eng;
+        drop(worker);
+        drop(cb);
+    }
 }
 
-fn run(eng: &mut Engine, cmds: &mpsc::Receiver<Cmd>, tuning: &Tuning) {
+/// The progress thread's loop: drives the engine whenever no waiting caller does, sleeps on
+/// the worker's event descriptor when idle, and on close says goodbye and waits (bounded by the
+/// linger) for every peer's goodbye.
+fn run(shared: &Shared, efd: i32, tuning: &Tuning) {
     let mut last_busy = Instant::now();
     let mut closing: Option<Instant> = None;
     loop {
-        let mut busy = false;
-        loop {
-            match cmds.try_recv() {
-                Ok(Cmd::Send { id, op }) => {
-                    eng.issue_send(id, op);
-                    busy = true;
-                }
-                Ok(Cmd::Abort(reason)) => {
-                    eng.abort(&reason);
-                    busy = true;
-                }
-                Ok(Cmd::Close) | Err(mpsc::TryRecvError::Disconnected) => {
-                    if closing.is_none() {
-                        closing = Some(Instant::now() + tuning.linger);
-                        if !eng.cb.failed.get() {
-                            for peer in 0..eng.eps.len() {
-                                if eng.eps[peer].is_some() {
-                                    eng.control(AM_BYE, peer, Vec::new());
-                                }
-                            }
-                        }
+        let mut g = lock(&shared.core);
+        let Some(Core(eng)) = g.as_mut() else { return };
+        if closing.is_none() && shared.closing.load(std::sync::atomic::Ordering::Acquire) {
+            closing = Some(Instant::now() + tuning.linger);
+            if !eng.cb.failed.get() {
+                for peer in 0..eng.eps.len() {
+                    if eng.eps[peer].is_some() {
+                        eng.control(AM_BYE, peer, Vec::new());
                     }
-                    break;
                 }
-                Err(mpsc::TryRecvError::Empty) => break,
             }
         }
-        busy |= eng.progress();
+        let busy = eng.progress();
         if let Some(until) = closing {
             let everyone_left = {
                 let byes = eng.cb.byes.borrow();
@@ -791,13 +815,25 @@ fn run(eng: &mut Engine, cmds: &mpsc::Receiver<Cmd>, tuning: &Tuning) {
         let now = Instant::now();
         if busy {
             last_busy = now;
-        } else if let Some(first) = eng.cb.rndv.borrow().iter().map(|r| r.since).min() {
+            continue;
+        }
+        let held_since = eng.cb.rndv.borrow().iter().map(|r| r.since).min();
+        let until = match held_since {
             // Rendezvous messages wait for their receive: posting one wakes us (the mailbox's
             // post hook), else the grace period ends.
-            eng.worker.wait((first + RNDV_GRACE).min(now + Duration::from_millis(100)));
-        } else if now.duration_since(last_busy) >= tuning.spin {
-            // Sleep until UCX has events or a command arrives (bounded, to notice a close).
-            eng.worker.wait(now + Duration::from_millis(if closing.is_some() { 1 } else { 100 }));
+            Some(first) => (first + RNDV_GRACE).min(now + Duration::from_millis(100)),
+            None if now.duration_since(last_busy) >= tuning.spin => {
+                now + Duration::from_millis(if closing.is_some() { 1 } else { 100 })
+            }
+            None => continue,
+        };
+        // Arm under the lock, sleep without it (waiting callers may drive the engine meanwhile).
+        let armed = eng.worker.arm();
+        drop(g);
+        if armed {
+            crate::ucp::wait_fd(efd, until);
+        } else {
+            std::thread::yield_now();
         }
     }
 }

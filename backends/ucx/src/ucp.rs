@@ -137,7 +137,8 @@ impl Drop for MemRegion {
     }
 }
 
-/// A UCP worker in single-thread mode, with its wake-up descriptor.
+/// A UCP worker in serialized mode (callers guarantee one thread at a time), with its wake-up
+/// descriptor.
 #[derive(Debug)]
 pub struct Worker {
     ctx: Rc<Context>,
@@ -168,7 +169,8 @@ impl Worker {
     pub fn new(ctx: &Rc<Context>) -> Result<Worker> {
         let params = sys::ucp_worker_params_t {
             field_mask: u64::from(sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE),
-            thread_mode: sys::UCS_THREAD_MODE_SINGLE,
+            // Serialized: any thread may drive the worker, one at a time (the link's lock).
+            thread_mode: sys::UCS_THREAD_MODE_SERIALIZED,
             ..Default::default()
         };
         let mut h: sys::ucp_worker_h = std::ptr::null_mut();
@@ -274,23 +276,16 @@ impl Worker {
         Signal { lib: self.lib(), h: self.h as usize }
     }
 
-    /// Sleeps until the worker has events, a [`Signal`] arrives, or `until`. Returns at once
-    /// when events are already pending.
-    pub fn wait(&self, until: Instant) {
-        // SAFETY: live worker on its own thread.
-        let st = unsafe { self.lib().ucp_worker_arm(self.h) };
-        if st == sys::UCS_ERR_BUSY {
-            return;
-        }
-        let ms = until.saturating_duration_since(Instant::now()).as_millis().min(1000) as i32;
-        let mut pfd = libc::pollfd { fd: self.efd, events: libc::POLLIN, revents: 0 };
-        if st == sys::UCS_OK {
-            // SAFETY: one valid pollfd; the fd belongs to the live worker.
-            unsafe { libc::poll(&mut pfd, 1, ms) };
-        } else {
-            // Arming failed: fall back to a short sleep rather than spinning.
-            std::thread::sleep(std::time::Duration::from_micros(50));
-        }
+    /// Arms the wake-up descriptor; `false` when events are already pending (progress again
+    /// instead of sleeping).
+    pub fn arm(&self) -> bool {
+        // SAFETY: live worker, serialized by the caller.
+        unsafe { self.lib().ucp_worker_arm(self.h) == sys::UCS_OK }
+    }
+
+    /// The wake-up descriptor (valid while the worker lives).
+    pub fn efd(&self) -> i32 {
+        self.efd
     }
 
     /// Runs `progress` until `req` completes or `until` passes; frees the request.
@@ -362,6 +357,14 @@ impl Endpoint {
     pub fn raw(&self) -> sys::ucp_ep_h {
         self.h
     }
+}
+
+/// Sleeps until `fd` (an armed worker's wake-up descriptor) is readable or `until` (at most 1 s).
+pub fn wait_fd(fd: i32, until: Instant) {
+    let ms = until.saturating_duration_since(Instant::now()).as_millis().min(1000) as i32;
+    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd; the caller keeps the worker (and so the fd) alive.
+    unsafe { libc::poll(&mut pfd, 1, ms) };
 }
 
 /// Which preset a link uses and which transports that means.

@@ -95,7 +95,8 @@ fn disabled_backends_say_which_feature_is_missing_and_doctor_agrees() {
     let reports: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).unwrap();
     let names: Vec<&str> = reports.iter().filter_map(|r| r["backend"].as_str()).collect();
     assert_eq!(names, ["tcp", "ucx", "verbs", "nccl"]);
-    for (name, compiled) in [("ucx", cfg!(feature = "ucx")), ("verbs", cfg!(feature = "verbs")), ("nccl", cfg!(feature = "nccl"))] {
+    for (name, compiled) in [("ucx", cfg!(feature = "ucx")), ("verbs", cfg!(feature = "verbs")), ("nccl", cfg!(feature = "nccl"))]
+    {
         let r = reports.iter().find(|r| r["backend"] == name).unwrap();
         assert_eq!(r["compiled"], serde_json::json!(compiled), "{r}");
         assert!(!r["detail"].as_str().unwrap_or("").is_empty(), "doctor must say why or what: {r}");

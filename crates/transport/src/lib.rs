@@ -51,5 +51,5 @@ pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use link::{
     wait_blocking_send, Buf, BufMut, DeviceSlice, Link, LinkInfo, Mailbox, MemKind, NativeCollectives, PendingSend, RecvBuf,
-    RecvHandle, SendCompleter, SendHandle, SeqTable, SpeedSource, Tag,
+    RecvHandle, SendCompleter, SendHandle, SeqTable, SpeedSource, Tag, PROGRESS_SPIN,
 };

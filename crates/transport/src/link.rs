@@ -575,6 +575,7 @@ pub struct Mailbox {
     cv: Condvar,
     space: Condvar,
     on_post: std::sync::OnceLock<PostHook>,
+    progress: std::sync::OnceLock<ProgressHook>,
 }
 
 /// Called after every receive is posted (see [`Mailbox::set_on_post`]).
@@ -586,12 +587,34 @@ impl std::fmt::Debug for PostHook {
     }
 }
 
+/// Drives the backend from a waiting thread (see [`Mailbox::set_progress`]).
+struct ProgressHook(Box<dyn Fn() -> bool + Send + Sync>);
+
+impl std::fmt::Debug for ProgressHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProgressHook")
+    }
+}
+
+/// How long a waiter keeps driving a backend's progress hook without anything happening
+/// before it sleeps on the condition variable (the backend's own thread then delivers).
+pub const PROGRESS_SPIN: std::time::Duration = std::time::Duration::from_micros(200);
+
 impl Mailbox {
     /// Installs `f`, called (without the mailbox lock) after each receive is posted: a
     /// backend whose progress thread holds rendezvous messages until their receive is posted
     /// uses it to wake that thread. Only the first hook installed is kept.
     pub fn set_on_post(&self, f: Box<dyn Fn() + Send + Sync>) {
         let _ = self.on_post.set(PostHook(f));
+    }
+
+    /// Installs `f`, which a waiting receiver calls (without the mailbox lock) to drive the
+    /// backend itself instead of sleeping until a progress thread delivers: MPI-style progress
+    /// in the waiting thread saves the thread hand-offs on every message. `f` returns whether
+    /// anything happened; after [`PROGRESS_SPIN`] without progress the waiter sleeps. Only the
+    /// first hook installed is kept.
+    pub fn set_progress(&self, f: Box<dyn Fn() -> bool + Send + Sync>) {
+        let _ = self.progress.set(ProgressHook(f));
     }
 
     fn posted_hook(&self) {
@@ -613,6 +636,7 @@ impl Mailbox {
             cv: Condvar::new(),
             space: Condvar::new(),
             on_post: std::sync::OnceLock::new(),
+            progress: std::sync::OnceLock::new(),
         }
     }
 
@@ -793,6 +817,7 @@ impl Mailbox {
 
     fn wait(&self, src: usize, tag: Tag, seq: u64, deadline: Instant) -> Result<RecvBuf> {
         let start = Instant::now();
+        let mut last_progress = start;
         let mut st = lock(&self.state);
         loop {
             if let Some(q) = st.queues.get_mut(&(src, tag)) {
@@ -818,6 +843,16 @@ impl Mailbox {
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::Timeout { what: format!("receive from rank {src}"), after: now - start });
+            }
+            if let Some(p) = self.progress.get().filter(|_| now.duration_since(last_progress) < PROGRESS_SPIN) {
+                drop(st);
+                if (p.0)() {
+                    last_progress = Instant::now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                st = lock(&self.state);
+                continue;
             }
             st = self.cv.wait_timeout(st, deadline - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
         }
