@@ -244,8 +244,11 @@ impl Link for UcxLink {
         let (send, h) = unsafe { PendingSend::borrowed(data) };
         sh.issue(Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send }))?;
         // Drive the engine while the send is in flight (MPI-style), then sleep on the handle.
+        // A rendezvous send completes only once the peer has pulled the data, during which
+        // nothing happens here: keep polling about as long as the copy takes (4 GB/s).
+        let budget = PROGRESS_SPIN + Duration::from_nanos(data.len() as u64 / 4);
         let mut last = Instant::now();
-        while !h.is_done() && last.elapsed() < PROGRESS_SPIN && Instant::now() < deadline {
+        while !h.is_done() && last.elapsed() < budget && Instant::now() < deadline {
             if sh.progress_once() {
                 last = Instant::now();
             } else {
