@@ -11,7 +11,8 @@
 //! through the job's rendezvous (the same one the TCP backend uses).
 //!
 //! Environment: `IRONWEAVE_UCX_LINKS` (comma-separated `shm`, `tcp`, `default` or
-//! `name:tl+tl`; default `shm,tcp` when every rank runs on one host, else `tcp`),
+//! `name:tl+tl`; default `shm,tcp` when every rank runs on one host — same host name and
+//! network namespace — else `tcp`),
 //! `IRONWEAVE_UCX_SPIN_US` (busy-poll time after activity before sleeping, default 50),
 //! `IRONWEAVE_UCX_LINGER_S`, `IRONWEAVE_TIMEOUT_S`.
 
@@ -169,14 +170,20 @@ pub fn join(env: &JobEnv, cfg: &UcxConfig) -> Result<Vec<Arc<UcxLink>>> {
     Ok(links)
 }
 
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()
+/// What identifies "the same host" for shared memory: the host name plus the network
+/// namespace (ranks of the emulated cluster share a kernel and a host name but stand for
+/// different hosts, one namespace each; shared memory between them would bypass the emulated
+/// links).
+fn host_key() -> String {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default();
+    let netns = std::fs::read_link("/proc/self/ns/net").map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+    format!("{name}/{netns}")
 }
 
 /// Opens every link of `cfg` to every peer, exchanging worker addresses through `rv`.
 pub fn connect_links(env: &JobEnv, rv: &mut Rendezvous, cfg: &UcxConfig) -> Result<Vec<Arc<UcxLink>>> {
     let specs = if cfg.links.is_empty() {
-        let hosts = rv.all_gather("ucx-hosts", hostname().as_bytes())?;
+        let hosts = rv.all_gather("ucx-hosts", host_key().as_bytes())?;
         let one_host = hosts.iter().all(|h| h == &hosts[0]);
         parse_links(if one_host { "shm,tcp" } else { "tcp" })?
     } else {
