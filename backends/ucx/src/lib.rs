@@ -189,7 +189,7 @@ pub fn connect_links(env: &JobEnv, rv: &mut Rendezvous, cfg: &UcxConfig) -> Resu
     } else {
         cfg.links.clone()
     };
-    let tuning = link::Tuning { spin: cfg.spin, linger: cfg.linger, timeout: cfg.timeout };
+    let tuning = link::Tuning { spin: cfg.spin, linger: cfg.linger };
     let mut out = Vec::new();
     for spec in &specs {
         let (l, addr, wiring) = UcxLink::start(spec, env.rank, env.world_size, tuning.clone())?;

@@ -48,7 +48,6 @@ pub struct UcxLinkSpec {
 pub(crate) struct Tuning {
     pub spin: Duration,
     pub linger: Duration,
-    pub timeout: Duration,
 }
 
 /// A send handed to the progress thread: the active-message header and the bytes.
@@ -157,7 +156,7 @@ fn parse_header(h: &[u8], size: usize) -> Result<(usize, Tag, u64)> {
 
 impl UcxLink {
     /// Starts the progress thread for `spec`: returns the half-built link and this worker's
-    /// address; [`UcxLink::wire`] finishes it with every rank's address.
+    /// address; [`Wiring::finish`] completes it with every rank's address.
     pub(crate) fn start(spec: &UcxLinkSpec, rank: usize, size: usize, tuning: Tuning) -> Result<(UcxLink, Vec<u8>, Wiring)> {
         let info = LinkInfo {
             name: format!("ucx:{}", spec.name),
@@ -657,10 +656,10 @@ impl Engine {
                 self.control(AM_ABORT, peer, reason.as_bytes().to_vec());
             }
         }
-        let until = Instant::now() + Duration::from_millis(200);
-        while Instant::now() < until && self.progress() {}
         self.cb.fail(Error::Aborted { reason: reason.to_string() });
-        self.close_all(true);
+        // Close with a flush (bounded, then by force): a forced close resets the connection,
+        // and a peer could see the reset before the abort message and report PeerLost.
+        self.close_all(false);
     }
 
     fn close_all(&mut self, force: bool) {
