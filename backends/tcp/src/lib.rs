@@ -418,13 +418,7 @@ impl TcpLink {
     }
 
     fn peer(&self, p: usize) -> Result<Option<&Peer>> {
-        let size = self.shared.peers.len();
-        if p >= size {
-            return Err(Error::RankOutOfRange { rank: p, size });
-        }
-        if let Some(e) = self.shared.mailbox.failure() {
-            return Err(e);
-        }
+        self.shared.mailbox.check_peer(p)?;
         Ok(self.shared.peers[p].as_ref())
     }
 }
@@ -623,9 +617,7 @@ impl Shared {
     }
 
     fn send_self(&self, tag: Tag, seq: u64, data: Vec<u8>) -> Result<()> {
-        let len = data.len();
-        self.mailbox.reserve(len);
-        self.mailbox.deliver(self.rank, tag, seq, len, 0, data)
+        self.mailbox.deliver_whole(self.rank, tag, seq, data)
     }
 }
 

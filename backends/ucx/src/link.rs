@@ -16,7 +16,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ironweave_transport::{
-    wait_blocking_send, Error, Link, LinkInfo, Mailbox, PendingSend, RecvHandle, Result, SendHandle, SeqTable, Tag, PROGRESS_SPIN,
+    join_until, wait_blocking_send, Error, Link, LinkInfo, Mailbox, PendingSend, RecvHandle, Result, SendHandle, SeqTable, Tag,
+    PROGRESS_SPIN,
 };
 use ironweave_ucx_sys as sys;
 
@@ -234,7 +235,7 @@ impl Link for UcxLink {
 
     fn send(&self, peer: usize, tag: Tag, data: &[u8], deadline: Instant) -> Result<()> {
         let sh = &self.shared;
-        self.check(peer)?;
+        self.shared.mailbox.check_peer(peer)?;
         let seq = sh.seq.next(peer, tag);
         if peer == sh.rank {
             return self.loopback(tag, seq, data.to_vec());
@@ -262,7 +263,7 @@ impl Link for UcxLink {
 
     fn isend(&self, peer: usize, tag: Tag, data: Vec<u8>) -> Result<SendHandle> {
         let sh = &self.shared;
-        self.check(peer)?;
+        self.shared.mailbox.check_peer(peer)?;
         let seq = sh.seq.next(peer, tag);
         if peer == sh.rank {
             self.loopback(tag, seq, data.clone())?;
@@ -274,12 +275,12 @@ impl Link for UcxLink {
     }
 
     fn irecv(&self, peer: usize, tag: Tag) -> Result<RecvHandle> {
-        self.check_rank(peer)?;
+        self.shared.mailbox.check_rank(peer)?;
         Ok(self.shared.mailbox.post(peer, tag))
     }
 
     unsafe fn irecv_into(&self, peer: usize, tag: Tag, dst: *mut u8, len: usize) -> Result<RecvHandle> {
-        self.check_rank(peer)?;
+        self.shared.mailbox.check_rank(peer)?;
         // SAFETY: forwarded from the caller (Link::irecv_into's contract).
         Ok(unsafe { self.shared.mailbox.post_into(peer, tag, dst, len) })
     }
@@ -291,25 +292,8 @@ impl Link for UcxLink {
 }
 
 impl UcxLink {
-    fn check_rank(&self, peer: usize) -> Result<()> {
-        if peer >= self.shared.size {
-            return Err(Error::RankOutOfRange { rank: peer, size: self.shared.size });
-        }
-        Ok(())
-    }
-
-    fn check(&self, peer: usize) -> Result<()> {
-        self.check_rank(peer)?;
-        match self.shared.mailbox.failure() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    }
-
     fn loopback(&self, tag: Tag, seq: u64, data: Vec<u8>) -> Result<()> {
-        let mb = &self.shared.mailbox;
-        mb.reserve(data.len());
-        mb.deliver(self.shared.rank, tag, seq, data.len(), 0, data)
+        self.shared.mailbox.deliver_whole(self.shared.rank, tag, seq, data)
     }
 }
 
@@ -320,12 +304,7 @@ impl Drop for UcxLink {
         // The thread says goodbye, waits (bounded by the linger) for the peers', closes.
         let until = Instant::now() + self.linger + Duration::from_secs(15);
         if let Some(t) = lock(&self.thread).take() {
-            while !t.is_finished() && Instant::now() < until {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            if t.is_finished() {
-                let _ = t.join();
-            }
+            join_until(t, until);
         }
         self.shared.mailbox.fail(Error::Aborted { reason: "link closed".into() });
     }

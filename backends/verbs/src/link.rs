@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use ironweave_transport::rendezvous::{JobEnv, Rendezvous};
 use ironweave_transport::{
-    wait_blocking_send, Error, Link, LinkInfo, Mailbox, MemKind, PendingSend, RecvHandle, Result, SendHandle, SeqTable,
-    SpeedSource, Tag,
+    join_until, wait_blocking_send, Error, Link, LinkInfo, Mailbox, MemKind, PendingSend, RecvHandle, Result, SendHandle,
+    SeqTable, SpeedSource, Tag,
 };
 use rdma_sys as v;
 
@@ -240,17 +240,8 @@ impl VerbsLink {
         }
     }
 
-    fn check(&self, peer: usize) -> Result<()> {
-        if peer >= self.shared.size {
-            return Err(Error::RankOutOfRange { rank: peer, size: self.shared.size });
-        }
-        self.shared.mailbox.failure().map_or(Ok(()), Err)
-    }
-
     fn loopback(&self, tag: Tag, seq: u64, data: Vec<u8>) -> Result<()> {
-        let mb = &self.shared.mailbox;
-        mb.reserve(data.len());
-        mb.deliver(self.shared.rank, tag, seq, data.len(), 0, data)
+        self.shared.mailbox.deliver_whole(self.shared.rank, tag, seq, data)
     }
 }
 
@@ -268,7 +259,7 @@ impl Link for VerbsLink {
     }
 
     fn send(&self, peer: usize, tag: Tag, data: &[u8], deadline: Instant) -> Result<()> {
-        self.check(peer)?;
+        self.shared.mailbox.check_peer(peer)?;
         let seq = self.shared.seq.next(peer, tag);
         if peer == self.shared.rank {
             return self.loopback(tag, seq, data.to_vec());
@@ -282,7 +273,7 @@ impl Link for VerbsLink {
     }
 
     fn isend(&self, peer: usize, tag: Tag, data: Vec<u8>) -> Result<SendHandle> {
-        self.check(peer)?;
+        self.shared.mailbox.check_peer(peer)?;
         let seq = self.shared.seq.next(peer, tag);
         if peer == self.shared.rank {
             self.loopback(tag, seq, data.clone())?;
@@ -294,16 +285,12 @@ impl Link for VerbsLink {
     }
 
     fn irecv(&self, peer: usize, tag: Tag) -> Result<RecvHandle> {
-        if peer >= self.shared.size {
-            return Err(Error::RankOutOfRange { rank: peer, size: self.shared.size });
-        }
+        self.shared.mailbox.check_rank(peer)?;
         Ok(self.shared.mailbox.post(peer, tag))
     }
 
     unsafe fn irecv_into(&self, peer: usize, tag: Tag, dst: *mut u8, len: usize) -> Result<RecvHandle> {
-        if peer >= self.shared.size {
-            return Err(Error::RankOutOfRange { rank: peer, size: self.shared.size });
-        }
+        self.shared.mailbox.check_rank(peer)?;
         // SAFETY: forwarded from the caller (Link::irecv_into's contract).
         Ok(unsafe { self.shared.mailbox.post_into(peer, tag, dst, len) })
     }
@@ -319,12 +306,7 @@ impl Drop for VerbsLink {
         let _ = self.submit(Cmd::Close);
         let until = Instant::now() + self.linger + Duration::from_secs(15);
         if let Some(t) = lock(&self.thread).take() {
-            while !t.is_finished() && Instant::now() < until {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            if t.is_finished() {
-                let _ = t.join();
-            }
+            join_until(t, until);
         }
         self.shared.mailbox.fail(Error::Aborted { reason: "link closed".into() });
     }

@@ -36,13 +36,7 @@ pub fn world(n: usize) -> Vec<Arc<dyn Link>> {
 
 impl InProcLink {
     fn check_peer(&self, peer: usize) -> Result<()> {
-        if peer >= self.boxes.len() {
-            return Err(Error::RankOutOfRange { rank: peer, size: self.boxes.len() });
-        }
-        match self.boxes[self.rank].failure() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        self.boxes[self.rank].check_peer(peer)
     }
 }
 
@@ -59,17 +53,12 @@ impl Link for InProcLink {
     fn send(&self, peer: usize, tag: Tag, data: &[u8], _deadline: Instant) -> Result<()> {
         self.check_peer(peer)?;
         let seq = self.seqs.next(peer, tag);
-        let mb = &self.boxes[peer];
-        mb.reserve(data.len());
-        mb.deliver(self.rank, tag, seq, data.len(), 0, data.to_vec())
+        self.boxes[peer].deliver_whole(self.rank, tag, seq, data.to_vec())
     }
     fn isend(&self, peer: usize, tag: Tag, data: Vec<u8>) -> Result<SendHandle> {
         self.check_peer(peer)?;
         let seq = self.seqs.next(peer, tag);
-        let mb = &self.boxes[peer];
-        mb.reserve(data.len());
-        let len = data.len();
-        mb.deliver(self.rank, tag, seq, len, 0, data)?;
+        self.boxes[peer].deliver_whole(self.rank, tag, seq, data)?;
         // The buffer moved into the peer's mailbox; hand back an empty one.
         Ok(SendHandle::ready(Ok(Vec::new())))
     }

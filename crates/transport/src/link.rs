@@ -430,6 +430,17 @@ impl Drop for PendingSend {
     }
 }
 
+/// Joins a backend's thread if it finishes by `until` (polling; a thread stuck in a driver
+/// call is left behind rather than hanging the caller).
+pub fn join_until(t: std::thread::JoinHandle<()>, until: Instant) {
+    while !t.is_finished() && Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    if t.is_finished() {
+        let _ = t.join();
+    }
+}
+
 /// Waits for a blocking send handed to a progress thread. On the deadline it aborts the link
 /// (`abort`), which makes the backend cancel the send, and waits (up to `grace` more) for the
 /// backend to let go of the caller's bytes before reporting the timeout.
@@ -568,6 +579,7 @@ struct MbState {
 #[derive(Debug)]
 pub struct Mailbox {
     me: usize,
+    size: usize,
     pool: Arc<BufPool>,
     goodbyes_needed: usize,
     cap_bytes: usize,
@@ -629,6 +641,7 @@ impl Mailbox {
     pub fn new(me: usize, size: usize, goodbyes_needed: usize, cap_bytes: usize) -> Self {
         Mailbox {
             me,
+            size,
             pool: Arc::default(),
             goodbyes_needed: goodbyes_needed.max(1),
             cap_bytes,
@@ -638,6 +651,29 @@ impl Mailbox {
             on_post: std::sync::OnceLock::new(),
             progress: std::sync::OnceLock::new(),
         }
+    }
+
+    /// `RankOutOfRange` unless `peer` is a rank of this mailbox's world.
+    pub fn check_rank(&self, peer: usize) -> Result<()> {
+        if peer >= self.size {
+            return Err(Error::RankOutOfRange { rank: peer, size: self.size });
+        }
+        Ok(())
+    }
+
+    /// [`Mailbox::check_rank`], then the mailbox's failure if it failed: what a backend checks
+    /// before it starts a send.
+    pub fn check_peer(&self, peer: usize) -> Result<()> {
+        self.check_rank(peer)?;
+        self.failure().map_or(Ok(()), Err)
+    }
+
+    /// Delivers a whole message from `src` (reserving its bytes first): a send to oneself, or
+    /// a backend that moves messages in one piece.
+    pub fn deliver_whole(&self, src: usize, tag: Tag, seq: u64, data: Vec<u8>) -> Result<()> {
+        let len = data.len();
+        self.reserve(len);
+        self.deliver(src, tag, seq, len, 0, data)
     }
 
     /// Posts a receive from `src` on `tag`.
