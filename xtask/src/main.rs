@@ -94,6 +94,30 @@ fn run(cmd: &mut Command) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// `target/bench`, where every benchmark writes its JSON and tables (created).
+fn bench_dir() -> Result<PathBuf> {
+    let d = target_dir().join("bench");
+    std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
+    Ok(d)
+}
+
+/// Builds the `ironweave` binary (release, default features: tcp and ucx); returns its path.
+fn build_ironweave() -> Result<PathBuf> {
+    eprintln!("xtask: building ironweave (release)");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    run(Command::new(cargo).args(["build", "--release", "-p", "ironweave"]).current_dir(root()))?;
+    Ok(target_dir().join("release").join("ironweave"))
+}
+
+/// Builds the OpenMPI side of the collectives benchmarks into `out_dir`; returns its path.
+fn build_mpi_peer(out_dir: &Path) -> Result<PathBuf> {
+    eprintln!("xtask: building the OpenMPI peer with mpicc");
+    let mpi_bin = out_dir.join("mpi_collectives");
+    run(Command::new("mpicc").args(["-O2", "-o"]).arg(&mpi_bin).arg(root().join("xtask/peers/mpi_collectives.c")))
+        .context("mpicc failed: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev)")?;
+    Ok(mpi_bin)
+}
+
 fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"))
 }
@@ -105,19 +129,11 @@ fn bench_collectives(args: &[String]) -> Result<()> {
     let ops = flag(args, "--ops", "allreduce,allgather,reducescatter,alltoall");
     let min_time = flag(args, "--min-time", "0.5");
     let repeat: usize = flag(args, "--repeat", "3").parse().context("--repeat")?;
-    let tdir = target_dir();
-    let out_dir = tdir.join("bench");
-    std::fs::create_dir_all(&out_dir)?;
+    let out_dir = bench_dir()?;
 
-    eprintln!("xtask: building ironweave (release)");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    run(Command::new(cargo).args(["build", "--release", "-p", "ironweave"]).current_dir(root()))?;
-    let iw = tdir.join("release").join("ironweave");
+    let iw = build_ironweave()?;
 
-    eprintln!("xtask: building the OpenMPI peer with mpicc");
-    let mpi_bin = out_dir.join("mpi_collectives");
-    run(Command::new("mpicc").args(["-O2", "-o"]).arg(&mpi_bin).arg(root().join("xtask/peers/mpi_collectives.c")))
-        .context("mpicc failed: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev)")?;
+    let mpi_bin = build_mpi_peer(&out_dir)?;
     let size_bytes: Vec<String> = sizes.split(',').map(|s| parse_size(s).map(|b| b.to_string())).collect::<Result<_>>()?;
 
     // Rounds interleave the three sides so that drift on a shared machine hits them alike;
@@ -222,12 +238,8 @@ fn bench_links(args: &[String]) -> Result<()> {
     let topo = flag(args, "--topology", "topologies/2host-2link.toml");
     let sizes = flag(args, "--sizes", "16M,64M");
     let min_time = flag(args, "--min-time", "1");
-    let tdir = target_dir();
-    let out_dir = tdir.join("bench");
-    std::fs::create_dir_all(&out_dir)?;
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    run(Command::new(cargo).args(["build", "--release", "-p", "ironweave"]).current_dir(root()))?;
-    let iw = tdir.join("release").join("ironweave");
+    let out_dir = bench_dir()?;
+    let iw = build_ironweave()?;
     let topo_path = root().join(&topo);
     let topo_arg = topo_path.to_string_lossy().into_owned();
     let text = std::fs::read_to_string(&topo_path).with_context(|| format!("reading {topo}"))?;
@@ -391,17 +403,9 @@ fn bench_transport(args: &[String]) -> Result<()> {
     let min_time = flag(args, "--min-time", "0.5");
     let coll_ops = "allreduce,allgather,reducescatter,alltoall";
     let coll_sizes = "1M,16M";
-    let tdir = target_dir();
-    let out_dir = tdir.join("bench");
-    std::fs::create_dir_all(&out_dir)?;
-    eprintln!("xtask: building ironweave (release, default features include ucx)");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    run(Command::new(cargo).args(["build", "--release", "-p", "ironweave"]).current_dir(root()))?;
-    let iw = tdir.join("release").join("ironweave");
-    eprintln!("xtask: building the OpenMPI peer with mpicc");
-    let mpi_bin = out_dir.join("mpi_collectives");
-    run(Command::new("mpicc").args(["-O2", "-o"]).arg(&mpi_bin).arg(root().join("xtask/peers/mpi_collectives.c")))
-        .context("mpicc failed: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev)")?;
+    let out_dir = bench_dir()?;
+    let iw = build_ironweave()?;
+    let mpi_bin = build_mpi_peer(&out_dir)?;
     let size_bytes: Vec<String> = coll_sizes.split(',').map(|s| parse_size(s).map(|b| b.to_string())).collect::<Result<_>>()?;
     let links = [("shm", "posix,sysv,cma,self"), ("tcp", "tcp")];
     let mut rows: Vec<Value> = Vec::new();
@@ -497,14 +501,11 @@ fn bench_transport(args: &[String]) -> Result<()> {
 fn bench_snapshot(args: &[String]) -> Result<()> {
     let bytes = parse_size(&flag(args, "--bytes", "1G"))?;
     let repeat = flag(args, "--repeat", "3");
-    let tdir = target_dir();
-    let out_dir = tdir.join("bench");
-    std::fs::create_dir_all(&out_dir)?;
-    eprintln!("building ironweave (release) ...");
-    run(Command::new(env!("CARGO")).args(["build", "--release", "-q", "-p", "ironweave"]).current_dir(root()))?;
+    let out_dir = bench_dir()?;
+    let iw = build_ironweave()?;
     let ours_json = out_dir.join("snapshot-ironweave.json");
     eprintln!("ironweave snapshot of {bytes} bytes ...");
-    let table = run(Command::new(tdir.join("release/ironweave")).args([
+    let table = run(Command::new(&iw).args([
         "bench",
         "snapshot",
         "--bytes",
@@ -518,7 +519,7 @@ fn bench_snapshot(args: &[String]) -> Result<()> {
     ]))?;
     eprint!("{table}");
     let ours: Value = serde_json::from_slice(&std::fs::read(&ours_json)?)?;
-    let venv = tdir.join("bench-venv");
+    let venv = target_dir().join("bench-venv");
     let py = venv.join("bin/python");
     if !py.exists() {
         eprintln!("making {} with torch and torchsnapshot (large download) ...", venv.display());
