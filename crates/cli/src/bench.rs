@@ -168,61 +168,20 @@ pub fn select_link(world: &Communicator, link: &str) -> Result<Communicator> {
 }
 
 fn rows<T: Element>(c: &Communicator, backend: &str, ops: &[String], sizes: &[String], min_time: f64) -> Result<Vec<Row>> {
-    let n = c.size();
-    let es = std::mem::size_of::<T>();
     let total = ops.len() * sizes.len();
     let mut out = Vec::new();
     for op in ops {
         let case = case_of(op)?;
         for s in sizes {
             let bytes = parse_size(s)?;
-            if is_p2p(op) {
-                let row = p2p_row(c, op, bytes, backend, min_time)?;
-                if c.rank() == 0 {
-                    eprintln!(
-                        "[{}/{total}] {:>13} {:>9}: {:>10.2} us  bw {:>6.3} GB/s  {}",
-                        out.len() + 1,
-                        row.op,
-                        human(row.bytes),
-                        row.time_us,
-                        row.algbw_gbps,
-                        if row.verified { "verified" } else { "NOT VERIFIED" }
-                    );
-                }
-                out.push(row);
-                continue;
-            }
-            let mut count = bytes / es;
-            if matches!(case, Case::AllGather | Case::ReduceScatter | Case::AllToAll) {
-                count = count / n * n;
-            }
-            // Verification: one call on patterned data, checked element by element.
-            let check = check_collective::<T>(c, case, count, ReduceOp::Sum, 0x5eed ^ count as u64, true);
-            if let Err(e) = &check {
-                eprintln!("rank {}: {op} {} failed verification: {e}", c.rank(), human(count * es));
-            }
-            let mut flag = [i32::from(check.is_ok())];
-            c.all_reduce(&mut flag, ReduceOp::Min)?;
-            let time = time_op::<T>(c, case, count, min_time)?;
-            let (iters, secs) = time;
-            let row = Row {
-                op: op.clone(),
-                bytes: count * es,
-                count,
-                dtype: T::DTYPE.name().into(),
-                ranks: n,
-                backend: backend.into(),
-                iters,
-                time_us: secs * 1e6,
-                algbw_gbps: (count * es) as f64 / secs / 1e9,
-                busbw_gbps: (count * es) as f64 / secs / 1e9 * bus_factor(op, n),
-                memcpy_gbps: 0.0,
-                verified: flag[0] == 1,
-                error: check.err().map(|e| e.to_string()),
+            let row = if is_p2p(op) {
+                p2p_row(c, op, bytes, backend, min_time)?
+            } else {
+                collective_row::<T>(c, op, case, bytes, backend, min_time)?
             };
             if c.rank() == 0 {
                 eprintln!(
-                    "[{}/{total}] {:>13} {:>9}: {:>10.1} us  busbw {:>6.3} GB/s  {}",
+                    "[{}/{total}] {:>13} {:>9}: {:>10.2} us  busbw {:>6.3} GB/s  {}",
                     out.len() + 1,
                     row.op,
                     human(row.bytes),
@@ -235,6 +194,38 @@ fn rows<T: Element>(c: &Communicator, backend: &str, ops: &[String], sizes: &[St
         }
     }
     Ok(out)
+}
+
+/// One collective row: verified once on patterned data, then timed.
+fn collective_row<T: Element>(c: &Communicator, op: &str, case: Case, bytes: usize, backend: &str, min_time: f64) -> Result<Row> {
+    let (n, es) = (c.size(), std::mem::size_of::<T>());
+    let mut count = bytes / es;
+    if matches!(case, Case::AllGather | Case::ReduceScatter | Case::AllToAll) {
+        count = count / n * n;
+    }
+    // Verification: one call on patterned data, checked element by element.
+    let check = check_collective::<T>(c, case, count, ReduceOp::Sum, 0x5eed ^ count as u64, true);
+    if let Err(e) = &check {
+        eprintln!("rank {}: {op} {} failed verification: {e}", c.rank(), human(count * es));
+    }
+    let mut flag = [i32::from(check.is_ok())];
+    c.all_reduce(&mut flag, ReduceOp::Min)?;
+    let (iters, secs) = time_op::<T>(c, case, count, min_time)?;
+    Ok(Row {
+        op: op.into(),
+        bytes: count * es,
+        count,
+        dtype: T::DTYPE.name().into(),
+        ranks: n,
+        backend: backend.into(),
+        iters,
+        time_us: secs * 1e6,
+        algbw_gbps: (count * es) as f64 / secs / 1e9,
+        busbw_gbps: (count * es) as f64 / secs / 1e9 * bus_factor(op, n),
+        memcpy_gbps: 0.0,
+        verified: flag[0] == 1,
+        error: check.err().map(|e| e.to_string()),
+    })
 }
 
 /// Rounds of the warm-up that sizes the timed loop.
