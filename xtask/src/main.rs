@@ -57,7 +57,8 @@ fn main() -> Result<()> {
             Some("links") => bench_links(&args[2..]),
             Some("snapshot") => bench_snapshot(&args[2..]),
             Some("transport") => bench_transport(&args[2..]),
-            other => bail!("unknown benchmark {other:?}; available: collectives, links, snapshot, transport"),
+            Some("train") => bench_train(&args[2..]),
+            other => bail!("unknown benchmark {other:?}; available: collectives, links, snapshot, train, transport"),
         },
         _ => {
             eprintln!(
@@ -498,6 +499,81 @@ fn bench_transport(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// The Python of `target/bench-venv` (torch, torchsnapshot, numpy), made on first use.
+fn torch_venv() -> Result<PathBuf> {
+    let venv = target_dir().join("bench-venv");
+    let py = venv.join("bin/python");
+    if !py.exists() {
+        eprintln!("making {} with torch and torchsnapshot (large download) ...", venv.display());
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+        run(Command::new(venv.join("bin/pip")).args(["install", "-q", "torch", "torchsnapshot", "numpy"]))?;
+    }
+    Ok(py)
+}
+
+/// ironweave-train beside PyTorch eager on the same model and batch, one process each, the same
+/// compute threads, the same warm-up rule (mean iteration after two warm-up iterations).
+fn bench_train(args: &[String]) -> Result<()> {
+    let config = flag(args, "--config", "configs/moe-small.toml");
+    let iters = flag(args, "--iters", "10");
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).to_string();
+    let threads = flag(args, "--threads", &cores);
+    let out_dir = bench_dir()?;
+    let iw = build_ironweave()?;
+    let report = out_dir.join("train-ironweave");
+    eprintln!("ironweave train, 1 rank, {threads} threads ...");
+    run(Command::new(&iw)
+        .args(["train", "--config", &config, "--ranks", "1", "--ckpt", "none", "--iters", &iters, "--threads-per-rank", &threads])
+        .arg("--report-dir")
+        .arg(&report)
+        .current_dir(root()))?;
+    let ours: Value = serde_json::from_slice(&std::fs::read(report.join("report.json"))?)?;
+    let times: Vec<f64> =
+        ours["iter_time_s"].as_array().map(|a| a.iter().filter_map(Value::as_f64).collect()).unwrap_or_default();
+    if times.len() < 3 {
+        bail!("the ironweave run reported {} iterations; --iters must be at least 3", times.len());
+    }
+    let ours_iter = times[2..].iter().sum::<f64>() / (times.len() - 2) as f64;
+    let ours_tps = ours["tokens_per_iter"].as_f64().unwrap_or(f64::NAN) / ours_iter;
+    let py = torch_venv()?;
+    eprintln!("PyTorch eager, 1 process, {threads} threads ...");
+    let peer_out = run(Command::new(&py)
+        .arg(root().join("xtask/peers/torch_train.py"))
+        .args(["--config", &config, "--iters", &iters, "--threads", &threads, "--profile"])
+        .current_dir(root()))?;
+    let peer: Value = serde_json::from_str(peer_out.trim()).context("torch peer output")?;
+    let torch_tps = peer["tokens_per_s"].as_f64().unwrap_or(f64::NAN);
+    println!("| {config}, 1 process, {threads} threads | mean iteration | tokens/s | vs PyTorch eager |");
+    println!("|---|---:|---:|---:|");
+    println!(
+        "| ironweave-train (candle, layer-wise recompute) | {:.1} ms | {ours_tps:.0} | {:.2}x |",
+        ours_iter * 1e3,
+        ours_tps / torch_tps
+    );
+    println!(
+        "| PyTorch {} eager | {:.1} ms | {torch_tps:.0} | 1.00x |",
+        peer["torch"].as_str().unwrap_or("?"),
+        peer["iter_time_s"].as_f64().unwrap_or(f64::NAN) * 1e3
+    );
+    if let Some(ops) = peer["top_ops"].as_array() {
+        let list: Vec<String> = ops
+            .iter()
+            .take(5)
+            .map(|o| format!("{} {:.0}%", o["op"].as_str().unwrap_or("?"), o["share"].as_f64().unwrap_or(0.0) * 100.0))
+            .collect();
+        println!(
+            "
+PyTorch's heaviest operators (self CPU time): {}",
+            list.join(", ")
+        );
+    }
+    let all = json!({ "config": config, "threads": threads, "ironweave": { "iter_time_s": ours_iter, "tokens_per_s": ours_tps },
+        "torch": peer, "ratio": ours_tps / torch_tps });
+    std::fs::write(out_dir.join("train.json"), serde_json::to_vec_pretty(&all)?)?;
+    eprintln!("wrote {}", out_dir.join("train.json").display());
+    Ok(())
+}
+
 fn bench_snapshot(args: &[String]) -> Result<()> {
     let bytes = parse_size(&flag(args, "--bytes", "1G"))?;
     let repeat = flag(args, "--repeat", "3");
@@ -519,13 +595,7 @@ fn bench_snapshot(args: &[String]) -> Result<()> {
     ]))?;
     eprint!("{table}");
     let ours: Value = serde_json::from_slice(&std::fs::read(&ours_json)?)?;
-    let venv = target_dir().join("bench-venv");
-    let py = venv.join("bin/python");
-    if !py.exists() {
-        eprintln!("making {} with torch and torchsnapshot (large download) ...", venv.display());
-        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
-        run(Command::new(venv.join("bin/pip")).args(["install", "-q", "torch", "torchsnapshot", "numpy"]))?;
-    }
+    let py = torch_venv()?;
     eprintln!("torch.save and torchsnapshot on the same layout ...");
     let peer_out = run(Command::new(&py)
         .arg(root().join("xtask/peers/torch_snapshot.py"))

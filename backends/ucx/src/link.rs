@@ -255,10 +255,14 @@ impl Link for UcxLink {
                 std::hint::spin_loop();
             }
         }
-        wait_blocking_send(h, deadline, self.linger + Duration::from_secs(10), || {
+        let r = wait_blocking_send(h, deadline, self.linger + Duration::from_secs(10), || {
             // UCX may still read `data`: cancel everything first.
             self.abort(&format!("a send to rank {peer} timed out"));
-        })
+        });
+        match r {
+            Err(e @ Error::PeerLost { .. }) => Err(self.cause_of_lost_send(e)),
+            r => r,
+        }
     }
 
     fn isend(&self, peer: usize, tag: Tag, data: Vec<u8>) -> Result<SendHandle> {
@@ -292,6 +296,25 @@ impl Link for UcxLink {
 }
 
 impl UcxLink {
+    /// A peer that aborts on purpose sends the cause first, but our send to it can fail before
+    /// that message is read: drive the worker briefly and prefer the cause (PeerAborted, or the
+    /// endpoint error naming the rank that really died) over blaming the peer (as TCP does).
+    fn cause_of_lost_send(&self, lost: Error) -> Error {
+        let sh = &self.shared;
+        let until = Instant::now() + Duration::from_millis(500);
+        loop {
+            if let Some(cause) = sh.mailbox.failure() {
+                return cause;
+            }
+            if Instant::now() >= until {
+                return lost;
+            }
+            if !sh.progress_once() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
     fn loopback(&self, tag: Tag, seq: u64, data: Vec<u8>) -> Result<()> {
         self.shared.mailbox.deliver_whole(self.shared.rank, tag, seq, data)
     }

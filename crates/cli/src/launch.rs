@@ -58,6 +58,17 @@ pub struct LaunchSpec {
     /// rank gets `IRONWEAVE_GENERATION` = the job's next generation; ranks re-form the job on
     /// master port `IRONWEAVE_MASTER_PORT + generation`.
     pub max_restarts: usize,
+    /// Compute threads per rank (`--threads-per-rank`); None: the user's `RAYON_NUM_THREADS` /
+    /// `OMP_NUM_THREADS`, else cores / ranks per host (see `ironweave_transport::threads`).
+    pub threads_per_rank: Option<usize>,
+}
+
+/// The thread choice for the ranks of `spec` (printed once by [`run`]). Every rank this
+/// launcher starts runs on this machine's cores, emulated hosts included (they are network
+/// namespaces, not machines), so all of them count as ranks on this host.
+pub fn thread_choice(spec: &LaunchSpec) -> Result<ironweave_transport::threads::ThreadChoice> {
+    use ironweave_transport::threads;
+    Ok(threads::choose(|k| std::env::var(k).ok(), threads::available_cores(), spec.ranks, spec.threads_per_rank)?)
 }
 
 /// How the job ended.
@@ -107,6 +118,9 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     if spec.ranks == 0 {
         bail!("--ranks/-n must be at least 1");
     }
+    let threads = thread_choice(spec)?;
+    eprintln!("ironweave launch: {threads}");
+    let thread_env = threads.env(|k| std::env::var(k).ok());
     let port = free_port().context("finding a free port for the rendezvous")?;
     let secret = hex(&ironweave_transport::wire::nonce());
     let job = format!("iw-{}-{port}", std::process::id());
@@ -147,6 +161,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             .env("IRONWEAVE_JOB_ID", &job)
             .env("IRONWEAVE_SECRET", &secret)
             .env("IRONWEAVE_GENERATION", gen.to_string())
+            .envs(thread_env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::null())
             // Each rank leads its own process group so that a stop reaches whatever it started;
             // the launcher forwards Ctrl-C (SIGINT) and SIGTERM to every group.

@@ -7,6 +7,7 @@ mod ckpt_selftest;
 mod cluster;
 mod launch;
 mod plan;
+mod scaling;
 mod selftest;
 mod simulate;
 mod snapbench;
@@ -50,6 +51,10 @@ enum Cmd {
         /// IRONWEAVE_GENERATION set to the job's next generation (see docs/ARCHITECTURE.md).
         #[arg(long, default_value_t = 0)]
         max_restarts: usize,
+        /// Compute threads per rank (RAYON_NUM_THREADS and OMP_NUM_THREADS of every rank).
+        /// Default: the user's RAYON_NUM_THREADS / OMP_NUM_THREADS, else cores / ranks per host.
+        #[arg(long)]
+        threads_per_rank: Option<usize>,
         /// The program and its arguments.
         #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
         command: Vec<String>,
@@ -59,39 +64,9 @@ enum Cmd {
         #[command(subcommand)]
         what: BenchCmd,
     },
-    /// Train the MoE workload across local ranks with a checkpoint every iteration.
-    Train {
-        /// Training configuration (configs/moe-tiny.toml, configs/moe-small.toml).
-        #[arg(long)]
-        config: std::path::PathBuf,
-        /// Number of ranks (processes).
-        #[arg(long, default_value_t = 4)]
-        ranks: usize,
-        /// Checkpoint strategy: none, blocking, async, gemini, capricorn.
-        #[arg(long, default_value = "capricorn")]
-        ckpt: String,
-        /// Backend.
-        #[arg(long, default_value = "tcp")]
-        backend: String,
-        /// Run on the emulated cluster of this topology file.
-        #[arg(long)]
-        topology: Option<std::path::PathBuf>,
-        /// Ranks per emulated host (with --topology).
-        #[arg(long, default_value_t = 1)]
-        ranks_per_host: usize,
-        /// Iterations (default: the config's).
-        #[arg(long)]
-        iters: Option<u64>,
-        /// Where report.json, trace.json (Perfetto) and timeline.svg go.
-        #[arg(long, default_value = "target/train-report")]
-        report_dir: std::path::PathBuf,
-        /// Kill rank R with SIGKILL in the middle of iteration I's backward pass: rank=R,iter=I.
-        #[arg(long)]
-        fail: Option<String>,
-        /// In-memory strategies: also write the persistent tier every N iterations (0: never).
-        #[arg(long, default_value_t = 10)]
-        persist_every: u64,
-    },
+    /// Train the MoE workload across local ranks (expert and data parallel) with a checkpoint
+    /// every iteration; prints loss and tokens/s, writes report.json, trace.json, timeline.svg.
+    Train(train::TrainArgs),
     /// Per-rank body of `train` (started by it).
     #[command(hide = true)]
     TrainWorker {
@@ -107,6 +82,8 @@ enum Cmd {
         fail: Option<String>,
         #[arg(long, default_value_t = 10)]
         persist_every: u64,
+        #[arg(long)]
+        bucket_kb: Option<usize>,
     },
     /// Plan a parallel layout with a cost model and HiGHS.
     Plan {
@@ -233,6 +210,10 @@ enum ClusterCmd {
 
 #[derive(Debug, Subcommand)]
 enum BenchCmd {
+    /// Tokens/s of the same training at 1, 2, 4 ranks (threads chosen per rank), efficiency
+    /// against one single-threaded rank, share of gradient communication hidden behind
+    /// backward; with --topology, bucketed vs single-bucket gradients on the emulated cluster.
+    Scaling(scaling::ScalingArgs),
     /// Collectives over local processes, nccl-tests style, each row verified.
     Collectives {
         /// Number of ranks (processes).
@@ -309,7 +290,22 @@ enum BenchCmd {
     },
 }
 
+/// Keeps freed blocks in the process: training allocates and frees the same few-MB tensors
+/// every layer, and glibc's defaults hand such blocks back to the kernel (mmap above 128 KiB,
+/// trim above 128 KiB free), so every reuse faulted in fresh zeroed pages — 12% of a 2-rank
+/// moe-small run's time in the kernel's page-fault path (perf).
+fn keep_freed_memory() {
+    // 32 MiB is the largest mmap threshold glibc accepts on 64-bit (a larger one is refused).
+    // SAFETY: mallopt only changes allocator thresholds; called first thing in main, before
+    // any other thread exists. A refusal (0) leaves glibc's defaults: slower, still correct.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
+    }
+}
+
 fn main() {
+    keep_freed_memory();
     let cli = Cli::parse();
     let code = match run(cli) {
         Ok(code) => code,
@@ -365,6 +361,7 @@ fn cluster_cmd(what: ClusterCmd) -> Result<i32> {
                 timeout: None,
                 topology: Some((t.clone(), 1)),
                 max_restarts: 0,
+                threads_per_rank: None,
             };
             launch::install_signal_handlers();
             match launch::run(&spec)? {
@@ -390,7 +387,7 @@ fn cluster_cmd(what: ClusterCmd) -> Result<i32> {
 
 fn run(cli: Cli) -> Result<i32> {
     match cli.cmd {
-        Cmd::Launch { ranks, topology, ranks_per_host, backend, timeout, no_prefix, max_restarts, command } => {
+        Cmd::Launch { ranks, topology, ranks_per_host, backend, timeout, no_prefix, max_restarts, threads_per_rank, command } => {
             backend::check(&backend)?;
             let topology = match topology {
                 Some(p) => Some((cluster::Topology::load(&p)?, ranks_per_host.max(1))),
@@ -411,6 +408,7 @@ fn run(cli: Cli) -> Result<i32> {
                 env: vec![("IRONWEAVE_BACKEND".into(), backend)],
                 timeout: timeout.map(Duration::from_secs_f64),
                 max_restarts,
+                threads_per_rank,
             };
             Ok(match launch::run(&spec)? {
                 launch::Outcome::Success => 0,
@@ -421,6 +419,11 @@ fn run(cli: Cli) -> Result<i32> {
         }
         Cmd::Bench { what: BenchCmd::Ckpt { config, strategies, ranks, iters, topology, ranks_per_host, out } } => {
             train::bench(&config, &strategies, ranks, iters, topology.as_deref(), ranks_per_host, &out)?;
+            Ok(0)
+        }
+        Cmd::Bench { what: BenchCmd::Scaling(a) } => {
+            launch::install_signal_handlers();
+            scaling::bench(&a)?;
             Ok(0)
         }
         Cmd::Bench { what: BenchCmd::Snapshot { bytes, repeat, dir, json } } => {
@@ -471,6 +474,7 @@ fn run(cli: Cli) -> Result<i32> {
                 timeout: None,
                 topology,
                 max_restarts: 0,
+                threads_per_rank: None,
             };
             match launch::run(&spec)? {
                 launch::Outcome::Success => {}
@@ -513,22 +517,9 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Cmd::Cluster { what } => cluster_cmd(what),
-        Cmd::Train { config, ranks, ckpt, backend, topology, ranks_per_host, iters, report_dir, fail, persist_every } => {
-            train::run(
-                &config,
-                ranks,
-                &ckpt,
-                &backend,
-                topology.as_deref(),
-                ranks_per_host,
-                iters,
-                &report_dir,
-                fail.as_deref(),
-                persist_every,
-            )
-        }
-        Cmd::TrainWorker { config, ckpt, iters, report_dir, fail, persist_every } => {
-            train::worker(&config, &ckpt, iters, &report_dir, fail.as_deref(), persist_every)?;
+        Cmd::Train(args) => train::run(&args),
+        Cmd::TrainWorker { config, ckpt, iters, report_dir, fail, persist_every, bucket_kb } => {
+            train::worker(&config, &ckpt, iters, &report_dir, fail.as_deref(), persist_every, bucket_kb)?;
             Ok(0)
         }
         Cmd::Simulate { scenario, args } => {

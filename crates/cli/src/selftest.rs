@@ -15,7 +15,8 @@ pub fn run(scenario: &str, backend: &str) -> Result<()> {
         "loop" => looping(&comm),
         "mismatch" => mismatch(&comm),
         "stream" => stream(&comm),
-        other => bail!("unknown selftest scenario {other:?} (ok, loop, mismatch)"),
+        "idle-wait" => idle_wait(&comm),
+        other => bail!("unknown selftest scenario {other:?} (ok, loop, mismatch, stream, idle-wait)"),
     };
     if let Err(e) = r {
         fail(&e);
@@ -46,6 +47,34 @@ fn looping(c: &Communicator) -> ironweave_transport::Result<()> {
         c.all_reduce(&mut v, ReduceOp::Avg)?;
         println!("iter {i}");
     }
+    Ok(())
+}
+
+/// CPU seconds this process has used (user + system).
+fn cpu_s() -> f64 {
+    // SAFETY: getrusage writes one `rusage` into the zeroed struct we own; RUSAGE_SELF is valid.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 * 1e-6;
+    t(ru.ru_utime) + t(ru.ru_stime)
+}
+
+/// Rank 0 waits in a barrier while the others compute for a second: prints the CPU time each
+/// used meanwhile, so a transport that spins while its peer on the same host computes shows.
+fn idle_wait(c: &Communicator) -> ironweave_transport::Result<()> {
+    c.barrier()?;
+    let (t0, c0) = (std::time::Instant::now(), cpu_s());
+    if c.rank() != 0 {
+        let mut x = 0u64;
+        while t0.elapsed() < std::time::Duration::from_secs(1) {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+    }
+    c.barrier()?;
+    println!("idle-wait rank {}: wall {:.3} s, cpu {:.3} s", c.rank(), t0.elapsed().as_secs_f64(), cpu_s() - c0);
     Ok(())
 }
 

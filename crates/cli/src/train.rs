@@ -40,6 +40,69 @@ pub fn parse_fail(s: &str) -> Result<(Vec<usize>, u64)> {
     }
 }
 
+/// `ironweave train`'s options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TrainArgs {
+    /// Training configuration (configs/moe-tiny.toml, configs/moe-small.toml).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Number of ranks (processes).
+    #[arg(long, default_value_t = 4)]
+    pub ranks: usize,
+    /// Checkpoint strategy: none, blocking, async, gemini, capricorn.
+    #[arg(long, default_value = "capricorn")]
+    pub ckpt: String,
+    /// Backend.
+    #[arg(long, default_value = "tcp")]
+    pub backend: String,
+    /// Run on the emulated cluster of this topology file.
+    #[arg(long)]
+    pub topology: Option<PathBuf>,
+    /// Ranks per emulated host (with --topology).
+    #[arg(long, default_value_t = 1)]
+    pub ranks_per_host: usize,
+    /// Iterations (default: the config's).
+    #[arg(long)]
+    pub iters: Option<u64>,
+    /// Where report.json, trace.json (Perfetto) and timeline.svg go.
+    #[arg(long, default_value = "target/train-report")]
+    pub report_dir: PathBuf,
+    /// Kill rank R with SIGKILL in the middle of iteration I's backward pass: rank=R,iter=I.
+    #[arg(long)]
+    pub fail: Option<String>,
+    /// In-memory strategies: also write the persistent tier every N iterations (0: never).
+    #[arg(long, default_value_t = 10)]
+    pub persist_every: u64,
+    /// Compute threads per rank (default: RAYON_NUM_THREADS / OMP_NUM_THREADS if set, else
+    /// cores / ranks on a host).
+    #[arg(long)]
+    pub threads_per_rank: Option<usize>,
+    /// Dense gradients are averaged in buckets of this many KiB during the backward pass
+    /// (0: one bucket after the whole backward; default: the config's `bucket_kb`, 512).
+    #[arg(long)]
+    pub bucket_kb: Option<usize>,
+}
+
+impl TrainArgs {
+    /// Options for `config` with every other option at its default.
+    pub fn new(config: &Path) -> Self {
+        TrainArgs {
+            config: config.to_path_buf(),
+            ranks: 4,
+            ckpt: "capricorn".into(),
+            backend: "tcp".into(),
+            topology: None,
+            ranks_per_host: 1,
+            iters: None,
+            report_dir: PathBuf::from("target/train-report"),
+            fail: None,
+            persist_every: 10,
+            threads_per_rank: None,
+            bucket_kb: None,
+        }
+    }
+}
+
 /// What `report.json` holds.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Report {
@@ -56,6 +119,43 @@ pub struct Report {
     pub recoveries: u64,
     pub final_state_sha256: String,
     pub tokens_per_iter: u64,
+    /// Compute threads of each rank (RAYON_NUM_THREADS as the ranks saw it).
+    #[serde(default)]
+    pub threads_per_rank: usize,
+    /// Gradient buckets per iteration (0 when alone).
+    #[serde(default)]
+    pub grad_buckets: usize,
+    /// Rank 0's data-parallel gradient averaging per iteration: seconds on the wire, and the
+    /// part of it during which its backward pass computed.
+    #[serde(default)]
+    pub dp_comm_s: Vec<f64>,
+    #[serde(default)]
+    pub dp_hidden_s: Vec<f64>,
+}
+
+impl Report {
+    /// Mean of `v` after the first `skip` (warm-up) entries, or of all when too short.
+    pub fn steady(v: &[f64], skip: usize) -> f64 {
+        let v = if v.len() > skip { &v[skip..] } else { v };
+        v.iter().sum::<f64>() / v.len().max(1) as f64
+    }
+
+    /// Mean iteration time after two warm-up iterations.
+    pub fn mean_iter_s(&self) -> f64 {
+        Self::steady(&self.iter_time_s, 2)
+    }
+
+    /// Tokens per second over the steady iterations.
+    pub fn tokens_per_s(&self) -> f64 {
+        self.tokens_per_iter as f64 / self.mean_iter_s().max(1e-12)
+    }
+
+    /// Share of data-parallel communication time during which backward computed (None when
+    /// nothing was communicated).
+    pub fn comm_hidden_fraction(&self) -> Option<f64> {
+        let c = Self::steady(&self.dp_comm_s, 2);
+        (c > 0.0).then(|| Self::steady(&self.dp_hidden_s, 2) / c)
+    }
 }
 
 pub fn load_config(path: &Path) -> Result<(TrainConfig, Corpus)> {
@@ -82,12 +182,22 @@ pub fn worker(
     report_dir: &Path,
     fail: Option<&str>,
     persist_every: u64,
+    bucket_kb: Option<usize>,
 ) -> Result<()> {
-    let (cfg, corpus) = load_config(config)?;
+    // before any compute pool exists: ranks from torchrun/srun/mpirun get cores / local ranks
+    let base = JobEnv::from_env()?;
+    if let Some(choice) = ironweave_transport::threads::apply_to_process(base.local_world_size)? {
+        if base.rank == 0 {
+            eprintln!("ironweave train: {choice}");
+        }
+    }
+    let (mut cfg, corpus) = load_config(config)?;
+    if let Some(k) = bucket_kb {
+        cfg.train.bucket_kb = k;
+    }
     let iters = iters.unwrap_or(cfg.train.iters);
     let strategy = Strategy::parse(strategy)?;
     let fail = fail.map(parse_fail).transpose()?;
-    let base = JobEnv::from_env()?;
     let mut gen: u16 = std::env::var("IRONWEAVE_GENERATION").ok().and_then(|g| g.parse().ok()).unwrap_or(0);
     let start_gen = gen;
     let rank = base.rank;
@@ -169,7 +279,8 @@ pub fn worker(
                     // the report is built from these lines, so a restarted rank 0 still reports
                     // the whole run
                     let line = serde_json::json!({"iter": it, "time": dt, "loss": s.loss, "exposed": ir.exposed_s,
-                        "profiled": ir.profiled, "accuracy": ir.partition_accuracy, "load": s.load.tokens});
+                        "profiled": ir.profiled, "accuracy": ir.partition_accuracy, "load": s.load.tokens,
+                        "dp_comm": s.sync.comm_s, "dp_hidden": s.sync.hidden_s, "buckets": s.sync.buckets});
                     let mut f =
                         std::fs::OpenOptions::new().create(true).append(true).open(report_dir.join("iterations.jsonl"))?;
                     writeln!(f, "{line}")?;
@@ -227,6 +338,10 @@ pub fn worker(
         rep.iter_time_s = vec![0.0; n];
         rep.loss = vec![0.0; n];
         rep.ckpt_exposed_s = vec![0.0; n];
+        rep.dp_comm_s = vec![0.0; n];
+        rep.dp_hidden_s = vec![0.0; n];
+        rep.threads_per_rank = std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        rep.grad_buckets = tr.buckets().len();
         // rank 0's expert load per iteration, in `ironweave simulate ckpt --load-trace` format
         let mut loads: Vec<Vec<Vec<f64>>> = vec![Vec::new(); n];
         let (mut acc_sum, mut acc_n) = (0.0, 0u64);
@@ -238,6 +353,8 @@ pub fn worker(
             rep.iter_time_s[k] = v["time"].as_f64().unwrap_or(0.0);
             rep.loss[k] = v["loss"].as_f64().unwrap_or(0.0) as f32;
             rep.ckpt_exposed_s[k] = v["exposed"].as_f64().unwrap_or(0.0);
+            rep.dp_comm_s[k] = v["dp_comm"].as_f64().unwrap_or(0.0);
+            rep.dp_hidden_s[k] = v["dp_hidden"].as_f64().unwrap_or(0.0);
             rep.profiling_activations += u64::from(v["profiled"].as_bool().unwrap_or(false));
             if let Some(a) = v["accuracy"].as_f64() {
                 acc_sum += a;
@@ -270,19 +387,10 @@ pub fn worker(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)] // one per command-line option
-pub fn run(
-    config: &Path,
-    ranks: usize,
-    strategy: &str,
-    backend: &str,
-    topology: Option<&Path>,
-    ranks_per_host: usize,
-    iters: Option<u64>,
-    report_dir: &Path,
-    fail: Option<&str>,
-    persist_every: u64,
-) -> Result<i32> {
+/// `ironweave train`: launches the ranks, prints the summary; returns the exit status.
+pub fn run(a: &TrainArgs) -> Result<i32> {
+    let (config, ranks, strategy, backend) = (a.config.as_path(), a.ranks, a.ckpt.as_str(), a.backend.as_str());
+    let (iters, report_dir, fail, persist_every) = (a.iters, a.report_dir.as_path(), a.fail.as_deref(), a.persist_every);
     crate::backend::check(backend)?;
     if backend != "tcp" {
         bail!("training runs on the tcp backend today (got --backend {backend})");
@@ -320,8 +428,11 @@ pub fn run(
     if let Some(f) = fail {
         args.extend(["--fail".into(), f.to_string()]);
     }
-    let topology = match topology {
-        Some(p) => Some((crate::cluster::Topology::load(p)?, ranks_per_host.max(1))),
+    if let Some(k) = a.bucket_kb {
+        args.extend(["--bucket-kb".into(), k.to_string()]);
+    }
+    let topology = match &a.topology {
+        Some(p) => Some((crate::cluster::Topology::load(p)?, a.ranks_per_host.max(1))),
         None => None,
     };
     eprintln!(
@@ -338,6 +449,7 @@ pub fn run(
         timeout: None,
         topology,
         max_restarts: if fail.is_some() { 4 } else { 0 },
+        threads_per_rank: a.threads_per_rank,
     };
     crate::launch::install_signal_handlers();
     let outcome = crate::launch::run(&spec)?;
@@ -349,19 +461,35 @@ pub fn run(
     }
     let rep: Report = serde_json::from_slice(&std::fs::read(report_dir.join("report.json")).context("reading report.json")?)?;
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let committed = match rep.last_committed_iter {
+        Some(i) => format!("iteration {i}"),
+        None => "nothing".into(),
+    };
+    let hidden = match rep.comm_hidden_fraction() {
+        Some(h) => format!(", {:.0}% of gradient communication hidden behind backward", h * 100.0),
+        None => String::new(),
+    };
     println!(
-        "done: {} iterations, loss {:.4} -> {:.4}, mean iteration {:.1} ms, mean exposed checkpoint {:.2} ms, partition accuracy {}, profiling activations {}, last committed {:?}, recoveries {}, final state {}",
+        "done: {} iterations on {} rank{} x {} thread{}, loss {:.4} -> {:.4}, {:.0} tokens/s (mean iteration {:.1} ms after 2 warm-up){hidden}",
         rep.iterations,
+        rep.ranks,
+        if rep.ranks == 1 { "" } else { "s" },
+        rep.threads_per_rank,
+        if rep.threads_per_rank == 1 { "" } else { "s" },
         rep.loss.first().copied().unwrap_or(f32::NAN),
         rep.loss.last().copied().unwrap_or(f32::NAN),
-        mean(&rep.iter_time_s) * 1e3,
+        rep.tokens_per_s(),
+        rep.mean_iter_s() * 1e3,
+    );
+    println!(
+        "checkpoints ({strategy}): mean exposed {:.2} ms, partition accuracy {}, profiling activations {}, last committed {committed}, recoveries {}; final state {}",
         mean(&rep.ckpt_exposed_s) * 1e3,
         rep.partition_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into()),
         rep.profiling_activations,
-        rep.last_committed_iter,
         rep.recoveries,
         &rep.final_state_sha256[..16]
     );
+    println!("report: {}", report_dir.join("report.json").display());
     Ok(0)
 }
 
@@ -384,7 +512,17 @@ pub fn bench(
     let mut rows: Vec<(String, Report)> = Vec::new();
     for s in strategies {
         let dir = out.join(s);
-        let code = run(config, ranks, s, "tcp", topology, ranks_per_host, Some(iters), &dir, None, 0)?;
+        let args = TrainArgs {
+            ranks,
+            ckpt: s.clone(),
+            topology: topology.map(Path::to_path_buf),
+            ranks_per_host,
+            iters: Some(iters),
+            report_dir: dir.clone(),
+            persist_every: 0,
+            ..TrainArgs::new(config)
+        };
+        let code = run(&args)?;
         if code != 0 {
             bail!("the {s} run failed (status {code}); see its output above");
         }

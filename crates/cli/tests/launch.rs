@@ -138,3 +138,49 @@ fn bench_collectives_over_ucx_verifies_every_row() {
     assert!(rows.iter().all(|r| r["verified"] == serde_json::json!(true) && r["backend"] == "ucx"), "{rows:?}");
     let _ = std::fs::remove_file(&json);
 }
+
+/// Runs `launch` with `env` (thread variables removed first) and returns each rank's
+/// "RAYON OMP" line and the launcher's stderr.
+fn thread_vars(extra: &[&str], env: &[(&str, &str)]) -> (Vec<String>, String) {
+    let mut c = Command::new(BIN);
+    c.args(["launch", "-n", "2"]).args(extra).args(["--", "sh", "-c", "echo \"threads $RAYON_NUM_THREADS $OMP_NUM_THREADS\""]);
+    c.env_remove("RAYON_NUM_THREADS").env_remove("OMP_NUM_THREADS");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let o = c.output().unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned());
+    assert!(o.status.success(), "{out}\n{err}");
+    let lines = (0..2)
+        .map(|r| {
+            let p = format!("[rank {r}] threads ");
+            out.lines().find_map(|l| l.strip_prefix(&p)).unwrap_or_else(|| panic!("rank {r} printed nothing: {out}")).to_string()
+        })
+        .collect();
+    (lines, err)
+}
+
+#[test]
+fn the_launcher_sets_compute_threads_per_rank_and_keeps_the_users() {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let fair = (cores / 2).max(1);
+    // default: cores / ranks on this host, both variables, said once
+    let (ranks, err) = thread_vars(&[], &[]);
+    assert_eq!(ranks, vec![format!("{fair} {fair}"); 2]);
+    assert_eq!(err.matches("compute thread").count(), 1, "{err}");
+    assert!(err.contains(&format!("{cores} cores / 2 ranks on this host")), "{err}");
+    // a user's value is kept, and fills in the variable left unset
+    let (ranks, err) = thread_vars(&[], &[("OMP_NUM_THREADS", "3")]);
+    assert_eq!(ranks, vec!["3 3".to_string(); 2]);
+    assert!(err.contains("OMP_NUM_THREADS set by the user"), "{err}");
+    let (ranks, _) = thread_vars(&[], &[("RAYON_NUM_THREADS", "5"), ("OMP_NUM_THREADS", "7")]);
+    assert_eq!(ranks, vec!["5 7".to_string(); 2]);
+    // the flag overrides both
+    let (ranks, err) = thread_vars(&["--threads-per-rank", "4"], &[("RAYON_NUM_THREADS", "5")]);
+    assert_eq!(ranks, vec!["4 4".to_string(); 2]);
+    assert!(err.contains("(--threads-per-rank)"), "{err}");
+    // nonsense is refused before anything starts
+    let o = Command::new(BIN).args(["launch", "-n", "2", "--", "true"]).env("RAYON_NUM_THREADS", "many").output().unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("RAYON_NUM_THREADS=\"many\""));
+}

@@ -49,6 +49,10 @@ pub struct TrainCfg {
     /// Default number of iterations.
     #[serde(default = "thirty")]
     pub iters: u64,
+    /// Data parallelism: dense gradients are averaged in buckets of this many KiB while the
+    /// backward pass goes on (0: one bucket after the whole backward).
+    #[serde(default = "bucket_kb")]
+    pub bucket_kb: usize,
 }
 
 /// The data.
@@ -84,6 +88,9 @@ fn aux() -> f64 {
 }
 fn thirty() -> u64 {
     30
+}
+fn bucket_kb() -> usize {
+    crate::buckets::DEFAULT_BUCKET_KB
 }
 
 impl TrainConfig {

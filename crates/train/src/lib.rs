@@ -2,10 +2,12 @@
 //! feed-forward layers, trained on CPU with candle on real text (byte-level), layer by layer
 //! so the profiler times each layer's forward and backward.
 //!
-//! Where it sits: on top of `ironweave-profile` (timers, expert load) and, as the workload
-//! grows, the transport (expert and data parallelism) and `ironweave-ckpt` (per-iteration
-//! checkpoints). Today it trains in one process with every expert local.
+//! Where it sits: on top of `ironweave-profile` (timers, expert load), the transport (expert
+//! parallelism over `all_to_all_v`, data parallelism with dense gradients averaged in buckets
+//! during the backward pass) and `ironweave-ckpt` (the state layout it checkpoints). One
+//! process per rank; `ironweave train` in crates/cli launches the ranks and wires the engine.
 
+pub mod buckets;
 pub mod config;
 pub mod data;
 pub mod dist;

@@ -416,13 +416,16 @@ impl<'a> Model<'a> {
         let v = self.layer_vars(l)?;
         let xv = Var::from_tensor(&x.detach())?;
         let (x1, hn, probs) = self.source(l, xv.as_tensor(), &v)?;
-        let yv = Var::from_slice(&ctx.y_back, (ctx.ids.len(), h), &self.dev)?;
-        let out = self.combine(&x1, &probs, ctx, yv.as_tensor())?;
-        let obj1 = ((out * grad_y)?.sum_all()? + self.aux_loss(&probs, routing)?.affine(m.aux_loss_coef, 0.0)?)?;
-        let g1 = obj1.backward()?;
-        let gy = match g1.get(yv.as_tensor()) {
-            Some(t) if !ctx.ids.is_empty() => t.flatten_all()?.to_vec1::<f32>()?,
-            _ => Vec::new(),
+        // The gradient of an expert output row is the output gradient of its token times its
+        // gate: no backward pass through the source graph is needed before the exchange (the
+        // single backward below, once the experts' answer is back, covers everything).
+        let ids = Tensor::from_slice(&ctx.ids, ctx.ids.len(), &self.dev)?;
+        let gy = if ctx.ids.is_empty() {
+            Vec::new()
+        } else {
+            let cols = Tensor::from_slice(&ctx.cols, (ctx.cols.len(), 1), &self.dev)?;
+            let gate = probs.detach().index_select(&ids, 0)?.gather(&cols, 1)?;
+            grad_y.index_select(&ids, 0)?.broadcast_mul(&gate)?.flatten_all()?.to_vec1::<f32>()?
         };
         // expert side: gradient of the outputs arrives, gradient of the inputs goes back
         let gy_in = d.exchange(&gy, &ctx.send_rows, &ctx.recv_rows, h)?;
@@ -448,20 +451,19 @@ impl<'a> Model<'a> {
             }
         }
         let g_sel = d.exchange(&g_rows, &ctx.recv_rows, &ctx.send_rows, h)?;
-        // experts' parameters appear only in the expert-side graphs; the rest in the two source passes
-        let expert_prefix = format!("l{l}.e");
-        self.collect(&v, &g1, grads, Some(&expert_prefix))?;
-        let mut gx = g1.get(xv.as_tensor()).cloned().unwrap_or(xv.as_tensor().zeros_like()?);
+        // one backward through the source side: the combine (expert outputs held constant),
+        // the load-balancing loss, and the gradient of the dispatched rows from the experts;
+        // experts' parameters appear only in the expert-side graphs above
+        let y_back = Tensor::from_slice(&ctx.y_back, (ctx.ids.len(), h), &self.dev)?;
+        let out = self.combine(&x1, &probs, ctx, &y_back)?;
+        let mut obj = ((out * grad_y)?.sum_all()? + self.aux_loss(&probs, routing)?.affine(m.aux_loss_coef, 0.0)?)?;
         if !ctx.ids.is_empty() {
-            let ids = Tensor::from_slice(&ctx.ids, ctx.ids.len(), &self.dev)?;
             let gs = Tensor::from_slice(&g_sel, (ctx.ids.len(), h), &self.dev)?;
-            let g2 = (hn.index_select(&ids, 0)? * gs)?.sum_all()?.backward()?;
-            self.collect(&v, &g2, grads, Some(&expert_prefix))?;
-            if let Some(t) = g2.get(xv.as_tensor()) {
-                gx = (gx + t)?;
-            }
+            obj = (obj + (hn.index_select(&ids, 0)? * gs)?.sum_all()?)?;
         }
-        Ok(gx)
+        let g = obj.backward()?;
+        self.collect(&v, &g, grads, Some(&format!("l{l}.e")))?;
+        Ok(g.get(xv.as_tensor()).cloned().unwrap_or(xv.as_tensor().zeros_like()?))
     }
 
     /// Add the gradients `g` holds for the layer's variables into `grads`, except those whose

@@ -1,8 +1,14 @@
-//! The training loop of one rank (single process today: every expert local).
+//! The training loop of one rank: alone (every expert local) or one rank of an expert- and
+//! data-parallel job.
 
-use ironweave_profile::{ExpertLoad, MonotonicClock, Phase, Profiler};
+use std::sync::mpsc;
+use std::time::Instant;
+
+use ironweave_profile::{CommKind, ExpertLoad, MonotonicClock, Phase, Profiler};
+use ironweave_transport::Communicator;
 use sha2::{Digest, Sha256};
 
+use crate::buckets::{covered_s, ordered_avg, plan_buckets, Bucket, GradSyncStats};
 use crate::config::TrainConfig;
 use crate::data::Corpus;
 use crate::dist::Dist;
@@ -18,6 +24,8 @@ pub struct StepReport {
     pub loss: f32,
     /// Expert load per MoE layer.
     pub load: ExpertLoad,
+    /// The data-parallel gradient averaging (zero when alone).
+    pub sync: GradSyncStats,
 }
 
 fn is_expert(name: &str) -> bool {
@@ -33,6 +41,9 @@ pub struct Trainer {
     corpus: Corpus,
     rank: usize,
     dist: Option<Dist>,
+    /// Data parallelism: the buckets of dense gradients and the communicator (a `dup` of the
+    /// world) their averages run on, beside the expert-parallel exchanges of the backward pass.
+    grad_sync: Option<(Vec<Bucket>, Communicator)>,
     /// Called at the start of each layer's backward with (iteration, layer) — fault
     /// injection (`--fail`) kills the process there, mid-backward.
     pub backward_hook: Option<Box<dyn Fn(u64, usize) + Send>>,
@@ -52,14 +63,14 @@ impl Trainer {
     /// A trainer at iteration 0.
     pub fn new(cfg: TrainConfig, corpus: Corpus, rank: usize) -> Self {
         let params = init(&cfg);
-        Trainer { cfg, params, corpus, rank, dist: None, backward_hook: None }
+        Trainer { cfg, params, corpus, rank, dist: None, grad_sync: None, backward_hook: None }
     }
 
     /// A trainer for rank `dist.rank()` of an expert- and data-parallel job: it keeps the
     /// dense parameters and the experts `e` with `e mod world == rank`.
     pub fn distributed(cfg: TrainConfig, corpus: Corpus, dist: Dist) -> Result<Self> {
         let (w, r) = (dist.world(), dist.rank());
-        if cfg.model.experts % w != 0 {
+        if (0..cfg.model.layers).any(|l| cfg.is_moe(l)) && cfg.model.experts % w != 0 {
             return Err(TrainError::Config(format!("{} experts cannot be spread evenly over {w} ranks", cfg.model.experts)));
         }
         let mut params = init(&cfg);
@@ -69,7 +80,23 @@ impl Trainer {
                 None => true,
             }
         });
-        Ok(Trainer { cfg, params, corpus, rank: r, dist: Some(dist), backward_hook: None })
+        let dense: Vec<(usize, &str, usize)> = params
+            .list
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| !is_expert(&p.name))
+            .map(|(i, p)| (i, p.name.as_str(), p.w.len()))
+            .collect();
+        let bucket_bytes = (cfg.train.bucket_kb > 0).then_some(cfg.train.bucket_kb << 10);
+        let buckets = plan_buckets(&dense, cfg.model.layers, bucket_bytes)?;
+        // alone, there is nothing to average (and no thread to start)
+        let grad_sync = (w > 1).then(|| (buckets, dist.comm.dup()));
+        Ok(Trainer { cfg, params, corpus, rank: r, dist: Some(dist), grad_sync, backward_hook: None })
+    }
+
+    /// The gradient buckets of a data-parallel trainer (empty when alone).
+    pub fn buckets(&self) -> &[Bucket] {
+        self.grad_sync.as_ref().map_or(&[], |(b, _)| b.as_slice())
     }
 
     /// Run one iteration (the next step), timing layers with `prof` when given.
@@ -77,12 +104,12 @@ impl Trainer {
         let iter = self.params.step + 1;
         let (b, t) = (self.cfg.train.batch, self.cfg.model.seq);
         let (x_tok, y_tok) = self.corpus.batch(self.cfg.train.seed, iter, self.rank, b, t);
-        let (loss, load, grads) = self.gradients(&x_tok, &y_tok, b, prof)?;
+        let (loss, load, grads, sync) = self.gradients_with_stats(&x_tok, &y_tok, b, prof)?;
         {
             let _t = prof.map(|p| p.layer(0, Phase::Optimizer));
             adamw(&mut self.params, &grads, self.cfg.train.lr, self.cfg.train.weight_decay);
         }
-        Ok(StepReport { iter, loss, load })
+        Ok(StepReport { iter, loss, load, sync })
     }
 
     /// Loss, expert load and gradients (averaged over ranks when distributed) of `b`
@@ -94,6 +121,18 @@ impl Trainer {
         b: usize,
         prof: Option<&Profiler<MonotonicClock>>,
     ) -> Result<(f32, ExpertLoad, Vec<Vec<f32>>)> {
+        self.gradients_with_stats(x_tok, y_tok, b, prof).map(|(l, e, g, _)| (l, e, g))
+    }
+
+    /// [`Trainer::gradients`] and what the data-parallel averaging did: each bucket of dense
+    /// gradients is averaged on a communication thread as soon as backward has finished it.
+    pub fn gradients_with_stats(
+        &self,
+        x_tok: &[u32],
+        y_tok: &[u32],
+        b: usize,
+        prof: Option<&Profiler<MonotonicClock>>,
+    ) -> Result<(f32, ExpertLoad, Vec<Vec<f32>>, GradSyncStats)> {
         let x_tok = x_tok.to_vec();
         let y_tok = y_tok.to_vec();
         let mut model = Model::new(&self.cfg, &self.params)?;
@@ -102,12 +141,13 @@ impl Trainer {
         }
         let mut grads: Vec<Vec<f32>> = self.params.list.iter().map(|p| vec![0.0; p.w.len()]).collect();
         // forward, keeping each layer's input
-        let mut inputs = Vec::with_capacity(self.cfg.model.layers);
-        let mut routings = Vec::with_capacity(self.cfg.model.layers);
-        let mut eps = Vec::with_capacity(self.cfg.model.layers);
+        let layers = self.cfg.model.layers;
+        let mut inputs = Vec::with_capacity(layers);
+        let mut routings = Vec::with_capacity(layers);
+        let mut eps = Vec::with_capacity(layers);
         let mut load = ExpertLoad { tokens: Vec::new() };
         let mut x = model.embed(&x_tok, b)?;
-        for l in 0..self.cfg.model.layers {
+        for l in 0..layers {
             let _t = prof.map(|p| p.layer(l as u32, Phase::Forward));
             let out = model.forward_layer(l, &x)?;
             inputs.push(x);
@@ -118,30 +158,105 @@ impl Trainer {
             eps.push(out.ep);
             x = out.y;
         }
-        let (loss, mut g) = model.head(&x, &y_tok, &mut grads)?;
-        for l in (0..self.cfg.model.layers).rev() {
-            if let Some(h) = &self.backward_hook {
-                h(self.params.step + 1, l);
+        let no_buckets: &[Bucket] = &[];
+        let (buckets, grad_comm) = match &self.grad_sync {
+            Some((bk, c)) => (bk.as_slice(), Some(c)),
+            None => (no_buckets, None),
+        };
+        let dprof = self.dist.as_ref().and_then(|d| d.prof.clone());
+        let mut compute: Vec<(Instant, Instant)> = Vec::with_capacity(layers + 2);
+        let mut stats = GradSyncStats::default();
+        let loss = std::thread::scope(|s| -> Result<f32> {
+            // The communication thread averages buckets in the order they are handed over
+            // (the same on every rank) and hands each back with its span.
+            type Done = (usize, Vec<f32>, Instant, Instant);
+            let (to_comm, from_main) = mpsc::channel::<(usize, Vec<f32>)>();
+            let (to_main, from_comm) = mpsc::channel::<ironweave_transport::Result<Done>>();
+            let worker = grad_comm.map(|comm| {
+                let prof = dprof.clone();
+                s.spawn(move || {
+                    for (k, mut flat) in from_main {
+                        let t0 = Instant::now();
+                        let r = {
+                            let _c = prof.as_ref().map(|p| p.comm(0, CommKind::Training, (flat.len() * 4) as u64));
+                            ordered_avg(comm, &mut flat)
+                        };
+                        let failed = r.is_err();
+                        let _ = to_main.send(r.map(|()| (k, flat, t0, Instant::now())));
+                        if failed {
+                            break;
+                        }
+                    }
+                })
+            });
+            let mut next = 0;
+            let mut hand_over = |stage: usize, grads: &[Vec<f32>]| -> Result<()> {
+                while worker.is_some() && next < buckets.len() && buckets[next].ready_after <= stage {
+                    let bk = &buckets[next];
+                    let mut flat = Vec::with_capacity(bk.len);
+                    for &i in &bk.params {
+                        flat.extend_from_slice(&grads[i]);
+                    }
+                    if to_comm.send((next, flat)).is_err() {
+                        // the thread stops only after a failed average: report that failure
+                        return Err(match from_comm.try_iter().find_map(|r| r.err()) {
+                            Some(e) => e.into(),
+                            None => TrainError::Config("the gradient communication thread stopped early".into()),
+                        });
+                    }
+                    next += 1;
+                }
+                Ok(())
+            };
+            let t0 = Instant::now();
+            let (loss, mut g) = model.head(&x, &y_tok, &mut grads)?;
+            compute.push((t0, Instant::now()));
+            hand_over(0, &grads)?;
+            for l in (0..layers).rev() {
+                if let Some(h) = &self.backward_hook {
+                    h(self.params.step + 1, l);
+                }
+                let t0 = Instant::now();
+                {
+                    let _t = prof.map(|p| p.layer(l as u32, Phase::Backward));
+                    g = model.backward_layer(l, &inputs[l], routings[l].as_ref(), eps[l].as_ref(), &g, &mut grads)?;
+                }
+                compute.push((t0, Instant::now()));
+                hand_over(1 + (layers - 1 - l), &grads)?;
             }
-            let _t = prof.map(|p| p.layer(l as u32, Phase::Backward));
-            g = model.backward_layer(l, &inputs[l], routings[l].as_ref(), eps[l].as_ref(), &g, &mut grads)?;
-        }
-        model.embed_backward(&x_tok, b, &g, &mut grads)?;
+            let t0 = Instant::now();
+            model.embed_backward(&x_tok, b, &g, &mut grads)?;
+            compute.push((t0, Instant::now()));
+            hand_over(layers + 1, &grads)?;
+            drop(to_comm);
+            if worker.is_some() {
+                let mut spans = Vec::with_capacity(buckets.len());
+                for _ in 0..next {
+                    let (k, flat, c0, c1) = from_comm
+                        .recv()
+                        .map_err(|_| TrainError::Config("the gradient communication thread ended without answering".into()))??;
+                    let mut off = 0;
+                    for &i in &buckets[k].params {
+                        let n = grads[i].len();
+                        grads[i].copy_from_slice(&flat[off..off + n]);
+                        off += n;
+                    }
+                    spans.push((c0, c1));
+                }
+                stats = GradSyncStats {
+                    buckets: spans.len(),
+                    comm_s: spans.iter().map(|(a, b)| (*b - *a).as_secs_f64()).sum(),
+                    hidden_s: covered_s(&spans, &compute),
+                };
+            }
+            Ok(loss)
+        })?;
         drop(model);
         let mut loss = loss;
         if let Some(d) = &self.dist {
-            // data parallel: average dense gradients (one all-reduce); an expert's gradient
-            // already sums every rank's tokens, so it only needs the same 1/world scale
+            // an expert's gradient already sums every rank's tokens: it only needs the same
+            // 1/world scale as the averaged dense gradients
             let w = d.world() as f32;
-            let dense: Vec<usize> = (0..self.params.list.len()).filter(|&i| !is_expert(&self.params.list[i].name)).collect();
-            let mut flat: Vec<f32> = dense.iter().flat_map(|&i| grads[i].iter().copied()).collect();
-            d.all_reduce_avg(&mut flat)?;
-            let mut off = 0;
-            for &i in &dense {
-                let n = grads[i].len();
-                grads[i].copy_from_slice(&flat[off..off + n]);
-                off += n;
-            }
             for (i, g) in grads.iter_mut().enumerate() {
                 if is_expert(&self.params.list[i].name) {
                     g.iter_mut().for_each(|x| *x /= w);
@@ -151,7 +266,7 @@ impl Trainer {
             d.all_reduce_avg(&mut l)?;
             loss = l[0];
         }
-        Ok((loss, load, grads))
+        Ok((loss, load, grads, stats))
     }
 
     /// The checkpoint layout of this rank's state: every parameter with its two moments, the

@@ -918,6 +918,24 @@ impl Communicator {
         })
     }
 
+    /// The same group on the same link in a fresh tag space (MPI's `MPI_Comm_dup`): its
+    /// collectives may run from another thread at the same time as this communicator's, e.g.
+    /// gradient all-reduces on a communication thread during the backward pass. Involves no
+    /// communication; every member must call it in the same order relative to `split`.
+    pub fn dup(&self) -> Communicator {
+        let nth = self.splits.fetch_add(1, Ordering::Relaxed);
+        Communicator {
+            links: self.links.clone(),
+            link: self.link,
+            members: self.members.clone(),
+            me: self.me,
+            ctx: mix(mix(self.ctx, u64::from(nth)), 0xd0d0_0000_0000),
+            splits: AtomicU32::new(0),
+            opts: self.opts.clone(),
+            stripe: self.stripe.clone(),
+        }
+    }
+
     /// Aborts the active link: every pending and future operation fails, here and at peers.
     pub fn abort(&self, reason: &str) {
         self.l().abort(reason);

@@ -43,6 +43,7 @@ pub mod probe;
 pub mod rendezvous;
 mod stripe;
 pub mod testing;
+pub mod threads;
 pub mod wire;
 
 pub use comm::{CommOptions, Communicator, DEFAULT_TIMEOUT, MAX_USER_TAG};

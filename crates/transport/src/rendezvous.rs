@@ -36,6 +36,10 @@ pub struct JobEnv {
     pub rank: usize,
     pub world_size: usize,
     pub local_rank: usize,
+    /// Ranks on this rank's host, when the launcher says (`IRONWEAVE_LOCAL_WORLD_SIZE`,
+    /// torchrun's `LOCAL_WORLD_SIZE`, SLURM's `SLURM_NTASKS_PER_NODE`, OpenMPI's
+    /// `OMPI_COMM_WORLD_LOCAL_SIZE`): how many ranks share its cores.
+    pub local_world_size: Option<usize>,
     pub master: SocketAddr,
     pub job_id: String,
     pub secret: Vec<u8>,
@@ -58,20 +62,34 @@ impl JobEnv {
                 }
             }
         };
-        let conventions: [(EnvSource, &str, &str, &str); 4] = [
-            (EnvSource::Ironweave, "IRONWEAVE_RANK", "IRONWEAVE_WORLD_SIZE", "IRONWEAVE_LOCAL_RANK"),
-            (EnvSource::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"),
-            (EnvSource::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-            (EnvSource::OpenMpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        let conventions: [(EnvSource, &str, &str, &str, &str); 4] = [
+            (
+                EnvSource::Ironweave,
+                "IRONWEAVE_RANK",
+                "IRONWEAVE_WORLD_SIZE",
+                "IRONWEAVE_LOCAL_RANK",
+                "IRONWEAVE_LOCAL_WORLD_SIZE",
+            ),
+            (EnvSource::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+            (EnvSource::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+            (
+                EnvSource::OpenMpi,
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
+            ),
         ];
         let mut found = None;
-        for (src, r, w, l) in conventions {
+        for (src, r, w, l, lw) in conventions {
             if let (Some(rank), Some(world)) = (num(r)?, num(w)?) {
-                found = Some((src, rank, world, num(l)?.unwrap_or(rank)));
+                // a malformed local size only costs the thread choice its hint, never the job
+                let local_world = get(lw).and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n > 0);
+                found = Some((src, rank, world, num(l)?.unwrap_or(rank), local_world));
                 break;
             }
         }
-        let (source, rank, world_size, local_rank) = found.ok_or_else(|| {
+        let (source, rank, world_size, local_rank, local_world_size) = found.ok_or_else(|| {
             Error::Config(
                 "no job in the environment: start ranks with `ironweave launch`, torchrun, srun or mpirun, \
                  or set IRONWEAVE_RANK, IRONWEAVE_WORLD_SIZE, IRONWEAVE_MASTER_ADDR and IRONWEAVE_MASTER_PORT"
@@ -108,7 +126,7 @@ impl JobEnv {
             .next()
             .ok_or_else(|| Error::Config(format!("master address {host:?} resolves to nothing")))?;
         let secret = get("IRONWEAVE_SECRET").unwrap_or_default().into_bytes();
-        Ok(JobEnv { rank, world_size, local_rank, master, job_id, secret, source })
+        Ok(JobEnv { rank, world_size, local_rank, local_world_size, master, job_id, secret, source })
     }
 
     /// The handshake credentials of this job.
@@ -376,6 +394,7 @@ where
                     rank,
                     world_size: n,
                     local_rank: rank,
+                    local_world_size: Some(n),
                     master: (std::net::Ipv4Addr::LOCALHOST, port).into(),
                     job_id: format!("local-{what}-{port}"),
                     secret: b"local".to_vec(),

@@ -1,0 +1,176 @@
+//! Compute threads per rank. Every rank's compute pool (rayon, which candle's CPU kernels use,
+//! and OpenMP in libraries that use it) is as wide as the machine by default, so N ranks on one
+//! host run N × cores threads that fight for the cores: two ranks on two cores ran slower than
+//! one. torchrun sets `OMP_NUM_THREADS=1` per process for this reason; we give each rank
+//! `max(1, cores / ranks on this host)` threads unless the user chose.
+//!
+//! The choice is pure ([`choose`]); [`ThreadChoice::env`] gives the variables a launcher sets
+//! for its children, and [`apply_to_process`] sets them in a rank started by torchrun, srun or
+//! mpirun, before any pool exists.
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// Variables that size a rank's compute pools, in the order a user's value is looked for.
+/// candle reads `RAYON_NUM_THREADS` for its matrix kernels; rayon sizes its global pool by it.
+pub const THREAD_VARS: [&str; 2] = ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"];
+
+/// `max(1, cores / ranks_on_host)`: every core busy, none shared.
+pub fn default_threads(cores: usize, ranks_on_host: usize) -> usize {
+    (cores / ranks_on_host.max(1)).max(1)
+}
+
+/// Where the number of threads came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ThreadSource {
+    /// `--threads-per-rank`.
+    Flag,
+    /// A variable the user set (its name).
+    User(&'static str),
+    /// `cores / ranks on this host`.
+    Default { cores: usize, ranks_on_host: usize },
+}
+
+/// Compute threads for each rank on a host, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThreadChoice {
+    pub threads: usize,
+    pub source: ThreadSource,
+}
+
+impl fmt::Display for ThreadChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.threads;
+        let s = if n == 1 { "" } else { "s" };
+        match &self.source {
+            ThreadSource::Flag => write!(f, "{n} compute thread{s} per rank (--threads-per-rank)"),
+            ThreadSource::User(var) => write!(f, "{n} compute thread{s} per rank ({var} set by the user)"),
+            ThreadSource::Default { cores, ranks_on_host } => write!(
+                f,
+                "{n} compute thread{s} per rank ({cores} cores / {ranks_on_host} rank{} on this host; \
+                 --threads-per-rank or RAYON_NUM_THREADS to change)",
+                if *ranks_on_host == 1 { "" } else { "s" }
+            ),
+        }
+    }
+}
+
+impl ThreadChoice {
+    /// The variables to set for a rank: all of [`THREAD_VARS`] with the flag; the ones the user
+    /// left unset otherwise (a user's value is never overwritten).
+    pub fn env(&self, get: impl Fn(&str) -> Option<String>) -> Vec<(&'static str, String)> {
+        THREAD_VARS
+            .iter()
+            .filter(|v| self.source == ThreadSource::Flag || get(v).is_none())
+            .map(|v| (*v, self.threads.to_string()))
+            .collect()
+    }
+}
+
+/// Picks the threads per rank: `flag` if given, else the first of [`THREAD_VARS`] the user set,
+/// else [`default_threads`]. A user value that is not a positive integer is an error naming it.
+pub fn choose(
+    get: impl Fn(&str) -> Option<String>,
+    cores: usize,
+    ranks_on_host: usize,
+    flag: Option<usize>,
+) -> Result<ThreadChoice> {
+    if let Some(n) = flag {
+        if n == 0 {
+            return Err(Error::Config("--threads-per-rank must be at least 1".into()));
+        }
+        return Ok(ThreadChoice { threads: n, source: ThreadSource::Flag });
+    }
+    for var in THREAD_VARS {
+        if let Some(v) = get(var) {
+            let n =
+                v.trim().parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| {
+                    Error::Config(format!("{var}={v:?} is not a positive number of threads: unset it or give one"))
+                })?;
+            return Ok(ThreadChoice { threads: n, source: ThreadSource::User(var) });
+        }
+    }
+    let ranks_on_host = ranks_on_host.max(1);
+    Ok(ThreadChoice { threads: default_threads(cores, ranks_on_host), source: ThreadSource::Default { cores, ranks_on_host } })
+}
+
+/// Cores this process may run on (affinity and cgroup limits included; 1 if unknown).
+pub fn available_cores() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+/// For a rank started by another launcher (torchrun, srun, mpirun): chooses its threads from
+/// the ranks on its host (`local_world_size`, 1 if unknown) and sets the variables the user
+/// left unset in this process. Call it first thing in `main`, before any thread pool starts and
+/// before other threads exist (it changes the environment). Returns the choice, or `None` when
+/// the user (or our launcher) already set every variable.
+pub fn apply_to_process(local_world_size: Option<usize>) -> Result<Option<ThreadChoice>> {
+    let get = |k: &str| std::env::var(k).ok();
+    if THREAD_VARS.iter().all(|v| get(v).is_some()) {
+        return Ok(None);
+    }
+    let choice = choose(get, available_cores(), local_world_size.unwrap_or(1), None)?;
+    for (k, v) in choice.env(|k| std::env::var(k).ok()) {
+        // Edition 2021: set_var is safe; the contract above keeps other threads from reading
+        // the environment meanwhile.
+        std::env::set_var(k, v);
+    }
+    Ok(Some(choice))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(kv: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn default_divides_the_cores() {
+        assert_eq!(default_threads(2, 1), 2);
+        assert_eq!(default_threads(2, 2), 1);
+        assert_eq!(default_threads(2, 4), 1);
+        assert_eq!(default_threads(16, 4), 4);
+        assert_eq!(default_threads(16, 0), 16);
+        let c = choose(env(&[]), 8, 2, None).unwrap();
+        assert_eq!(c, ThreadChoice { threads: 4, source: ThreadSource::Default { cores: 8, ranks_on_host: 2 } });
+        assert_eq!(c.env(env(&[])), vec![("RAYON_NUM_THREADS", "4".to_string()), ("OMP_NUM_THREADS", "4".to_string())]);
+    }
+
+    #[test]
+    fn user_values_win_and_are_kept() {
+        let e = env(&[("OMP_NUM_THREADS", "3")]);
+        let c = choose(&e, 8, 2, None).unwrap();
+        assert_eq!(c, ThreadChoice { threads: 3, source: ThreadSource::User("OMP_NUM_THREADS") });
+        // only the unset variable is filled in, with the user's number
+        assert_eq!(c.env(&e), vec![("RAYON_NUM_THREADS", "3".to_string())]);
+        let c = choose(env(&[("RAYON_NUM_THREADS", "5"), ("OMP_NUM_THREADS", "3")]), 8, 2, None).unwrap();
+        assert_eq!(c.threads, 5);
+    }
+
+    #[test]
+    fn flag_overrides_everything() {
+        let e = env(&[("RAYON_NUM_THREADS", "5")]);
+        let c = choose(&e, 8, 2, Some(2)).unwrap();
+        assert_eq!(c.source, ThreadSource::Flag);
+        assert_eq!(c.env(&e).len(), 2);
+        assert!(choose(&e, 8, 2, Some(0)).is_err());
+    }
+
+    #[test]
+    fn bad_user_value_is_an_error_naming_it() {
+        let err = choose(env(&[("RAYON_NUM_THREADS", "lots")]), 8, 2, None).unwrap_err().to_string();
+        assert!(err.contains("RAYON_NUM_THREADS"), "{err}");
+        assert!(choose(env(&[("OMP_NUM_THREADS", "0")]), 8, 2, None).is_err());
+    }
+
+    #[test]
+    fn says_why() {
+        let c = choose(env(&[]), 2, 2, None).unwrap().to_string();
+        assert!(c.starts_with("1 compute thread per rank (2 cores / 2 ranks"), "{c}");
+    }
+}
