@@ -11,13 +11,14 @@
 #   libucx-dev                  the UCX backend loads libucp at run time (bindings are checked in)
 #   iproute2                    the emulated cluster (ip netns, veth, tc)
 #   python3, python3-pip        the persistent tier's interoperability test (safetensors, numpy)
+#   chromium                    the report test opens `ironweave report`'s page headless
 #
 # IRONWEAVE_DEPS=build limits the list to what the default features need to build (the main
 # job: cmake, g++, libclang-dev; UCX is loaded at run time and verbs is opt-in).
 ironweave_install_deps() {
   local want=(cmake g++ libclang-dev)
   if [ "${IRONWEAVE_DEPS:-all}" != build ]; then
-    want+=(pkg-config libibverbs-dev librdmacm-dev libucx-dev iproute2 python3 python3-pip)
+    want+=(pkg-config libibverbs-dev librdmacm-dev libucx-dev iproute2 python3 python3-pip chromium)
   fi
   local need=() p
   for p in "${want[@]}"; do

@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/deps.sh
 IRONWEAVE_DEPS=build ironweave_install_deps
-exec cargo run --release -p ironweave -- train --config configs/moe-small.toml --ranks 4 --ckpt capricorn \
+exec cargo run --release -p ironweave-cli -- train --config configs/moe-small.toml --ranks 4 --ckpt capricorn \
   --iters "${IRONWEAVE_DEMO_ITERS:-30}" "$@"

@@ -24,48 +24,112 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
 use serde_json::{json, Value};
 
+/// `cargo xtask`: benchmarks beside their peers, and bindings generation.
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", about = "ironweave's benchmark and CI helper")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Benchmarks: ironweave beside its peers in one invocation; JSON under target/bench.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+    /// Regenerate checked-in FFI bindings.
+    #[command(subcommand)]
+    Bindings(BindingsCmd),
+}
+
+#[derive(Debug, Subcommand)]
+enum BindingsCmd {
+    /// backends/ucx-sys/src/bindings.rs from the installed headers (libucx-dev, libclang-dev).
+    Ucx,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCmd {
+    /// Collectives over ironweave TCP vs OpenMPI (TCP and shared memory) vs memcpy.
+    Collectives {
+        #[arg(long, value_delimiter = ',', default_value = "2,4")]
+        ranks: Vec<usize>,
+        #[arg(long, default_value = "1M,16M,64M")]
+        sizes: String,
+        #[arg(long, default_value = "allreduce,allgather,reducescatter,alltoall")]
+        ops: String,
+        #[arg(long, default_value = "0.5")]
+        min_time: String,
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+    },
+    /// Two emulated links at once vs each alone, with iperf3 and the probe as references.
+    Links {
+        #[arg(long, default_value = "topologies/2host-2link.toml")]
+        topology: String,
+        #[arg(long, default_value = "16M,64M")]
+        sizes: String,
+        #[arg(long, default_value = "1")]
+        min_time: String,
+    },
+    /// ironweave-ucx links vs ucx_perftest; 2-rank collectives vs OpenMPI's default path.
+    Transport {
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+        #[arg(long, default_value = "0.5")]
+        min_time: String,
+    },
+    /// Snapshot and persistent tier vs memcpy, torch.save and torchsnapshot.
+    Snapshot {
+        #[arg(long, default_value = "1G")]
+        bytes: String,
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+    },
+    /// ironweave-train vs PyTorch eager: same model, batch and threads, one process each.
+    Train {
+        #[arg(long, default_value = "configs/moe-small.toml")]
+        config: String,
+        #[arg(long, default_value_t = 10)]
+        iters: u64,
+        /// Compute threads of both (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
+}
+
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("bindings") => match args.get(1).map(String::as_str) {
-            Some("ucx") => {
-                let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-                let out = root().join("backends/ucx-sys/src/bindings.rs");
-                run(Command::new(cargo)
-                    .args([
-                        "run",
-                        "-q",
-                        "-p",
-                        "ironweave-ucx-sys",
-                        "--features",
-                        "generate",
-                        "--bin",
-                        "ironweave-ucx-sys-generate",
-                        "--",
-                    ])
-                    .arg(&out)
-                    .current_dir(root()))?;
-                eprintln!("xtask: wrote {}", out.display());
-                Ok(())
-            }
-            other => bail!("unknown bindings {other:?}; available: ucx"),
-        },
-        Some("bench") => match args.get(1).map(String::as_str) {
-            Some("collectives") => bench_collectives(&args[2..]),
-            Some("links") => bench_links(&args[2..]),
-            Some("snapshot") => bench_snapshot(&args[2..]),
-            Some("transport") => bench_transport(&args[2..]),
-            Some("train") => bench_train(&args[2..]),
-            other => bail!("unknown benchmark {other:?}; available: collectives, links, snapshot, train, transport"),
-        },
-        _ => {
-            eprintln!(
-                "usage: cargo xtask bench collectives [--ranks 2,4] [--sizes 1M,16M,64M] [--ops allreduce,...] [--min-time S]"
-            );
-            std::process::exit(2);
+    match Cli::parse().cmd {
+        Cmd::Bindings(BindingsCmd::Ucx) => {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let out = root().join("backends/ucx-sys/src/bindings.rs");
+            run(Command::new(cargo)
+                .args([
+                    "run",
+                    "-q",
+                    "-p",
+                    "ironweave-ucx-sys",
+                    "--features",
+                    "generate",
+                    "--bin",
+                    "ironweave-ucx-sys-generate",
+                    "--",
+                ])
+                .arg(&out)
+                .current_dir(root()))?;
+            eprintln!("xtask: wrote {}", out.display());
+            Ok(())
         }
+        Cmd::Bench(BenchCmd::Collectives { ranks, sizes, ops, min_time, repeat }) => {
+            bench_collectives(&ranks, &sizes, &ops, &min_time, repeat)
+        }
+        Cmd::Bench(BenchCmd::Links { topology, sizes, min_time }) => bench_links(&topology, &sizes, &min_time),
+        Cmd::Bench(BenchCmd::Transport { repeat, min_time }) => bench_transport(repeat, &min_time),
+        Cmd::Bench(BenchCmd::Snapshot { bytes, repeat }) => bench_snapshot(&bytes, repeat),
+        Cmd::Bench(BenchCmd::Train { config, iters, threads }) => bench_train(&config, iters, threads),
     }
 }
 
@@ -73,18 +137,8 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
 }
 
-fn flag(args: &[String], name: &str, default: &str) -> String {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| default.to_string())
-}
-
 fn parse_size(s: &str) -> Result<u64> {
-    let (n, m) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
-        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    Ok(n.parse::<u64>().with_context(|| format!("size {s:?}"))? * m)
+    Ok(ironweave_units::parse_size(s)?)
 }
 
 fn run(cmd: &mut Command) -> Result<String> {
@@ -106,7 +160,7 @@ fn bench_dir() -> Result<PathBuf> {
 fn build_ironweave() -> Result<PathBuf> {
     eprintln!("xtask: building ironweave (release)");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    run(Command::new(cargo).args(["build", "--release", "-p", "ironweave"]).current_dir(root()))?;
+    run(Command::new(cargo).args(["build", "--release", "-p", "ironweave-cli"]).current_dir(root()))?;
     Ok(target_dir().join("release").join("ironweave"))
 }
 
@@ -123,13 +177,7 @@ fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"))
 }
 
-fn bench_collectives(args: &[String]) -> Result<()> {
-    let ranks: Vec<usize> =
-        flag(args, "--ranks", "2,4").split(',').map(|r| r.parse().context("--ranks")).collect::<Result<_>>()?;
-    let sizes = flag(args, "--sizes", "1M,16M,64M");
-    let ops = flag(args, "--ops", "allreduce,allgather,reducescatter,alltoall");
-    let min_time = flag(args, "--min-time", "0.5");
-    let repeat: usize = flag(args, "--repeat", "3").parse().context("--repeat")?;
+fn bench_collectives(ranks: &[usize], sizes: &str, ops: &str, min_time: &str, repeat: usize) -> Result<()> {
     let out_dir = bench_dir()?;
 
     let iw = build_ironweave()?;
@@ -141,12 +189,12 @@ fn bench_collectives(args: &[String]) -> Result<()> {
     // each table row is the median of its rounds.
     let mut rows: Vec<Value> = Vec::new();
     for round in 0..repeat {
-        for &n in &ranks {
+        for &n in ranks {
             eprintln!("xtask: round {}/{repeat}: ironweave tcp, {n} ranks", round + 1);
             let json_path = out_dir.join(format!("ironweave-{n}.json"));
             run(Command::new(&iw)
-                .args(["bench", "collectives", "--ranks", &n.to_string(), "--backend", "tcp", "--ops", &ops, "--sizes", &sizes])
-                .args(["--min-time", &min_time, "--json"])
+                .args(["bench", "collectives", "--ranks", &n.to_string(), "--backend", "tcp", "--ops", ops, "--sizes", sizes])
+                .args(["--min-time", min_time, "--json"])
                 .arg(&json_path))?;
             let iw_rows: Vec<Value> = serde_json::from_slice(&std::fs::read(&json_path)?)?;
             for r in iw_rows {
@@ -163,7 +211,7 @@ fn bench_collectives(args: &[String]) -> Result<()> {
                 c.args(["--allow-run-as-root", "--oversubscribe", "-np", &n.to_string()])
                     .args(&mca)
                     .arg(&mpi_bin)
-                    .args([label, &min_time]);
+                    .args([label, min_time]);
                 c.args(ops.split(',')).arg("--").args(&size_bytes);
                 for line in run(&mut c)?.lines().filter(|l| l.starts_with('{')) {
                     let mut v: Value = serde_json::from_str(line)?;
@@ -175,11 +223,7 @@ fn bench_collectives(args: &[String]) -> Result<()> {
     }
     for r in rows.iter_mut() {
         let n = r["ranks"].as_f64().unwrap_or(1.0);
-        let f = match r["op"].as_str().unwrap_or("") {
-            "allreduce" => 2.0 * (n - 1.0) / n,
-            "broadcast" => 1.0,
-            _ => (n - 1.0) / n,
-        };
+        let f = r["op"].as_str().and_then(|o| o.parse::<ironweave_units::Coll>().ok()).map_or(1.0, |c| c.bus_factor(n as u32));
         let b = r["bytes"].as_f64().unwrap_or(0.0) / (r["time_us"].as_f64().unwrap_or(f64::INFINITY) * 1e-6) / 1e9 * f;
         r["busbw_gbps"] = json!(b);
     }
@@ -205,7 +249,7 @@ fn bench_collectives(args: &[String]) -> Result<()> {
     let mut table = format!("Median of {repeat} interleaved rounds, busbw in GB/s (nccl-tests definition).\n\n");
     table.push_str("| op | size | ranks | ironweave tcp | OpenMPI tcp | OpenMPI default (shm) | memcpy | ironweave / OpenMPI tcp | ironweave / OpenMPI shm | ironweave / memcpy | all verified |\n");
     table.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
-    for &n in &ranks {
+    for &n in ranks {
         let firsts = rows
             .iter()
             .filter(|r| r["peer"] == "ironweave-tcp" && r["ranks"].as_u64() == Some(n as u64) && r["round"] == json!(0));
@@ -235,13 +279,10 @@ fn bench_collectives(args: &[String]) -> Result<()> {
 /// `cargo xtask bench links [--topology FILE] [--sizes 16M,64M] [--min-time S]` (root): on the
 /// emulated cluster, all-gather and reduce-scatter between two hosts over link A alone, link B
 /// alone and both (striped by rate), with iperf3 on each link and the probe as references.
-fn bench_links(args: &[String]) -> Result<()> {
-    let topo = flag(args, "--topology", "topologies/2host-2link.toml");
-    let sizes = flag(args, "--sizes", "16M,64M");
-    let min_time = flag(args, "--min-time", "1");
+fn bench_links(topo: &str, sizes: &str, min_time: &str) -> Result<()> {
     let out_dir = bench_dir()?;
     let iw = build_ironweave()?;
-    let topo_path = root().join(&topo);
+    let topo_path = root().join(topo);
     let topo_arg = topo_path.to_string_lossy().into_owned();
     let text = std::fs::read_to_string(&topo_path).with_context(|| format!("reading {topo}"))?;
     // The two links of the file, by name and rate (the CLI validates the whole file).
@@ -308,7 +349,7 @@ fn bench_links(args: &[String]) -> Result<()> {
             let path = out_dir.join(format!("links-{sel}.json"));
             run(Command::new(&iw)
                 .args(["bench", "collectives", "--topology", &topo_arg, "--ranks-per-host", "1", "--link", sel])
-                .args(["--ops", "allgather,reducescatter", "--sizes", &sizes, "--min-time", &min_time, "--json"])
+                .args(["--ops", "allgather,reducescatter", "--sizes", sizes, "--min-time", min_time, "--json"])
                 .arg(&path))?;
             rows.push((sel.to_string(), serde_json::from_slice(&std::fs::read(&path)?)?));
         }
@@ -399,9 +440,7 @@ fn perftest(tls: &str, test: &str, size: u64, iters: u64, port: u16) -> Result<(
     result.with_context(|| format!("ucx_perftest {test} with UCX_TLS={tls} gave no result: {}", last_err.unwrap_or_default()))
 }
 
-fn bench_transport(args: &[String]) -> Result<()> {
-    let repeat: usize = flag(args, "--repeat", "3").parse().context("--repeat")?;
-    let min_time = flag(args, "--min-time", "0.5");
+fn bench_transport(repeat: usize, min_time: &str) -> Result<()> {
     let coll_ops = "allreduce,allgather,reducescatter,alltoall";
     let coll_sizes = "1M,16M";
     let out_dir = bench_dir()?;
@@ -417,7 +456,7 @@ fn bench_transport(args: &[String]) -> Result<()> {
             let path = out_dir.join(format!("transport-{link}.json"));
             run(Command::new(&iw)
                 .args(["bench", "collectives", "--ranks", "2", "--backend", "ucx", "--link", link])
-                .args(["--ops", "stream,pingpong", "--sizes", "4M,8", "--min-time", &min_time, "--json"])
+                .args(["--ops", "stream,pingpong", "--sizes", "4M,8", "--min-time", min_time, "--json"])
                 .arg(&path))?;
             let got: Vec<Value> = serde_json::from_slice(&std::fs::read(&path)?)?;
             for r in got {
@@ -434,7 +473,7 @@ fn bench_transport(args: &[String]) -> Result<()> {
         let path = out_dir.join("transport-coll.json");
         run(Command::new(&iw)
             .args(["bench", "collectives", "--ranks", "2", "--backend", "ucx", "--ops", coll_ops, "--sizes", coll_sizes])
-            .args(["--min-time", &min_time, "--json"])
+            .args(["--min-time", min_time, "--json"])
             .arg(&path))?;
         let got: Vec<Value> = serde_json::from_slice(&std::fs::read(&path)?)?;
         for r in got {
@@ -442,7 +481,7 @@ fn bench_transport(args: &[String]) -> Result<()> {
                 "verified": r["verified"], "round": round}));
         }
         let mut c = Command::new("mpirun");
-        c.args(["--allow-run-as-root", "--oversubscribe", "-np", "2"]).arg(&mpi_bin).args(["ompi-default", &min_time]);
+        c.args(["--allow-run-as-root", "--oversubscribe", "-np", "2"]).arg(&mpi_bin).args(["ompi-default", min_time]);
         c.args(coll_ops.split(',')).arg("--").args(&size_bytes);
         for line in run(&mut c)?.lines().filter(|l| l.starts_with('{')) {
             let v: Value = serde_json::from_str(line)?;
@@ -513,17 +552,18 @@ fn torch_venv() -> Result<PathBuf> {
 
 /// ironweave-train beside PyTorch eager on the same model and batch, one process each, the same
 /// compute threads, the same warm-up rule (mean iteration after two warm-up iterations).
-fn bench_train(args: &[String]) -> Result<()> {
-    let config = flag(args, "--config", "configs/moe-small.toml");
-    let iters = flag(args, "--iters", "10");
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).to_string();
-    let threads = flag(args, "--threads", &cores);
+fn bench_train(config: &str, iters: u64, threads: Option<usize>) -> Result<()> {
+    if iters < 3 {
+        bail!("--iters must be at least 3 (two warm-up iterations are not averaged)");
+    }
+    let iters = iters.to_string();
+    let threads = threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).to_string();
     let out_dir = bench_dir()?;
     let iw = build_ironweave()?;
     let report = out_dir.join("train-ironweave");
     eprintln!("ironweave train, 1 rank, {threads} threads ...");
     run(Command::new(&iw)
-        .args(["train", "--config", &config, "--ranks", "1", "--ckpt", "none", "--iters", &iters, "--threads-per-rank", &threads])
+        .args(["train", "--config", config, "--ranks", "1", "--ckpt", "none", "--iters", &iters, "--threads-per-rank", &threads])
         .arg("--report-dir")
         .arg(&report)
         .current_dir(root()))?;
@@ -539,7 +579,7 @@ fn bench_train(args: &[String]) -> Result<()> {
     eprintln!("PyTorch eager, 1 process, {threads} threads ...");
     let peer_out = run(Command::new(&py)
         .arg(root().join("xtask/peers/torch_train.py"))
-        .args(["--config", &config, "--iters", &iters, "--threads", &threads, "--profile"])
+        .args(["--config", config, "--iters", &iters, "--threads", &threads, "--profile"])
         .current_dir(root()))?;
     let peer: Value = serde_json::from_str(peer_out.trim()).context("torch peer output")?;
     let torch_tps = peer["tokens_per_s"].as_f64().unwrap_or(f64::NAN);
@@ -574,9 +614,9 @@ PyTorch's heaviest operators (self CPU time): {}",
     Ok(())
 }
 
-fn bench_snapshot(args: &[String]) -> Result<()> {
-    let bytes = parse_size(&flag(args, "--bytes", "1G"))?;
-    let repeat = flag(args, "--repeat", "3");
+fn bench_snapshot(bytes: &str, repeat: usize) -> Result<()> {
+    let bytes = parse_size(bytes)?;
+    let repeat = repeat.to_string();
     let out_dir = bench_dir()?;
     let iw = build_ironweave()?;
     let ours_json = out_dir.join("snapshot-ironweave.json");

@@ -87,6 +87,15 @@ pub fn init_from_env() -> Result<Communicator> {
 /// Joins the job: one rendezvous for the TCP links and the NCCL unique id.
 pub fn connect(env: &JobEnv, tcp: &ironweave_tcp::TcpConfig, opts: CommOptions) -> Result<Communicator> {
     let info = available()?;
+    // NCCL refuses two ranks of one communicator on one device, after every rank has waited
+    // for the others: say so before anyone waits
+    if let Some(local) = env.local_world_size.filter(|&l| l > info.devices) {
+        return Err(Error::Config(format!(
+            "{local} ranks on this host need {local} CUDA devices (NCCL puts one rank per device); this host has {}: \
+             start at most {} ranks per host",
+            info.devices, info.devices
+        )));
+    }
     let mut rv = Rendezvous::connect(env, tcp.timeout)?;
     let mut tcp_links = ironweave_tcp::connect_links(env, &mut rv, tcp)?;
     let host = tcp_links.remove(0);

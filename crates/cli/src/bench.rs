@@ -37,30 +37,15 @@ pub struct Row {
     pub error: Option<String>,
 }
 
-/// Parses `4K`, `1M`, `64M`, `1G` or a byte count.
+/// Parses `4K`, `1M`, `64M`, `1G` or a byte count (`ironweave_units::parse_size`).
 pub fn parse_size(s: &str) -> Result<usize> {
-    let s = s.trim();
-    let (num, mul) = match s.char_indices().last() {
-        Some((i, 'K' | 'k')) => (&s[..i], 1usize << 10),
-        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
-        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
-        _ => (s, 1),
-    };
-    let n: usize = num.parse().with_context(|| format!("size {s:?}: expected a number with an optional K, M or G suffix"))?;
-    n.checked_mul(mul).with_context(|| format!("size {s:?} is too large"))
+    let n = ironweave_units::parse_size(s)?;
+    usize::try_from(n).with_context(|| format!("size {s:?} does not fit this machine's address space"))
 }
 
 /// Human size for tables.
 pub fn human(b: usize) -> String {
-    if b >= 1 << 30 && b % (1 << 30) == 0 {
-        format!("{} GiB", b >> 30)
-    } else if b >= 1 << 20 && b % (1 << 20) == 0 {
-        format!("{} MiB", b >> 20)
-    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
-        format!("{} KiB", b >> 10)
-    } else {
-        format!("{b} B")
-    }
+    ironweave_units::human_bytes(b as u64)
 }
 
 fn case_of(op: &str) -> Result<Case> {
@@ -76,14 +61,9 @@ fn case_of(op: &str) -> Result<Case> {
     })
 }
 
-/// nccl-tests' bus-bandwidth factor.
+/// nccl-tests' bus-bandwidth factor of a benchmark op (1 for point-to-point rows).
 pub fn bus_factor(op: &str, n: usize) -> f64 {
-    let n = n as f64;
-    match op {
-        "allreduce" => 2.0 * (n - 1.0) / n,
-        "allgather" | "reducescatter" | "alltoall" => (n - 1.0) / n,
-        _ => 1.0,
-    }
+    op.parse::<ironweave_units::Coll>().map_or(1.0, |c| c.bus_factor(n as u32))
 }
 
 /// Validates ops and sizes before anything starts.

@@ -7,6 +7,8 @@ mod ckpt_selftest;
 mod cluster;
 mod launch;
 mod plan;
+mod progress;
+mod report;
 mod scaling;
 mod selftest;
 mod simulate;
@@ -19,7 +21,11 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "ironweave", version, about = "Distributed training transport: launch ranks, benchmark collectives")]
+#[command(
+    name = "ironweave",
+    version,
+    about = "ironweave: distributed training of MoE models — train with per-iteration checkpoints, launch ranks, benchmark against peers, plan (Oases, HSDP), simulate, emulate a cluster, report"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -59,6 +65,14 @@ enum Cmd {
         #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
         command: Vec<String>,
     },
+    /// One self-contained HTML page (charts, timeline) from a train or bench run directory.
+    Report {
+        /// The run directory (target/train-report, target/bench/ckpt, target/bench/scaling, ...).
+        dir: std::path::PathBuf,
+        /// Where to write the page (default: DIR/report.html).
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -84,6 +98,8 @@ enum Cmd {
         persist_every: u64,
         #[arg(long)]
         bucket_kb: Option<usize>,
+        #[arg(long)]
+        quiet: bool,
     },
     /// Plan a parallel layout with a cost model and HiGHS.
     Plan {
@@ -518,8 +534,13 @@ fn run(cli: Cli) -> Result<i32> {
         }
         Cmd::Cluster { what } => cluster_cmd(what),
         Cmd::Train(args) => train::run(&args),
-        Cmd::TrainWorker { config, ckpt, iters, report_dir, fail, persist_every, bucket_kb } => {
-            train::worker(&config, &ckpt, iters, &report_dir, fail.as_deref(), persist_every, bucket_kb)?;
+        Cmd::Report { dir, out } => {
+            let p = report::write(&dir, out.as_deref())?;
+            println!("{}", p.display());
+            Ok(0)
+        }
+        Cmd::TrainWorker { config, ckpt, iters, report_dir, fail, persist_every, bucket_kb, quiet } => {
+            train::worker(&config, &ckpt, iters, &report_dir, fail.as_deref(), persist_every, bucket_kb, quiet)?;
             Ok(0)
         }
         Cmd::Simulate { scenario, args } => {

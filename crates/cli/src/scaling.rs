@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
+use crate::progress::{Mode, Progress};
 use crate::train::{run, Report, TrainArgs};
 
 /// `ironweave bench scaling`'s options.
@@ -64,6 +65,7 @@ pub struct Row {
 /// One training run without checkpoints; `on_cluster`: on the emulated cluster of --topology.
 fn one(
     a: &ScalingArgs,
+    progress: &mut (Progress, u64),
     name: &str,
     ranks: usize,
     threads: Option<usize>,
@@ -81,15 +83,18 @@ fn one(
         persist_every: 0,
         threads_per_rank: threads,
         bucket_kb,
+        quiet: true,
         ..TrainArgs::new(&a.config)
     };
-    eprintln!("== bench scaling: {name}");
     let code = run(&args)?;
     if code != 0 {
         bail!("the {name} run failed (status {code}); see its output above");
     }
     let p = dir.join("report.json");
-    Ok(serde_json::from_slice(&std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?)?)
+    let r: Report = serde_json::from_slice(&std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?)?;
+    progress.1 += 1;
+    progress.0.step(progress.1, &format!("{name}: {:.0} tokens/s", r.tokens_per_s()));
+    Ok(r)
 }
 
 /// Runs every row; prints and writes the table.
@@ -102,8 +107,14 @@ pub fn bench(a: &ScalingArgs) -> Result<Vec<Row>> {
     }
     let cores = ironweave_transport::threads::available_cores();
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let runs = 1 + match &a.topology {
+        Some(_) => 2,
+        None => a.ranks.len() + if a.oversubscribed { a.ranks.iter().filter(|&&n| n > 1).count() } else { 0 },
+    };
+    let mut pr = (Progress::new("bench scaling: run", 0, runs as u64, Mode::detect(false)), 0u64);
+    let pr = &mut pr;
     // the reference: one rank, one thread
-    let reference = one(a, "r1-t1", 1, Some(1), None, false)?;
+    let reference = one(a, pr, "r1-t1", 1, Some(1), None, false)?;
     let base = reference.tokens_per_s();
     let row = |label: String, r: &Report, path: &'static str| Row {
         label,
@@ -121,12 +132,12 @@ pub fn bench(a: &ScalingArgs) -> Result<Vec<Row>> {
     match &a.topology {
         None => {
             for &n in &a.ranks {
-                let r = one(a, &format!("r{n}"), n, None, a.bucket_kb, false)?;
+                let r = one(a, pr, &format!("r{n}"), n, None, a.bucket_kb, false)?;
                 rows.push(row(format!("{n} rank{}, threads chosen per rank", if n == 1 { "" } else { "s" }), &r, "bucketed"));
             }
             if a.oversubscribed {
                 for &n in a.ranks.iter().filter(|&&n| n > 1) {
-                    let r = one(a, &format!("r{n}-t{cores}"), n, Some(cores), a.bucket_kb, false)?;
+                    let r = one(a, pr, &format!("r{n}-t{cores}"), n, Some(cores), a.bucket_kb, false)?;
                     rows.push(row(format!("{n} ranks, {cores} threads each (cores per rank)"), &r, "bucketed"));
                 }
             }
@@ -134,13 +145,14 @@ pub fn bench(a: &ScalingArgs) -> Result<Vec<Row>> {
         Some(t) => {
             let topo = crate::cluster::Topology::load(t)?;
             let n = topo.hosts * a.ranks_per_host.max(1);
-            let b = one(a, "cluster-bucketed", n, None, a.bucket_kb, true)?;
-            let s = one(a, "cluster-single", n, None, Some(0), true)?;
+            let b = one(a, pr, "cluster-bucketed", n, None, a.bucket_kb, true)?;
+            let s = one(a, pr, "cluster-single", n, None, Some(0), true)?;
             let label = |what: &str| format!("{n} ranks on {} ({} hosts), {what}", topo.name, topo.hosts);
             rows.push(row(label("bucketed during backward"), &b, "bucketed"));
             rows.push(row(label("one bucket after backward"), &s, "single"));
         }
     }
+    pr.0.finish();
     let md = table(&rows, a.topology.is_some());
     print!("{md}");
     std::fs::write(a.out.join("scaling.md"), &md)?;

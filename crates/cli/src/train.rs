@@ -19,6 +19,8 @@ use ironweave_transport::rendezvous::JobEnv;
 use ironweave_transport::CommOptions;
 use serde::{Deserialize, Serialize};
 
+use crate::progress::{Mode, Progress};
+
 /// `--fail rank=R,iter=I` (several ranks: `rank=R1+R2,iter=I`, killed together).
 pub fn parse_fail(s: &str) -> Result<(Vec<usize>, u64)> {
     let mut ranks = Vec::new();
@@ -81,6 +83,9 @@ pub struct TrainArgs {
     /// (0: one bucket after the whole backward; default: the config's `bucket_kb`, 512).
     #[arg(long)]
     pub bucket_kb: Option<usize>,
+    /// No progress bar or per-iteration lines (the summary is still printed).
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 impl TrainArgs {
@@ -99,6 +104,7 @@ impl TrainArgs {
             persist_every: 10,
             threads_per_rank: None,
             bucket_kb: None,
+            quiet: false,
         }
     }
 }
@@ -183,6 +189,7 @@ pub fn worker(
     fail: Option<&str>,
     persist_every: u64,
     bucket_kb: Option<usize>,
+    quiet: bool,
 ) -> Result<()> {
     // before any compute pool exists: ranks from torchrun/srun/mpirun get cores / local ranks
     let base = JobEnv::from_env()?;
@@ -198,6 +205,8 @@ pub fn worker(
     let iters = iters.unwrap_or(cfg.train.iters);
     let strategy = Strategy::parse(strategy)?;
     let fail = fail.map(parse_fail).transpose()?;
+    // the launcher exports the backend `ironweave train --backend` named
+    let backend = ironweave::Backend::from_env()?;
     let mut gen: u16 = std::env::var("IRONWEAVE_GENERATION").ok().and_then(|g| g.parse().ok()).unwrap_or(0);
     let start_gen = gen;
     let rank = base.rank;
@@ -223,7 +232,7 @@ pub fn worker(
         env.master.set_port(base.master.port() + gen);
         env.job_id = format!("{}-g{gen}", base.job_id);
         let opts = CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() };
-        let comm = Arc::new(ironweave_tcp::connect(&env, &ironweave_tcp::TcpConfig::from_env()?, opts)?);
+        let comm = Arc::new(ironweave::connect(backend, &env, opts)?);
         let dist = Dist { comm: comm.clone(), prof: None };
         // a fresh trainer per generation (its communicator is new); parameters come back from
         // the restore, or from the seed at generation 0
@@ -258,10 +267,12 @@ pub fn worker(
                 tr.load_state(|name| r.snapshot.tensor(name).map(<[u8]>::to_vec))?;
                 rep.recoveries += 1;
                 if rank == 0 {
+                    // said even with --quiet: a recovery is news
                     println!("recovered: every rank restored iteration {} (rank 0 from {:?})", r.iter, r.source);
                 }
                 start = r.iter + 1;
             }
+            let progress = (rank == 0).then(|| Progress::new("iter", start - 1, iters, Mode::detect(quiet)));
             let mut last_load: Option<ExpertLoad> = None;
             for it in start..=iters {
                 let t0 = Instant::now();
@@ -286,17 +297,23 @@ pub fn worker(
                     writeln!(f, "{line}")?;
                 }
                 last_load = Some(s.load);
-                if rank == 0 {
+                if let Some(p) = &progress {
                     let toks = (cfg.train.batch * cfg.model.seq * comm.size()) as f64;
-                    println!(
-                        "iter {it:>4}/{iters}  loss {:.4}  {:>8.0} tokens/s  ckpt exposed {:>7.2} ms  committed {}",
-                        s.loss,
-                        toks / dt,
-                        ir.exposed_s * 1e3,
-                        committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
+                    p.step(
+                        it,
+                        &format!(
+                            "loss {:.4}  {:>6.0} tokens/s  ckpt exposed {:>6.2} ms  committed {}",
+                            s.loss,
+                            toks / dt,
+                            ir.exposed_s * 1e3,
+                            committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
+                        ),
                     );
                     let _ = std::io::stdout().flush();
                 }
+            }
+            if let Some(p) = &progress {
+                p.finish();
             }
             Ok(())
         })();
@@ -375,12 +392,16 @@ pub fn worker(
         let hist = e.profiler().history();
         let trace = ironweave_profile::export::chrome_trace(&hist, &[], 0);
         std::fs::write(report_dir.join("trace.json"), serde_json::to_vec(&trace)?)?;
-        if let Some(p) = hist.last() {
+        // the last iteration that timed its layers (speculative activation turns layer timing
+        // off in most iterations; an unprofiled one would draw an empty layers lane)
+        if let Some(p) = hist.iter().rev().find(|p| !p.layers.is_empty()).or(hist.last()) {
             let w = ironweave_profile::idle_windows(p, 0, 50_000);
-            std::fs::write(
-                report_dir.join("timeline.svg"),
-                ironweave_profile::export::svg_timeline(p, &w, &format!("rank 0, iteration {}", p.iter)),
-            )?;
+            let title = if p.layers.is_empty() {
+                format!("rank 0, iteration {} (no iteration timed its layers)", p.iter)
+            } else {
+                format!("rank 0, iteration {} (the last one profiled layer by layer)", p.iter)
+            };
+            std::fs::write(report_dir.join("timeline.svg"), ironweave_profile::export::svg_timeline(p, &w, &title))?;
         }
     }
     engine.take().expect("ran").shutdown()?;
@@ -391,10 +412,9 @@ pub fn worker(
 pub fn run(a: &TrainArgs) -> Result<i32> {
     let (config, ranks, strategy, backend) = (a.config.as_path(), a.ranks, a.ckpt.as_str(), a.backend.as_str());
     let (iters, report_dir, fail, persist_every) = (a.iters, a.report_dir.as_path(), a.fail.as_deref(), a.persist_every);
-    crate::backend::check(backend)?;
-    if backend != "tcp" {
-        bail!("training runs on the tcp backend today (got --backend {backend})");
-    }
+    // a backend that is not compiled in or cannot run here is refused before any rank starts
+    let chosen = ironweave::Backend::pick(backend)?;
+    chosen.usable().with_context(|| format!("--backend {chosen} cannot run here (`ironweave doctor` says more)"))?;
     let (cfg, _) = load_config(config)?;
     Strategy::parse(strategy)?;
     if let Some(f) = fail {
@@ -431,12 +451,15 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     if let Some(k) = a.bucket_kb {
         args.extend(["--bucket-kb".into(), k.to_string()]);
     }
+    if a.quiet {
+        args.push("--quiet".into());
+    }
     let topology = match &a.topology {
         Some(p) => Some((crate::cluster::Topology::load(p)?, a.ranks_per_host.max(1))),
         None => None,
     };
     eprintln!(
-        "ironweave train: {} on {ranks} ranks, checkpoint strategy {strategy}, report in {}",
+        "ironweave train: {} on {ranks} ranks over {chosen}, checkpoint strategy {strategy}, report in {}",
         cfg.name,
         report_dir.display()
     );
@@ -445,7 +468,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         program: exe.to_string_lossy().into_owned(),
         args,
         prefix: false,
-        env: vec![],
+        env: vec![("IRONWEAVE_BACKEND".into(), chosen.name().into())],
         timeout: None,
         topology,
         max_restarts: if fail.is_some() { 4 } else { 0 },
@@ -489,7 +512,10 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         rep.recoveries,
         &rep.final_state_sha256[..16]
     );
-    println!("report: {}", report_dir.join("report.json").display());
+    match crate::report::write(report_dir, None) {
+        Ok(html) => println!("report: {} (and report.json, trace.json, timeline.svg beside it)", html.display()),
+        Err(e) => eprintln!("ironweave train: could not write the HTML report: {e:#}"),
+    }
     Ok(0)
 }
 
@@ -510,6 +536,7 @@ pub fn bench(
         Strategy::parse(s)?;
     }
     let mut rows: Vec<(String, Report)> = Vec::new();
+    let progress = Progress::new("bench ckpt: strategy", 0, strategies.len() as u64, Mode::detect(false));
     for s in strategies {
         let dir = out.join(s);
         let args = TrainArgs {
@@ -520,6 +547,7 @@ pub fn bench(
             iters: Some(iters),
             report_dir: dir.clone(),
             persist_every: 0,
+            quiet: true,
             ..TrainArgs::new(config)
         };
         let code = run(&args)?;
@@ -527,8 +555,10 @@ pub fn bench(
             bail!("the {s} run failed (status {code}); see its output above");
         }
         let rep: Report = serde_json::from_slice(&std::fs::read(dir.join("report.json"))?)?;
+        progress.step(rows.len() as u64 + 1, &format!("{s}: mean iteration {:.1} ms", rep.mean_iter_s() * 1e3));
         rows.push((s.clone(), rep));
     }
+    progress.finish();
     let mean = |r: &Report| {
         let v = &r.iter_time_s[2..];
         v.iter().sum::<f64>() / v.len() as f64

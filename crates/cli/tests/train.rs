@@ -126,5 +126,10 @@ fn bench_ckpt_prints_a_row_per_strategy() {
         "{stdout}"
     );
     assert!(out_dir.join("ckpt.json").exists() && out_dir.join("ckpt.md").exists());
+    // the comparison as bar charts in the HTML report
+    let rep = Command::new(env!("CARGO_BIN_EXE_ironweave")).arg("report").arg(&out_dir).output().unwrap();
+    assert!(rep.status.success(), "{}", String::from_utf8_lossy(&rep.stderr));
+    let html = std::fs::read_to_string(out_dir.join("report.html")).unwrap();
+    assert!(html.contains("id=\"ckpt\"") && html.contains("<rect"), "no strategy bars in the report");
     std::fs::remove_dir_all(&out_dir).ok();
 }

@@ -26,28 +26,24 @@ pub enum Coll {
 }
 
 impl Coll {
+    /// The same collective in `ironweave-units`, where the factors are defined once.
+    fn unit(self) -> ironweave_units::Coll {
+        match self {
+            Coll::AllReduce => ironweave_units::Coll::AllReduce,
+            Coll::AllGather => ironweave_units::Coll::AllGather,
+            Coll::ReduceScatter => ironweave_units::Coll::ReduceScatter,
+            Coll::AllToAll => ironweave_units::Coll::AllToAll,
+        }
+    }
+
     /// Bytes each device moves per byte of buffer, for a group of `n`.
     pub fn bus_factor(self, n: u32) -> f64 {
-        if n <= 1 {
-            return 0.0;
-        }
-        let n = n as f64;
-        match self {
-            Coll::AllReduce => 2.0 * (n - 1.0) / n,
-            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => (n - 1.0) / n,
-        }
+        self.unit().bus_factor(n)
     }
 
     /// Latency terms (ring steps) for a group of `n`.
     pub fn steps(self, n: u32) -> f64 {
-        if n <= 1 {
-            return 0.0;
-        }
-        let n = (n - 1) as f64;
-        match self {
-            Coll::AllReduce => 2.0 * n,
-            _ => n,
-        }
+        self.unit().steps(n)
     }
 }
 

@@ -1,0 +1,85 @@
+//! Progress people expect on long work: a bar with ETA when stderr is a terminal, one plain
+//! line per step (with an ETA too) when it is not (logs, CI, pipes), nothing with `--quiet`.
+
+use std::io::IsTerminal;
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// How progress is shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Bar,
+    Lines,
+    Quiet,
+}
+
+impl Mode {
+    /// A bar on a terminal, lines elsewhere, nothing when `quiet`.
+    pub fn detect(quiet: bool) -> Mode {
+        if quiet {
+            Mode::Quiet
+        } else if std::io::stderr().is_terminal() {
+            Mode::Bar
+        } else {
+            Mode::Lines
+        }
+    }
+}
+
+/// Progress of `len` steps of something.
+#[derive(Debug)]
+pub struct Progress {
+    mode: Mode,
+    bar: Option<ProgressBar>,
+    what: String,
+    len: u64,
+    start: Instant,
+    first: u64,
+}
+
+impl Progress {
+    /// Starts at step `first` (a resumed run starts past 0).
+    pub fn new(what: &str, first: u64, len: u64, mode: Mode) -> Progress {
+        let bar = (mode == Mode::Bar).then(|| {
+            let b = ProgressBar::new(len);
+            b.set_style(
+                ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} ETA {eta} {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar())
+                    .progress_chars("=> "),
+            );
+            b.set_prefix(what.to_string());
+            b.set_position(first);
+            b
+        });
+        Progress { mode, bar, what: what.to_string(), len, start: Instant::now(), first }
+    }
+
+    /// Step `pos` is done; `msg` says how it went.
+    pub fn step(&self, pos: u64, msg: &str) {
+        match (&self.bar, self.mode) {
+            (Some(b), _) => {
+                b.set_position(pos);
+                b.set_message(msg.to_string());
+            }
+            (None, Mode::Lines) => {
+                let done = pos.saturating_sub(self.first);
+                let eta = if done > 0 {
+                    let per = self.start.elapsed().as_secs_f64() / done as f64;
+                    format!(", ETA {:.0} s", per * self.len.saturating_sub(pos) as f64)
+                } else {
+                    String::new()
+                };
+                println!("{} {pos}/{}{eta}: {msg}", self.what, self.len);
+            }
+            _ => {}
+        }
+    }
+
+    /// Clears the bar.
+    pub fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}

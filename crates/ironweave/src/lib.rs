@@ -1,0 +1,32 @@
+//! ironweave: fast, reliable training of large models — Mixture-of-Experts above all — across
+//! many devices. This is the crate a program depends on: it picks the transport backend (cargo
+//! features `tcp` (default), `ucx`, `verbs`, `nccl`; the choice at run time is
+//! `IRONWEAVE_BACKEND` or an argument), joins the job its launcher described (`ironweave
+//! launch`, torchrun, srun, mpirun), and re-exports the crates below it:
+//!
+//! - [`transport`]: the [`Communicator`] (point-to-point, collectives, sub-groups, several links);
+//! - [`profile`]: per-layer timers, link timelines, idle windows, expert-load drift;
+//! - [`ckpt`]: the Capricorn checkpoint engine (per-iteration in-memory checkpoints replicated
+//!   to peers, commit, recovery, persistent tier);
+//! - [`plan`]: cost models and the Oases (tensor-parallel) and HSDP (sharded data-parallel)
+//!   planners.
+//!
+//! ```no_run
+//! // a rank of a job started by `ironweave launch -n 2 -- my-program`
+//! let comm = ironweave::init_from_env()?;
+//! let mut grads = vec![1.0f32; 1024];
+//! comm.all_reduce(&mut grads, ironweave::ReduceOp::Avg)?;
+//! # Ok::<(), ironweave::Error>(())
+//! ```
+
+mod backend;
+mod doctor;
+
+pub use backend::{connect, init, init_from_env, Backend};
+pub use doctor::{doctor, BackendReport, LinkReport};
+pub use ironweave_ckpt as ckpt;
+pub use ironweave_plan as plan;
+pub use ironweave_profile as profile;
+pub use ironweave_transport as transport;
+pub use ironweave_transport::rendezvous::JobEnv;
+pub use ironweave_transport::{CommOptions, Communicator, Error, ReduceOp, Result};

@@ -1,0 +1,145 @@
+//! ironweave-units: the few definitions that the planner, the command line and the benchmark
+//! helper (xtask) must agree on — byte sizes as people write them (`4K`, `16M`, `1G`) and the
+//! collectives' bus-bandwidth factors (nccl-tests' definition) — with no dependencies, so that
+//! even xtask can use them without building the workspace.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// A size or collective name that could not be read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParseError(pub String);
+
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ParseError {}
+
+/// Parses `4K`, `1M`, `64M`, `1G` (binary multiples, either case) or a plain byte count.
+pub fn parse_size(s: &str) -> Result<u64, ParseError> {
+    let t = s.trim();
+    let (num, mul) = match t.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&t[..i], 1u64 << 10),
+        Some((i, 'M' | 'm')) => (&t[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&t[..i], 1 << 30),
+        _ => (t, 1),
+    };
+    let n: u64 =
+        num.parse().map_err(|_| ParseError(format!("size {s:?}: expected a number with an optional K, M or G suffix")))?;
+    n.checked_mul(mul).ok_or_else(|| ParseError(format!("size {s:?} is too large")))
+}
+
+/// `16 MiB`, `4 KiB`, `1 GiB` when exact, else bytes.
+pub fn human_bytes(b: u64) -> String {
+    if b >= 1 << 30 && b % (1 << 30) == 0 {
+        format!("{} GiB", b >> 30)
+    } else if b >= 1 << 20 && b % (1 << 20) == 0 {
+        format!("{} MiB", b >> 20)
+    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+        format!("{} KiB", b >> 10)
+    } else {
+        format!("{b} B")
+    }
+}
+
+/// A collective, as the cost model and the benchmarks name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Coll {
+    /// Sum everywhere.
+    AllReduce,
+    /// Concatenate shards.
+    AllGather,
+    /// Sum and scatter shards.
+    ReduceScatter,
+    /// Personalised exchange.
+    AllToAll,
+    /// One root's buffer everywhere.
+    Broadcast,
+}
+
+impl Coll {
+    /// Its name in benchmark rows and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Coll::AllReduce => "allreduce",
+            Coll::AllGather => "allgather",
+            Coll::ReduceScatter => "reducescatter",
+            Coll::AllToAll => "alltoall",
+            Coll::Broadcast => "broadcast",
+        }
+    }
+
+    /// Bytes each rank moves per byte of buffer in a group of `n` (nccl-tests' bus factor:
+    /// busbw = algbw × factor); 0 for a group of one.
+    pub fn bus_factor(self, n: u32) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        let n = f64::from(n);
+        match self {
+            Coll::AllReduce => 2.0 * (n - 1.0) / n,
+            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => (n - 1.0) / n,
+            Coll::Broadcast => 1.0,
+        }
+    }
+
+    /// Latency terms (ring steps) for a group of `n`.
+    pub fn steps(self, n: u32) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        let n = f64::from(n - 1);
+        match self {
+            Coll::AllReduce => 2.0 * n,
+            _ => n,
+        }
+    }
+}
+
+impl FromStr for Coll {
+    type Err = ParseError;
+
+    fn from_str(s: &str) -> Result<Coll, ParseError> {
+        [Coll::AllReduce, Coll::AllGather, Coll::ReduceScatter, Coll::AllToAll, Coll::Broadcast]
+            .into_iter()
+            .find(|c| c.name() == s.trim())
+            .ok_or_else(|| {
+                ParseError(format!("unknown collective {s:?}: allreduce, allgather, reducescatter, alltoall, broadcast"))
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4K").unwrap(), 4096);
+        assert_eq!(parse_size(" 16m ").unwrap(), 16 << 20);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        assert_eq!(parse_size("123").unwrap(), 123);
+        assert!(parse_size("1.5M").is_err());
+        assert!(parse_size("M").is_err());
+        assert!(parse_size("99999999999999999999G").is_err());
+        assert!(parse_size("17179869184G").unwrap_err().to_string().contains("too large"));
+        assert_eq!(human_bytes(16 << 20), "16 MiB");
+        assert_eq!(human_bytes(1000), "1000 B");
+    }
+
+    #[test]
+    fn bus_factors_follow_nccl_tests() {
+        assert_eq!(Coll::AllReduce.bus_factor(4), 1.5);
+        assert_eq!(Coll::AllGather.bus_factor(4), 0.75);
+        assert_eq!(Coll::AllToAll.bus_factor(2), 0.5);
+        assert_eq!(Coll::Broadcast.bus_factor(8), 1.0);
+        assert_eq!(Coll::AllReduce.bus_factor(1), 0.0);
+        for c in ["allreduce", "allgather", "reducescatter", "alltoall", "broadcast"] {
+            assert_eq!(c.parse::<Coll>().unwrap().name(), c);
+        }
+        assert!("gather".parse::<Coll>().is_err());
+    }
+}
