@@ -1,6 +1,6 @@
 //! # ironweave-nccl
 //!
-//! A transport backend over NCCL (`--features nccl` on the CLI), through cudarc's maintained
+//! A transport backend over NCCL (feature `nccl` of the `ironweave` facade and CLI), through cudarc's maintained
 //! bindings with the CUDA driver and NCCL loaded at run time.
 //!
 //! The link carries two paths: collectives on **device** buffers go to NCCL's own kernels
@@ -92,7 +92,7 @@ pub fn connect(env: &JobEnv, tcp: &ironweave_tcp::TcpConfig, opts: CommOptions) 
     if let Some(local) = env.local_world_size.filter(|&l| l > info.devices) {
         return Err(Error::Config(format!(
             "{local} ranks on this host need {local} CUDA devices (NCCL puts one rank per device); this host has {}: \
-             start at most {} ranks per host",
+             start at most {} rank(s) per host",
             info.devices, info.devices
         )));
     }

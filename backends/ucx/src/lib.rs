@@ -1,6 +1,6 @@
 //! # ironweave-ucx
 //!
-//! A transport backend over UCX (`--features ucx` on the `ironweave` CLI). Each link is one
+//! A transport backend over UCX (feature `ucx` of the `ironweave` facade and CLI). Each link is one
 //! UCX context and worker restricted to a set of UCX transports, so that shared memory
 //! (`posix,sysv,cma,self`) and TCP (`tcp`) show up as separate links a communicator can stripe
 //! over or the planner can price separately. Messages are UCX active messages; matching,

@@ -1,6 +1,6 @@
 //! # ironweave-verbs
 //!
-//! A transport backend over raw InfiniBand / RoCE verbs (`--features verbs` on the CLI), for
+//! A transport backend over raw InfiniBand / RoCE verbs (feature `verbs` of the `ironweave` facade and CLI), for
 //! those who want the queue pairs under their own control.
 //!
 //! Per peer, one reliable-connected queue pair and two registered rings of [`SLOTS`] slots of

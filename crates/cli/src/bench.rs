@@ -9,6 +9,8 @@ use ironweave_transport::testing::{check_collective, Case};
 use ironweave_transport::{bf16, f16, Communicator, DType, Element, ReduceOp};
 use serde::{Deserialize, Serialize};
 
+use crate::progress::{Mode, Progress};
+
 /// Operations the benchmark knows, by name: collectives, and two point-to-point tests between
 /// ranks 0 and 1 (`pingpong`: one-way time of a round trip / 2, as `ucx_perftest -t tag_lat`;
 /// `stream`: rank 0 sends one buffer to rank 1 back to back, as `-t tag_bw`).
@@ -149,6 +151,8 @@ pub fn select_link(world: &Communicator, link: &str) -> Result<Communicator> {
 
 fn rows<T: Element>(c: &Communicator, backend: &str, ops: &[String], sizes: &[String], min_time: f64) -> Result<Vec<Row>> {
     let total = ops.len() * sizes.len();
+    // rank 0 reports; its stderr reaches the user through the launcher (so: lines, not a bar)
+    let progress = (c.rank() == 0).then(|| Progress::new("row", 0, total as u64, Mode::Lines));
     let mut out = Vec::new();
     for op in ops {
         let case = case_of(op)?;
@@ -159,15 +163,17 @@ fn rows<T: Element>(c: &Communicator, backend: &str, ops: &[String], sizes: &[St
             } else {
                 collective_row::<T>(c, op, case, bytes, backend, min_time)?
             };
-            if c.rank() == 0 {
-                eprintln!(
-                    "[{}/{total}] {:>13} {:>9}: {:>10.2} us  busbw {:>6.3} GB/s  {}",
-                    out.len() + 1,
-                    row.op,
-                    human(row.bytes),
-                    row.time_us,
-                    row.busbw_gbps,
-                    if row.verified { "verified" } else { "NOT VERIFIED" }
+            if let Some(p) = &progress {
+                p.step(
+                    out.len() as u64 + 1,
+                    &format!(
+                        "{:>13} {:>9}: {:>10.2} us  busbw {:>6.3} GB/s  {}",
+                        row.op,
+                        human(row.bytes),
+                        row.time_us,
+                        row.busbw_gbps,
+                        if row.verified { "verified" } else { "NOT VERIFIED" }
+                    ),
                 );
             }
             out.push(row);

@@ -1,5 +1,9 @@
-//! `ironweave`: the command line. `launch` starts ranks, `bench` measures, `selftest` holds
-//! the small rank programs the fault tests run.
+//! `ironweave` (package ironweave-cli): the command line that wires the crates. `train` runs the
+//! MoE workload on local ranks with a checkpoint engine and writes a report; `launch` starts
+//! ranks of any program; `bench` measures beside peers; `report` turns a run into an HTML
+//! page; `plan` and `simulate` run the planners and the simulator; `cluster` emulates hosts
+//! and links; `doctor` lists backends; `selftest` holds the small rank programs the fault tests
+//! run. Backends are reached only through the `ironweave` facade.
 
 mod backend;
 mod bench;
@@ -77,6 +81,9 @@ enum Cmd {
     Bench {
         #[command(subcommand)]
         what: BenchCmd,
+        /// No progress bar or progress lines (tables and results are still printed).
+        #[arg(long, global = true)]
+        quiet: bool,
     },
     /// Train the MoE workload across local ranks (expert and data parallel) with a checkpoint
     /// every iteration; prints loss and tokens/s, writes report.json, trace.json, timeline.svg.
@@ -323,6 +330,11 @@ fn keep_freed_memory() {
 fn main() {
     keep_freed_memory();
     let cli = Cli::parse();
+    // --quiet reaches every process the command starts (ranks, bench workers) through the
+    // environment; set before any thread exists
+    if matches!(&cli.cmd, Cmd::Bench { quiet: true, .. }) || matches!(&cli.cmd, Cmd::Train(a) if a.quiet) {
+        std::env::set_var(progress::QUIET_VAR, "1");
+    }
     let code = match run(cli) {
         Ok(code) => code,
         Err(e) => {
@@ -433,21 +445,22 @@ fn run(cli: Cli) -> Result<i32> {
                 launch::Outcome::TimedOut => 124,
             })
         }
-        Cmd::Bench { what: BenchCmd::Ckpt { config, strategies, ranks, iters, topology, ranks_per_host, out } } => {
+        Cmd::Bench { what: BenchCmd::Ckpt { config, strategies, ranks, iters, topology, ranks_per_host, out }, .. } => {
             train::bench(&config, &strategies, ranks, iters, topology.as_deref(), ranks_per_host, &out)?;
             Ok(0)
         }
-        Cmd::Bench { what: BenchCmd::Scaling(a) } => {
+        Cmd::Bench { what: BenchCmd::Scaling(a), .. } => {
             launch::install_signal_handlers();
             scaling::bench(&a)?;
             Ok(0)
         }
-        Cmd::Bench { what: BenchCmd::Snapshot { bytes, repeat, dir, json } } => {
+        Cmd::Bench { what: BenchCmd::Snapshot { bytes, repeat, dir, json }, .. } => {
             snapbench::run(bench::parse_size(&bytes)? as u64, repeat, &dir, json.as_deref())?;
             Ok(0)
         }
         Cmd::Bench {
             what: BenchCmd::Collectives { ranks, backend, ops, sizes, dtype, min_time, json, topology, ranks_per_host, link },
+            ..
         } => {
             backend::check(&backend)?;
             bench::check_args(&ops, &sizes, &dtype)?;

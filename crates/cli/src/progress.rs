@@ -1,5 +1,6 @@
 //! Progress people expect on long work: a bar with ETA when stderr is a terminal, one plain
-//! line per step (with an ETA too) when it is not (logs, CI, pipes), nothing with `--quiet`.
+//! line per step on stderr (with an ETA too) when it is not (logs, CI, pipes), nothing with
+//! `--quiet`. Results (tables, summaries) go to stdout, progress never does.
 
 use std::io::IsTerminal;
 use std::time::Instant;
@@ -14,10 +15,17 @@ pub enum Mode {
     Quiet,
 }
 
+/// Set (to 1) by `--quiet` for every process a command starts.
+pub const QUIET_VAR: &str = "IRONWEAVE_QUIET";
+
+fn quiet_env() -> bool {
+    std::env::var(QUIET_VAR).is_ok_and(|v| v == "1")
+}
+
 impl Mode {
-    /// A bar on a terminal, lines elsewhere, nothing when `quiet`.
+    /// A bar on a terminal, lines elsewhere, nothing when `quiet` or `IRONWEAVE_QUIET=1`.
     pub fn detect(quiet: bool) -> Mode {
-        if quiet {
+        if quiet || quiet_env() {
             Mode::Quiet
         } else if std::io::stderr().is_terminal() {
             Mode::Bar
@@ -41,6 +49,7 @@ pub struct Progress {
 impl Progress {
     /// Starts at step `first` (a resumed run starts past 0).
     pub fn new(what: &str, first: u64, len: u64, mode: Mode) -> Progress {
+        let mode = if quiet_env() { Mode::Quiet } else { mode };
         let bar = (mode == Mode::Bar).then(|| {
             let b = ProgressBar::new(len);
             b.set_style(
@@ -70,7 +79,7 @@ impl Progress {
                 } else {
                     String::new()
                 };
-                println!("{} {pos}/{}{eta}: {msg}", self.what, self.len);
+                eprintln!("{} {pos}/{}{eta}: {msg}", self.what, self.len);
             }
             _ => {}
         }

@@ -16,7 +16,8 @@ pub fn run(scenario: &str, backend: &str) -> Result<()> {
         "mismatch" => mismatch(&comm),
         "stream" => stream(&comm),
         "idle-wait" => idle_wait(&comm),
-        other => bail!("unknown selftest scenario {other:?} (ok, loop, mismatch, stream, idle-wait)"),
+        "iloop" => nonblocking_loop(&comm),
+        other => bail!("unknown selftest scenario {other:?} (ok, loop, iloop, mismatch, stream, idle-wait)"),
     };
     if let Err(e) = r {
         fail(&e);
@@ -75,6 +76,22 @@ fn idle_wait(c: &Communicator) -> ironweave_transport::Result<()> {
     }
     c.barrier()?;
     println!("idle-wait rank {}: wall {:.3} s, cpu {:.3} s", c.rank(), t0.elapsed().as_secs_f64(), cpu_s() - c0);
+    Ok(())
+}
+
+/// `loop` with two non-blocking all-reduces in flight at a time, computing meanwhile.
+fn nonblocking_loop(c: &Communicator) -> ironweave_transport::Result<()> {
+    let (mut a, mut b) = (vec![1.0f32; 1 << 20], vec![2.0f32; 1 << 20]);
+    for i in 0.. {
+        let (ha, hb) = (c.iall_reduce(a, ReduceOp::Avg)?, c.iall_reduce(b, ReduceOp::Avg)?);
+        let mut x = 0u64;
+        for k in 0..100_000u64 {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(k));
+        }
+        b = hb.wait()?;
+        a = ha.wait()?;
+        println!("iter {i}");
+    }
     Ok(())
 }
 

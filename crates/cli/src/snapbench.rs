@@ -11,6 +11,8 @@ use anyhow::{Context, Result};
 use ironweave_ckpt::{persist, Dtype, Registry, SnapshotBuffers, TensorSpec};
 use serde_json::json;
 
+use crate::progress::{Mode, Progress};
+
 /// The layout: 60% in 8 large buffers, 30% in 256 KiB buffers, 10% in 4 KiB buffers (f32).
 pub fn layout(total: u64) -> Vec<TensorSpec> {
     let mut v = Vec::new();
@@ -48,6 +50,7 @@ pub fn run(bytes: u64, repeat: usize, dir: &Path, json_out: Option<&Path>) -> Re
     let reg = Arc::new(Registry::new(&layout(bytes))?);
     let total = reg.total;
     eprintln!("state: {} buffers, {:.3} GiB", reg.tensors.len(), total as f64 / (1u64 << 30) as f64);
+    let pr = Progress::new("bench snapshot: step", 0, 6, Mode::detect(false));
     let srcs: Vec<Vec<u8>> = reg.tensors.iter().enumerate().map(|(i, t)| vec![(i % 251) as u8 + 1; t.len as usize]).collect();
     let refs: Vec<&[u8]> = srcs.iter().map(|v| v.as_slice()).collect();
     // ceiling: one memcpy per buffer into a warm contiguous buffer
@@ -60,6 +63,7 @@ pub fn run(bytes: u64, repeat: usize, dir: &Path, json_out: Option<&Path>) -> Re
         }
         Ok(())
     })?;
+    pr.step(1, &format!("memcpy, 1 thread: {memcpy:.3} s"));
     // the same with as many threads as the snapshot uses
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let memcpy_par = best(repeat + 1, || {
@@ -88,6 +92,7 @@ pub fn run(bytes: u64, repeat: usize, dir: &Path, json_out: Option<&Path>) -> Re
         });
         Ok(())
     })?;
+    pr.step(2, &format!("memcpy, all threads: {memcpy_par:.3} s"));
     drop(dst);
     let _threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let mut sb = SnapshotBuffers::new(0, 256 << 10);
@@ -100,6 +105,7 @@ pub fn run(bytes: u64, repeat: usize, dir: &Path, json_out: Option<&Path>) -> Re
         it += 1;
         Ok(())
     })?;
+    pr.step(3, &format!("ironweave snapshot: {snap_s:.3} s"));
     // checksums, off the critical path (the replication thread computes them)
     let hash_s = best(repeat, || {
         let snap = sb.take(it, &reg, &refs)?;
@@ -113,6 +119,7 @@ pub fn run(bytes: u64, repeat: usize, dir: &Path, json_out: Option<&Path>) -> Re
         Ok(())
     })
     .map(|_| HASH.with(|h| h.get()))?;
+    pr.step(4, &format!("checksums: {hash_s:.3} s"));
     // persistent tier vs a plain sequential write + fsync of the same bytes
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let snap = sb.latest().cloned().context("a snapshot")?;
@@ -120,6 +127,7 @@ pub fn run(bytes: u64, repeat: usize, dir: &Path, json_out: Option<&Path>) -> Re
         persist::write(dir, &snap, 0, 1)?;
         Ok(())
     })?;
+    pr.step(5, &format!("persistent write: {persist_s:.3} s"));
     let seq = dir.join("sequential.bin");
     let seq_s = best(1, || {
         let mut f = std::fs::File::create(&seq)?;
@@ -129,6 +137,8 @@ pub fn run(bytes: u64, repeat: usize, dir: &Path, json_out: Option<&Path>) -> Re
         f.sync_all()?;
         Ok(())
     })?;
+    pr.step(6, &format!("sequential write: {seq_s:.3} s"));
+    pr.finish();
     let _ = std::fs::remove_file(&seq);
     let _ = std::fs::remove_dir_all(dir.join(format!("iter-{:08}", snap.iter)));
     let gbs = |s: f64| total as f64 / s / 1e9;

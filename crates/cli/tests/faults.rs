@@ -55,10 +55,15 @@ fn text(o: &Output) -> String {
 /// Starts three `selftest loop` ranks, kills rank 1 with SIGKILL once rank 0 reports progress,
 /// and returns the survivors' outputs.
 fn kill_rank_1_mid_collective(configure: impl Fn(&mut Command)) -> Vec<(usize, Output)> {
+    kill_rank_1_in("loop", configure)
+}
+
+/// The same with the ranks running `scenario` (which prints `iter N` as it goes).
+fn kill_rank_1_in(scenario: &str, configure: impl Fn(&mut Command)) -> Vec<(usize, Output)> {
     let port = free_port();
     let mut kids: Vec<Child> = (0..3)
         .map(|r| {
-            let mut c = rank_cmd(r, 3, port, "loop");
+            let mut c = rank_cmd(r, 3, port, scenario);
             configure(&mut c);
             c.spawn().unwrap()
         })
@@ -92,6 +97,18 @@ fn peer_killed_mid_collective_fails_every_survivor_with_peer_lost() {
         let t = text(&o);
         assert_eq!(o.status.code(), Some(3), "rank {r} should fail with a typed error:\n{t}");
         assert!(t.contains("PeerLost { rank: 1"), "rank {r} should name the lost rank:\n{t}");
+    }
+}
+
+#[test]
+fn peer_killed_while_a_nonblocking_collective_is_in_flight_is_a_typed_error() {
+    // the survivors are waiting on handles of iall_reduce when rank 1 dies
+    for (r, o) in kill_rank_1_in("iloop", |c| {
+        c.env("IRONWEAVE_TIMEOUT_S", "20");
+    }) {
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(3), "rank {r} should fail with a typed error:\n{t}");
+        assert!(t.contains("PeerLost { rank: 1") || t.contains("PeerAborted"), "rank {r}:\n{t}");
     }
 }
 

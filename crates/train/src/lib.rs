@@ -12,6 +12,7 @@ pub mod config;
 pub mod data;
 pub mod dist;
 mod error;
+mod gelu;
 pub mod model;
 pub mod trainer;
 

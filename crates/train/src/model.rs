@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use crate::config::TrainConfig;
 use crate::dist::Dist;
 use crate::error::Result;
+use crate::gelu::gelu;
 
 /// SplitMix64 (seeded, the same on every machine).
 #[derive(Debug, Clone)]
@@ -255,7 +256,7 @@ impl<'a> Model<'a> {
         let pi = |s: &str| p.idx(&format!("l{l}.{s}"));
         let (x, hn) = self.attention(l, x, v)?;
         if !self.cfg.is_moe(l) {
-            let f = hn.matmul(v.get(pi("mlp.w1")))?.gelu()?.matmul(v.get(pi("mlp.w2")))?;
+            let f = gelu(&hn.matmul(v.get(pi("mlp.w1")))?)?.matmul(v.get(pi("mlp.w2")))?;
             return Ok(LayerOut { y: (x + f)?, aux: None, routing: None, ep: None });
         }
         let (n, h) = x.dims2()?;
@@ -316,7 +317,7 @@ impl<'a> Model<'a> {
         let p = self.params;
         let w1 = v.get(p.idx(&format!("l{l}.e{e}.w1")));
         let w2 = v.get(p.idx(&format!("l{l}.e{e}.w2")));
-        Ok(rows.matmul(w1)?.gelu()?.matmul(w2)?)
+        Ok(gelu(&rows.matmul(w1)?)?.matmul(w2)?)
     }
 
     fn aux_loss(&self, probs: &Tensor, routing: &Routing) -> Result<Tensor> {

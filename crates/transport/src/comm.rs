@@ -92,6 +92,8 @@ pub struct Communicator {
     pub(crate) opts: CommOptions,
     /// Fractions per link when collectives are split over all links (see `stripe.rs`).
     pub(crate) stripe: Option<Arc<[f64]>>,
+    /// The thread that runs non-blocking collectives, started on first use (`nonblocking.rs`).
+    pub(crate) nb: std::sync::OnceLock<Result<crate::nonblocking::CollExecutor>>,
 }
 
 impl Communicator {
@@ -116,6 +118,7 @@ impl Communicator {
             splits: AtomicU32::new(0),
             opts,
             stripe: None,
+            nb: std::sync::OnceLock::new(),
         })
     }
 
@@ -174,6 +177,7 @@ impl Communicator {
             splits: AtomicU32::new(0),
             opts: self.opts.clone(),
             stripe: None,
+            nb: std::sync::OnceLock::new(),
         })
     }
 
@@ -915,6 +919,7 @@ impl Communicator {
             splits: AtomicU32::new(0),
             opts: self.opts.clone(),
             stripe: self.stripe.clone(),
+            nb: std::sync::OnceLock::new(),
         })
     }
 
@@ -933,6 +938,7 @@ impl Communicator {
             splits: AtomicU32::new(0),
             opts: self.opts.clone(),
             stripe: self.stripe.clone(),
+            nb: std::sync::OnceLock::new(),
         }
     }
 

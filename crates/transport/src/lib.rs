@@ -39,6 +39,7 @@ mod error;
 pub mod handshake;
 pub mod inproc;
 mod link;
+mod nonblocking;
 pub mod probe;
 pub mod rendezvous;
 mod stripe;
@@ -54,3 +55,4 @@ pub use link::{
     join_until, wait_blocking_send, Buf, BufMut, DeviceSlice, Link, LinkInfo, Mailbox, MemKind, NativeCollectives, PendingSend,
     RecvBuf, RecvHandle, SendCompleter, SendHandle, SeqTable, SpeedSource, Tag, PROGRESS_SPIN,
 };
+pub use nonblocking::CollHandle;

@@ -21,6 +21,9 @@ pub enum Case {
     Barrier,
     /// Every collective again on sub-groups made by `split` (two levels deep).
     Split,
+    /// `iall_reduce`, `iall_gather`, `ireduce_scatter` and `ibroadcast` in flight together,
+    /// beside blocking collectives on the same communicator, waited on in reverse order.
+    NonBlocking,
 }
 
 /// Element counts tested for `dtype`: 0, 1, 7, 1 MiB + 3 elements' worth, 64 MiB.
@@ -88,6 +91,14 @@ fn check<T: Element>(what: &str, got: &[T], want: impl Fn(usize) -> T) -> Result
 
 /// Runs `case` on every dtype and size, on this rank's communicator. All ranks call it.
 pub fn run_case(c: &Communicator, case: Case) -> Result<()> {
+    if case == Case::NonBlocking {
+        // small (latency path), odd, and 1 MiB + (ring path) buffers; two element types
+        for count in [1, 7, (1 << 18) + 3] {
+            nonblocking_case::<f32>(c, count)?;
+            nonblocking_case::<i64>(c, count)?;
+        }
+        return Ok(());
+    }
     for d in DType::ALL {
         match d {
             DType::F32 => run_typed::<f32>(c, case)?,
@@ -126,6 +137,44 @@ fn run_typed<T: Element>(c: &Communicator, case: Case) -> Result<()> {
             }
             _ => check_collective::<T>(c, case, count, ReduceOp::Sum, salt, si + 1 == sz.len())?,
         }
+    }
+    Ok(())
+}
+
+/// Four non-blocking collectives issued back to back, a blocking all-reduce on the same
+/// communicator while they are in flight, then the handles waited on in reverse order: every
+/// result checked; and since they run in issue order, the last one finished means all did.
+fn nonblocking_case<T: Element>(c: &Communicator, count: usize) -> Result<()> {
+    let (n, me) = (c.size(), c.rank());
+    let wr = c.world_rank(me);
+    let ranks = members(c);
+    let salt = 0x6e62 ^ count as u64;
+    let op = ReduceOp::Sum;
+    let tag = |what: &str| format!("non-blocking {what} {} count={count} n={n} rank={me}", T::DTYPE);
+    let root = n - 1;
+    let h_ar = c.iall_reduce(fill::<T>(op, wr, count, 0, salt), op)?;
+    let h_ag = c.iall_gather(fill::<T>(op, wr, count, 0, salt ^ 1))?;
+    let h_rs = c.ireduce_scatter(fill::<T>(op, wr, count * n, 0, salt ^ 2), op)?;
+    let bc = if me == root { fill::<T>(op, wr, count, 0, salt ^ 3) } else { vec![T::zeroed(); count] };
+    let h_bc = c.ibroadcast(bc, root)?;
+    // a blocking collective on the same communicator while those are in flight
+    let mut v = fill::<T>(op, wr, count, 0, salt ^ 4);
+    c.all_reduce(&mut v, op)?;
+    check(&tag("blocking all_reduce beside them"), &v, |i| reduced::<T>(op, &ranks, i, salt ^ 4))?;
+    let bc = h_bc.wait()?;
+    check(&tag("ibroadcast"), &bc, |i| T::from_i64(gen(T::DTYPE, op, ranks[root], i, salt ^ 3)))?;
+    if !(h_ar.test() && h_ag.test() && h_rs.test()) {
+        return Err(Error::InvalidArgument(format!("{}: a later operation finished before an earlier one", tag("order"))));
+    }
+    let rs = h_rs.wait()?;
+    check(&tag("ireduce_scatter"), &rs, |i| reduced::<T>(op, &ranks, me * count + i, salt ^ 2))?;
+    let ag = h_ag.wait()?;
+    check(&tag("iall_gather"), &ag, |i| T::from_i64(gen(T::DTYPE, op, ranks[i / count], i % count, salt ^ 1)))?;
+    let ar = h_ar.wait_until(std::time::Instant::now() + std::time::Duration::from_secs(60))?;
+    check(&tag("iall_reduce"), &ar, |i| reduced::<T>(op, &ranks, i, salt))?;
+    // bad input is refused at once, not in the thread
+    if n > 1 && c.ireduce_scatter(vec![T::zeroed(); n + 1], op).is_ok() {
+        return Err(Error::InvalidArgument(format!("{}: an uneven ireduce_scatter was accepted", tag("check"))));
     }
     Ok(())
 }
@@ -198,6 +247,7 @@ pub fn check_collective<T: Element>(
         }
         Case::Barrier => Ok(()),
         Case::Split => unreachable!("handled by split_case"),
+        Case::NonBlocking => unreachable!("handled by nonblocking_case"),
     }
 }
 
@@ -287,7 +337,8 @@ macro_rules! conformance_suite {
     ($make:expr, skip_if = $skip:expr) => {
         $crate::conformance_suite!(@cases $make; $skip;
             all_reduce AllReduce, broadcast Broadcast, all_gather AllGather, reduce_scatter ReduceScatter,
-            all_to_all AllToAll, all_to_all_v AllToAllV, barrier Barrier, split Split);
+            all_to_all AllToAll, all_to_all_v AllToAllV, barrier Barrier, split Split,
+            nonblocking NonBlocking);
     };
     (@cases $make:expr; $skip:expr; $($name:ident $case:ident),*) => {
         $(

@@ -1,0 +1,180 @@
+//! Non-blocking collectives: `iall_reduce`, `iall_gather`, `ireduce_scatter`, `ibroadcast`.
+//!
+//! Each takes its buffer by value and returns a [`CollHandle`] that hands the result back. The
+//! operations run, in the order they were issued, on the communicator's collective thread —
+//! started on first use, over a [`Communicator::dup`] of the group, so they never mix with the
+//! caller's blocking calls and every rank runs them in the same order. The caller computes
+//! meanwhile; several operations can be in flight and their handles waited on in any order.
+//! Owned buffers (not borrowed ones) are what make this safe: a handle dropped early cannot
+//! leave the thread writing into freed memory. Every wait is bounded: by the communicator's
+//! timeout for each operation queued ahead and for this one.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::comm::Communicator;
+use crate::dtype::{Element, ReduceOp};
+use crate::error::{Error, Result};
+use crate::link::lock;
+
+type Job = Box<dyn FnOnce(&Communicator) + Send>;
+
+/// The collective thread of one communicator.
+pub(crate) struct CollExecutor {
+    tx: Mutex<mpsc::Sender<Job>>,
+    /// Operations issued and not finished (to bound waits).
+    pending: Arc<AtomicUsize>,
+}
+
+impl std::fmt::Debug for CollExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CollExecutor").field("pending", &self.pending.load(Ordering::Relaxed)).finish()
+    }
+}
+
+impl CollExecutor {
+    /// Starts the thread on `comm` (a dup of the communicator it serves). The thread ends when
+    /// the communicator (and so the sender) is dropped and the queue is drained.
+    pub(crate) fn start(comm: Communicator) -> Result<CollExecutor> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name(format!("iw-coll-{}", comm.rank()))
+            .spawn(move || {
+                for job in rx {
+                    job(&comm);
+                }
+            })
+            .map_err(|e| Error::io("starting the collective thread", &e))?;
+        Ok(CollExecutor { tx: Mutex::new(tx), pending: Arc::new(AtomicUsize::new(0)) })
+    }
+
+    /// Queues `f`; its result lands in the returned handle.
+    pub(crate) fn submit<R: Send + 'static>(
+        &self,
+        timeout: Duration,
+        f: impl FnOnce(&Communicator) -> Result<R> + Send + 'static,
+    ) -> Result<CollHandle<R>> {
+        let slot = Arc::new(Slot { value: Mutex::new(None), cv: Condvar::new() });
+        let ahead = self.pending.fetch_add(1, Ordering::SeqCst);
+        // each operation ahead, and this one, ends within the communicator's timeout (plus a
+        // margin for the abort that a failed operation sends)
+        let bound = timeout.saturating_mul(ahead as u32 + 1) + Duration::from_secs(5);
+        let (done, pending) = (slot.clone(), self.pending.clone());
+        let job: Job = Box::new(move |c| {
+            let r = f(c);
+            pending.fetch_sub(1, Ordering::SeqCst);
+            *lock(&done.value) = Some(r);
+            done.cv.notify_all();
+        });
+        if lock(&self.tx).send(job).is_err() {
+            self.pending.fetch_sub(1, Ordering::SeqCst);
+            return Err(Error::Aborted { reason: "the collective thread has stopped".into() });
+        }
+        Ok(CollHandle { slot, bound: Instant::now() + bound })
+    }
+}
+
+struct Slot<R> {
+    value: Mutex<Option<Result<R>>>,
+    cv: Condvar,
+}
+
+/// The result of a non-blocking collective, to wait for. Dropping it does not cancel the
+/// operation (every rank must still run it); its result is then discarded.
+pub struct CollHandle<R> {
+    slot: Arc<Slot<R>>,
+    /// When the operation must have ended (see the module docs).
+    bound: Instant,
+}
+
+impl<R> std::fmt::Debug for CollHandle<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CollHandle").field("done", &self.test()).finish()
+    }
+}
+
+impl<R> CollHandle<R> {
+    /// Whether the operation has finished (successfully or not).
+    pub fn test(&self) -> bool {
+        lock(&self.slot.value).is_some()
+    }
+
+    /// Waits for the result; bounded by the communicator's timeout per operation queued.
+    pub fn wait(self) -> Result<R> {
+        let bound = self.bound;
+        self.wait_until(bound)
+    }
+
+    /// Waits until `deadline` at the latest: `Timeout` if the operation has not finished by
+    /// then (it still runs; its result is discarded).
+    pub fn wait_until(self, deadline: Instant) -> Result<R> {
+        let start = Instant::now();
+        let mut v = lock(&self.slot.value);
+        loop {
+            if let Some(r) = v.take() {
+                return r;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout { what: "a non-blocking collective".into(), after: now - start });
+            }
+            v = self.slot.cv.wait_timeout(v, deadline - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+}
+
+impl Communicator {
+    /// The collective thread, started once (the one initializer takes the `dup`, so every rank
+    /// derives the same tag space however many threads call this at once).
+    fn executor(&self) -> Result<&CollExecutor> {
+        self.nb.get_or_init(|| CollExecutor::start(self.dup())).as_ref().map_err(Clone::clone)
+    }
+
+    /// Starts an all-reduce of `buf`; the handle returns the reduced buffer.
+    pub fn iall_reduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Result<CollHandle<Vec<T>>> {
+        self.executor()?.submit(self.options().timeout, move |c| {
+            c.all_reduce(&mut buf, op)?;
+            Ok(buf)
+        })
+    }
+
+    /// Starts an all-gather of `input`; the handle returns every rank's input, in rank order.
+    pub fn iall_gather<T: Element>(&self, input: Vec<T>) -> Result<CollHandle<Vec<T>>> {
+        let n = self.size();
+        self.executor()?.submit(self.options().timeout, move |c| {
+            let mut out = vec![T::zeroed(); input.len() * n];
+            c.all_gather(&input, &mut out)?;
+            Ok(out)
+        })
+    }
+
+    /// Starts a reduce-scatter of `input` (a multiple of the group size); the handle returns
+    /// this rank's reduced block.
+    pub fn ireduce_scatter<T: Element>(&self, input: Vec<T>, op: ReduceOp) -> Result<CollHandle<Vec<T>>> {
+        let n = self.size();
+        if input.len() % n != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "ireduce_scatter: {} elements do not split into {n} equal blocks",
+                input.len()
+            )));
+        }
+        self.executor()?.submit(self.options().timeout, move |c| {
+            let mut out = vec![T::zeroed(); input.len() / n];
+            c.reduce_scatter(&input, &mut out, op)?;
+            Ok(out)
+        })
+    }
+
+    /// Starts a broadcast from group rank `root`; the handle returns the root's buffer.
+    pub fn ibroadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Result<CollHandle<Vec<T>>> {
+        if root >= self.size() {
+            return Err(Error::RankOutOfRange { rank: root, size: self.size() });
+        }
+        self.executor()?.submit(self.options().timeout, move |c| {
+            c.broadcast(&mut buf, root)?;
+            Ok(buf)
+        })
+    }
+}
