@@ -18,23 +18,33 @@ fn chart_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
     anyhow::anyhow!("drawing a chart: {e:?}")
 }
 
+/// Draws one chart into an SVG string: `draw` gets a white W×H canvas and a chart builder with
+/// the title and the common margins.
+fn svg_chart(
+    title: &str,
+    x_label_area: u32,
+    draw: impl FnOnce(&mut ChartBuilder<'_, '_, SVGBackend<'_>>) -> Result<()>,
+) -> Result<String> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (W, H)).into_drawing_area();
+        root.fill(&WHITE).map_err(chart_err)?;
+        let mut b = ChartBuilder::on(&root);
+        b.caption(title, ("sans-serif", 18)).margin(12).x_label_area_size(x_label_area).y_label_area_size(60);
+        draw(&mut b)?;
+        root.present().map_err(chart_err)?;
+    }
+    Ok(svg)
+}
+
 /// A line chart of one or more series over iterations 1..=n (an SVG string).
 fn lines(title: &str, y_desc: &str, series: &[(&str, &[f64], RGBColor)]) -> Result<String> {
     let n = series.iter().map(|(_, v, _)| v.len()).max().unwrap_or(0).max(2);
     let all = series.iter().flat_map(|(_, v, _)| v.iter().copied()).filter(|x| x.is_finite());
     let (lo, hi) = all.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
     let (lo, hi) = if lo.is_finite() { (lo.min(0.0), if hi > lo { hi * 1.05 } else { lo + 1.0 }) } else { (0.0, 1.0) };
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, (W, H)).into_drawing_area();
-        root.fill(&WHITE).map_err(chart_err)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 18))
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(60)
-            .build_cartesian_2d(1f64..n as f64, lo..hi)
-            .map_err(chart_err)?;
+    svg_chart(title, 36, |b| {
+        let mut chart = b.build_cartesian_2d(1f64..n as f64, lo..hi).map_err(chart_err)?;
         chart.configure_mesh().x_desc("iteration").y_desc(y_desc).draw().map_err(chart_err)?;
         for (name, v, color) in series {
             let c = *color;
@@ -45,52 +55,47 @@ fn lines(title: &str, y_desc: &str, series: &[(&str, &[f64], RGBColor)]) -> Resu
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
         }
         chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(chart_err)?;
-        root.present().map_err(chart_err)?;
-    }
-    Ok(svg)
+        Ok(())
+    })
 }
 
-/// A bar chart of named values (an SVG string).
+/// A bar chart of named values: bars numbered 1..n on the axis (names are long), then the
+/// numbered names with their values as a list (SVG then HTML).
 fn bars(title: &str, y_desc: &str, rows: &[(String, f64)]) -> Result<String> {
     let hi = rows.iter().map(|(_, v)| *v).filter(|v| v.is_finite()).fold(0.0f64, f64::max).max(1e-9) * 1.1;
     let n = rows.len().max(1);
-    let names: Vec<String> = rows.iter().map(|(s, _)| s.clone()).collect();
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, (W, H)).into_drawing_area();
-        root.fill(&WHITE).map_err(chart_err)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 18))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0f64..n as f64, 0f64..hi)
-            .map_err(chart_err)?;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(n * 2 + 1)
-            .x_label_formatter(&|x| {
-                let i = x.floor() as usize;
-                if (x - i as f64 - 0.5).abs() < 1e-6 {
-                    names.get(i).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
-            .y_desc(y_desc)
-            .draw()
-            .map_err(chart_err)?;
-        chart
-            .draw_series(
-                rows.iter().enumerate().map(|(i, (_, v))| {
+    let names: Vec<String> = (1..=rows.len()).map(|i| i.to_string()).collect();
+    let mut html =
+        svg_chart(title, 40, |b| {
+            let mut chart = b.build_cartesian_2d(0f64..n as f64, 0f64..hi).map_err(chart_err)?;
+            chart
+                .configure_mesh()
+                .disable_x_mesh()
+                .x_labels(n * 2 + 1)
+                .x_label_formatter(&|x| {
+                    let i = x.floor() as usize;
+                    if (x - i as f64 - 0.5).abs() < 1e-6 {
+                        names.get(i).cloned().unwrap_or_default()
+                    } else {
+                        String::new()
+                    }
+                })
+                .y_desc(y_desc)
+                .draw()
+                .map_err(chart_err)?;
+            chart
+                .draw_series(rows.iter().enumerate().map(|(i, (_, v))| {
                     Rectangle::new([(i as f64 + 0.15, 0.0), (i as f64 + 0.85, *v)], Palette99::pick(i).filled())
-                }),
-            )
-            .map_err(chart_err)?;
-        root.present().map_err(chart_err)?;
+                }))
+                .map_err(chart_err)?;
+            Ok(())
+        })?;
+    html.push_str("<ol class=\"bars\">");
+    for (name, v) in rows {
+        html.push_str(&format!("<li>{}: {v:.1} {}</li>", escape(name), escape(y_desc)));
     }
-    Ok(svg)
+    html.push_str("</ol>\n");
+    Ok(html)
 }
 
 fn escape(s: &str) -> String {
@@ -187,7 +192,8 @@ pub fn write(dir: &Path, out: Option<&Path>) -> Result<PathBuf> {
     let mut html = String::from(
         "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>ironweave report</title>\n\
          <style>body{font-family:sans-serif;margin:24px;color:#222;background:#fff}section{margin:18px 0}\
-         h1{font-size:22px}h2{font-size:17px;border-bottom:1px solid #ddd}svg{max-width:100%;height:auto;display:block}</style>\n\
+         h1{font-size:22px}h2{font-size:17px;border-bottom:1px solid #ddd}svg{max-width:100%;height:auto;display:block}\
+         ol.bars{font-size:13px;margin:4px 0 16px 60px}</style>\n\
          </head><body>\n",
     );
     html.push_str(&format!("<h1>ironweave report: {}</h1>\n", escape(&dir.display().to_string())));

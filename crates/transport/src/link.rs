@@ -336,18 +336,24 @@ impl SendHandle {
 
     /// Waits for the send and returns the buffer.
     pub fn wait(self, deadline: Instant) -> Result<Vec<u8>> {
-        let start = Instant::now();
-        let mut slot = lock(&self.inner.slot);
-        loop {
-            if let Some(r) = slot.take() {
-                return r;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::Timeout { what: "send".into(), after: now - start });
-            }
-            slot = self.inner.cv.wait_timeout(slot, deadline - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+        take_when_filled(&self.inner.slot, &self.inner.cv, deadline, "send")
+    }
+}
+
+/// Takes the result out of `slot` once a completer has filled it (and notified `cv`), or
+/// `Timeout` naming `what` when `deadline` passes first.
+pub(crate) fn take_when_filled<R>(slot: &Mutex<Option<Result<R>>>, cv: &Condvar, deadline: Instant, what: &str) -> Result<R> {
+    let start = Instant::now();
+    let mut v = lock(slot);
+    loop {
+        if let Some(r) = v.take() {
+            return r;
         }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(Error::Timeout { what: what.into(), after: now - start });
+        }
+        v = cv.wait_timeout(v, deadline - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
     }
 }
 

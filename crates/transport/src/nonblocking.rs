@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use crate::comm::Communicator;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{Error, Result};
-use crate::link::lock;
+use crate::link::{lock, take_when_filled};
 
 type Job = Box<dyn FnOnce(&Communicator) + Send>;
 
@@ -110,18 +110,7 @@ impl<R> CollHandle<R> {
     /// Waits until `deadline` at the latest: `Timeout` if the operation has not finished by
     /// then (it still runs; its result is discarded).
     pub fn wait_until(self, deadline: Instant) -> Result<R> {
-        let start = Instant::now();
-        let mut v = lock(&self.slot.value);
-        loop {
-            if let Some(r) = v.take() {
-                return r;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::Timeout { what: "a non-blocking collective".into(), after: now - start });
-            }
-            v = self.slot.cv.wait_timeout(v, deadline - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
-        }
+        take_when_filled(&self.slot.value, &self.slot.cv, deadline, "a non-blocking collective")
     }
 }
 
