@@ -105,8 +105,6 @@ enum Cmd {
         persist_every: u64,
         #[arg(long)]
         bucket_kb: Option<usize>,
-        #[arg(long)]
-        quiet: bool,
     },
     /// Plan a parallel layout with a cost model and HiGHS.
     Plan {
@@ -330,9 +328,9 @@ fn keep_freed_memory() {
 fn main() {
     keep_freed_memory();
     let cli = Cli::parse();
-    // --quiet reaches every process the command starts (ranks, bench workers) through the
-    // environment; set before any thread exists
-    if matches!(&cli.cmd, Cmd::Bench { quiet: true, .. }) || matches!(&cli.cmd, Cmd::Train(a) if a.quiet) {
+    // a bench's --quiet reaches every process it starts (ranks, workers) through the
+    // environment; set before any thread exists (`train --quiet` hands it to its ranks itself)
+    if matches!(&cli.cmd, Cmd::Bench { quiet: true, .. }) {
         std::env::set_var(progress::QUIET_VAR, "1");
     }
     let code = match run(cli) {
@@ -552,8 +550,8 @@ fn run(cli: Cli) -> Result<i32> {
             println!("{}", p.display());
             Ok(0)
         }
-        Cmd::TrainWorker { config, ckpt, iters, report_dir, fail, persist_every, bucket_kb, quiet } => {
-            train::worker(&config, &ckpt, iters, &report_dir, fail.as_deref(), persist_every, bucket_kb, quiet)?;
+        Cmd::TrainWorker { config, ckpt, iters, report_dir, fail, persist_every, bucket_kb } => {
+            train::worker(&config, &ckpt, iters, &report_dir, fail.as_deref(), persist_every, bucket_kb)?;
             Ok(0)
         }
         Cmd::Simulate { scenario, args } => {

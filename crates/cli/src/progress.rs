@@ -15,7 +15,7 @@ pub enum Mode {
     Quiet,
 }
 
-/// Set (to 1) by `--quiet` for every process a command starts.
+/// Set (to 1) by `--quiet` for every process a command starts; every [`Progress`] obeys it.
 pub const QUIET_VAR: &str = "IRONWEAVE_QUIET";
 
 fn quiet_env() -> bool {
@@ -23,11 +23,10 @@ fn quiet_env() -> bool {
 }
 
 impl Mode {
-    /// A bar on a terminal, lines elsewhere, nothing when `quiet` or `IRONWEAVE_QUIET=1`.
-    pub fn detect(quiet: bool) -> Mode {
-        if quiet || quiet_env() {
-            Mode::Quiet
-        } else if std::io::stderr().is_terminal() {
+    /// A bar on a terminal, lines elsewhere ([`Progress::new`] turns either off when
+    /// `IRONWEAVE_QUIET=1`).
+    pub fn detect() -> Mode {
+        if std::io::stderr().is_terminal() {
             Mode::Bar
         } else {
             Mode::Lines

@@ -111,7 +111,7 @@ pub fn bench(a: &ScalingArgs) -> Result<Vec<Row>> {
         Some(_) => 2,
         None => a.ranks.len() + if a.oversubscribed { a.ranks.iter().filter(|&&n| n > 1).count() } else { 0 },
     };
-    let mut pr = (Progress::new("bench scaling: run", 0, runs as u64, Mode::detect(false)), 0u64);
+    let mut pr = (Progress::new("bench scaling: run", 0, runs as u64, Mode::detect()), 0u64);
     let pr = &mut pr;
     // the reference: one rank, one thread
     let reference = one(a, pr, "r1-t1", 1, Some(1), None, false)?;

@@ -50,7 +50,7 @@ pub fn run(bytes: u64, repeat: usize, dir: &Path, json_out: Option<&Path>) -> Re
     let reg = Arc::new(Registry::new(&layout(bytes))?);
     let total = reg.total;
     eprintln!("state: {} buffers, {:.3} GiB", reg.tensors.len(), total as f64 / (1u64 << 30) as f64);
-    let pr = Progress::new("bench snapshot: step", 0, 6, Mode::detect(false));
+    let pr = Progress::new("bench snapshot: step", 0, 6, Mode::detect());
     let srcs: Vec<Vec<u8>> = reg.tensors.iter().enumerate().map(|(i, t)| vec![(i % 251) as u8 + 1; t.len as usize]).collect();
     let refs: Vec<&[u8]> = srcs.iter().map(|v| v.as_slice()).collect();
     // ceiling: one memcpy per buffer into a warm contiguous buffer

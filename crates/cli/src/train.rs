@@ -189,7 +189,6 @@ pub fn worker(
     fail: Option<&str>,
     persist_every: u64,
     bucket_kb: Option<usize>,
-    quiet: bool,
 ) -> Result<()> {
     // before any compute pool exists: ranks from torchrun/srun/mpirun get cores / local ranks
     let base = JobEnv::from_env()?;
@@ -272,7 +271,7 @@ pub fn worker(
                 }
                 start = r.iter + 1;
             }
-            let progress = (rank == 0).then(|| Progress::new("iter", start - 1, iters, Mode::detect(quiet)));
+            let progress = (rank == 0).then(|| Progress::new("iter", start - 1, iters, Mode::detect()));
             let mut last_load: Option<ExpertLoad> = None;
             for it in start..=iters {
                 let t0 = Instant::now();
@@ -451,9 +450,6 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     if let Some(k) = a.bucket_kb {
         args.extend(["--bucket-kb".into(), k.to_string()]);
     }
-    if a.quiet {
-        args.push("--quiet".into());
-    }
     let topology = match &a.topology {
         Some(p) => Some((crate::cluster::Topology::load(p)?, a.ranks_per_host.max(1))),
         None => None,
@@ -468,7 +464,11 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         program: exe.to_string_lossy().into_owned(),
         args,
         prefix: false,
-        env: vec![("IRONWEAVE_BACKEND".into(), chosen.name().into())],
+        env: [("IRONWEAVE_BACKEND", chosen.name())]
+            .into_iter()
+            .chain(a.quiet.then_some((crate::progress::QUIET_VAR, "1")))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
         timeout: None,
         topology,
         max_restarts: if fail.is_some() { 4 } else { 0 },
@@ -536,7 +536,7 @@ pub fn bench(
         Strategy::parse(s)?;
     }
     let mut rows: Vec<(String, Report)> = Vec::new();
-    let progress = Progress::new("bench ckpt: strategy", 0, strategies.len() as u64, Mode::detect(false));
+    let progress = Progress::new("bench ckpt: strategy", 0, strategies.len() as u64, Mode::detect());
     for s in strategies {
         let dir = out.join(s);
         let args = TrainArgs {
@@ -559,18 +559,14 @@ pub fn bench(
         rows.push((s.clone(), rep));
     }
     progress.finish();
-    let mean = |r: &Report| {
-        let v = &r.iter_time_s[2..];
-        v.iter().sum::<f64>() / v.len() as f64
-    };
-    let none = rows.iter().find(|(s, _)| s == "none").map(|(_, r)| mean(r));
-    let cap = rows.iter().find(|(s, _)| s == "capricorn").map(|(_, r)| mean(r));
+    let none = rows.iter().find(|(s, _)| s == "none").map(|(_, r)| r.mean_iter_s());
+    let cap = rows.iter().find(|(s, _)| s == "capricorn").map(|(_, r)| r.mean_iter_s());
     let mut md = String::new();
     md.push_str("| strategy | mean iteration | overhead vs none | Capricorn speedup over it | exposed checkpoint | partition accuracy | profiling activations | committed |\n");
     md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
     for (s, r) in &rows {
-        let m = mean(r);
-        let exposed = r.ckpt_exposed_s[2..].iter().sum::<f64>() / (r.ckpt_exposed_s.len() - 2) as f64;
+        let m = r.mean_iter_s();
+        let exposed = Report::steady(&r.ckpt_exposed_s, 2);
         md.push_str(&format!(
             "| {s} | {:.1} ms | {} | {} | {:.1} ms | {} | {} | {} |\n",
             m * 1e3,
@@ -585,7 +581,7 @@ pub fn bench(
     print!("{md}");
     std::fs::write(out.join("ckpt.md"), &md)?;
     let json: Vec<serde_json::Value> =
-        rows.iter().map(|(s, r)| serde_json::json!({"strategy": s, "mean_iter_s": mean(r), "report": r})).collect();
+        rows.iter().map(|(s, r)| serde_json::json!({"strategy": s, "mean_iter_s": r.mean_iter_s(), "report": r})).collect();
     std::fs::write(out.join("ckpt.json"), serde_json::to_vec_pretty(&json)?)?;
     eprintln!("wrote {} and {}", out.join("ckpt.md").display(), out.join("ckpt.json").display());
     Ok(())

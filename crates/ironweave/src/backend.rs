@@ -126,36 +126,74 @@ pub fn init_from_env() -> Result<Communicator> {
     init(Backend::from_env()?)
 }
 
+// One module per optional backend: what it can do here, joining over it, and what the doctor
+// reports; a backend left out of the build gets the stub below instead.
+
 #[cfg(feature = "ucx")]
-mod ucx {
+pub(crate) mod ucx {
     use super::*;
+    use crate::LinkReport;
     pub fn available() -> Result<String> {
         ironweave_ucx::available()
     }
     pub fn connect(env: &JobEnv, opts: CommOptions) -> Result<Communicator> {
         ironweave_ucx::connect(env, &ironweave_ucx::UcxConfig::from_env()?, opts)
     }
+    pub fn doctor() -> Result<(String, Vec<LinkReport>)> {
+        let version = ironweave_ucx::available()?;
+        let specs = ironweave_ucx::parse_links("shm,tcp")?;
+        let links = ironweave_ucx::probe_links(&specs)
+            .into_iter()
+            .zip(&specs)
+            .map(|((name, r), spec)| LinkReport {
+                name,
+                usable: r.is_ok(),
+                detail: match r {
+                    Ok(()) => format!("UCX_TLS={}", spec.tls.as_deref().unwrap_or("default")),
+                    Err(e) => e.to_string(),
+                },
+            })
+            .collect();
+        Ok((version, links))
+    }
 }
 
 #[cfg(feature = "verbs")]
-mod verbs {
+pub(crate) mod verbs {
     use super::*;
+    use crate::LinkReport;
     pub fn available() -> Result<()> {
         ironweave_verbs::available().map(drop)
     }
     pub fn connect(env: &JobEnv, opts: CommOptions) -> Result<Communicator> {
         ironweave_verbs::connect(env, &ironweave_verbs::VerbsConfig::from_env()?, opts)
     }
+    pub fn doctor() -> Result<(String, Vec<LinkReport>)> {
+        let devs = ironweave_verbs::available()?;
+        let links = devs
+            .iter()
+            .map(|d| LinkReport { name: format!("verbs:{}", d.name), usable: d.active_ports > 0, detail: d.to_string() })
+            .collect();
+        Ok((format!("{} RDMA device(s)", devs.len()), links))
+    }
 }
 
 #[cfg(feature = "nccl")]
-mod nccl {
+pub(crate) mod nccl {
     use super::*;
+    use crate::LinkReport;
     pub fn available() -> Result<()> {
         ironweave_nccl::available().map(drop)
     }
     pub fn connect(env: &JobEnv, opts: CommOptions) -> Result<Communicator> {
         ironweave_nccl::connect(env, &ironweave_tcp::TcpConfig::from_env()?, opts)
+    }
+    pub fn doctor() -> Result<(String, Vec<LinkReport>)> {
+        let info = ironweave_nccl::available()?;
+        let links = (0..info.devices)
+            .map(|d| LinkReport { name: format!("nccl:cuda{d}"), usable: true, detail: "CUDA device".into() })
+            .collect();
+        Ok((info.to_string(), links))
     }
 }
 
@@ -164,12 +202,16 @@ mod nccl {
 macro_rules! stub {
     ($m:ident, $f:literal, $avail:ty) => {
         #[allow(dead_code)]
-        mod $m {
+        pub(crate) mod $m {
             use super::*;
+            use crate::LinkReport;
             pub fn available() -> Result<$avail> {
                 Err(Error::NotCompiledWith { feature: $f })
             }
             pub fn connect(_: &JobEnv, _: CommOptions) -> Result<Communicator> {
+                Err(Error::NotCompiledWith { feature: $f })
+            }
+            pub fn doctor() -> Result<(String, Vec<LinkReport>)> {
                 Err(Error::NotCompiledWith { feature: $f })
             }
         }

@@ -4,7 +4,7 @@
 use ironweave_transport::{Error, Result};
 use serde::Serialize;
 
-use crate::Backend;
+use crate::backend::{self, Backend};
 
 /// One backend as the doctor sees it.
 #[derive(Debug, Clone, Serialize)]
@@ -34,9 +34,9 @@ pub fn doctor() -> Vec<BackendReport> {
         .map(|b| {
             let r = match b {
                 Backend::Tcp => tcp_links(),
-                Backend::Ucx => ucx::doctor(),
-                Backend::Verbs => verbs::doctor(),
-                Backend::Nccl => nccl::doctor(),
+                Backend::Ucx => backend::ucx::doctor(),
+                Backend::Verbs => backend::verbs::doctor(),
+                Backend::Nccl => backend::nccl::doctor(),
             };
             match r {
                 Ok((detail, links)) => BackendReport { backend: b.name(), compiled: b.compiled(), usable: true, detail, links },
@@ -88,76 +88,3 @@ fn tcp_links() -> Result<(String, Vec<LinkReport>)> {
     unsafe { libc::freeifaddrs(ifa) };
     Ok(("pure Rust over std::net (always available)".into(), out))
 }
-
-#[cfg(feature = "ucx")]
-mod ucx {
-    use super::LinkReport;
-    use ironweave_transport::Result;
-
-    pub fn doctor() -> Result<(String, Vec<LinkReport>)> {
-        let version = ironweave_ucx::available()?;
-        let specs = ironweave_ucx::parse_links("shm,tcp")?;
-        let links = ironweave_ucx::probe_links(&specs)
-            .into_iter()
-            .zip(&specs)
-            .map(|((name, r), spec)| LinkReport {
-                name,
-                usable: r.is_ok(),
-                detail: match r {
-                    Ok(()) => format!("UCX_TLS={}", spec.tls.as_deref().unwrap_or("default")),
-                    Err(e) => e.to_string(),
-                },
-            })
-            .collect();
-        Ok((version, links))
-    }
-}
-
-#[cfg(feature = "verbs")]
-mod verbs {
-    use super::LinkReport;
-    use ironweave_transport::Result;
-
-    pub fn doctor() -> Result<(String, Vec<LinkReport>)> {
-        let devs = ironweave_verbs::available()?;
-        let links = devs
-            .iter()
-            .map(|d| LinkReport { name: format!("verbs:{}", d.name), usable: d.active_ports > 0, detail: d.to_string() })
-            .collect();
-        Ok((format!("{} RDMA device(s)", devs.len()), links))
-    }
-}
-
-#[cfg(feature = "nccl")]
-mod nccl {
-    use super::LinkReport;
-    use ironweave_transport::Result;
-
-    pub fn doctor() -> Result<(String, Vec<LinkReport>)> {
-        let info = ironweave_nccl::available()?;
-        let links = (0..info.devices)
-            .map(|d| LinkReport { name: format!("nccl:cuda{d}"), usable: true, detail: "CUDA device".into() })
-            .collect();
-        Ok((info.to_string(), links))
-    }
-}
-
-/// A backend left out of this build answers NotCompiledWith.
-#[allow(unused_macros)] // unused when every backend is compiled in
-macro_rules! stub {
-    ($m:ident, $f:literal) => {
-        mod $m {
-            use super::LinkReport;
-            use ironweave_transport::{Error, Result};
-            pub fn doctor() -> Result<(String, Vec<LinkReport>)> {
-                Err(Error::NotCompiledWith { feature: $f })
-            }
-        }
-    };
-}
-#[cfg(not(feature = "ucx"))]
-stub!(ucx, "ucx");
-#[cfg(not(feature = "verbs"))]
-stub!(verbs, "verbs");
-#[cfg(not(feature = "nccl"))]
-stub!(nccl, "nccl");
