@@ -10,6 +10,7 @@ mod bench;
 mod ckpt_selftest;
 mod cluster;
 mod launch;
+mod overlap;
 mod plan;
 mod progress;
 mod report;
@@ -106,6 +107,9 @@ enum Cmd {
         #[arg(long)]
         bucket_kb: Option<usize>,
     },
+    /// Per-rank body of `train --tp` (started by it).
+    #[command(hide = true)]
+    TpWorker(overlap::TpWorkerArgs),
     /// Plan a parallel layout with a cost model and HiGHS.
     Plan {
         #[command(subcommand)]
@@ -235,6 +239,10 @@ enum BenchCmd {
     /// against one single-threaded rank, share of gradient communication hidden behind
     /// backward; with --topology, bucketed vs single-bucket gradients on the emulated cluster.
     Scaling(scaling::ScalingArgs),
+    /// Tensor parallelism on the emulated cluster: Megatron's schedule against Oases'
+    /// (sub-batches overlapping collectives with compute), on a slow and a fast link; each
+    /// row with the share of communication hidden and the overlap model's prediction.
+    Overlap(overlap::OverlapArgs),
     /// Collectives over local processes, nccl-tests style, each row verified.
     Collectives {
         /// Number of ranks (processes).
@@ -445,6 +453,15 @@ fn run(cli: Cli) -> Result<i32> {
         }
         Cmd::Bench { what: BenchCmd::Ckpt { config, strategies, ranks, iters, topology, ranks_per_host, out }, .. } => {
             train::bench(&config, &strategies, ranks, iters, topology.as_deref(), ranks_per_host, &out)?;
+            Ok(0)
+        }
+        Cmd::Bench { what: BenchCmd::Overlap(a), .. } => {
+            launch::install_signal_handlers();
+            overlap::bench(&a)?;
+            Ok(0)
+        }
+        Cmd::TpWorker(a) => {
+            overlap::worker(&a)?;
             Ok(0)
         }
         Cmd::Bench { what: BenchCmd::Scaling(a), .. } => {

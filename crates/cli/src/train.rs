@@ -86,6 +86,18 @@ pub struct TrainArgs {
     /// No progress bar or per-iteration lines (the summary is still printed).
     #[arg(long)]
     pub quiet: bool,
+    /// Tensor parallelism: groups of this many consecutive ranks split every layer
+    /// (Megatron-LM's layout; data parallel across groups). Dense configs only
+    /// (configs/gpt-tp.toml); no checkpoints.
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// Tensor-parallel schedule: megatron (each collective waited where its result is needed)
+    /// or oases (sub-batches interleaved so collectives overlap compute). Implies --tp 1 alone.
+    #[arg(long)]
+    pub schedule: Option<String>,
+    /// Sub-batches per rank's batch (default: 2 for oases, 1 for megatron).
+    #[arg(long)]
+    pub sub_batches: Option<usize>,
 }
 
 impl TrainArgs {
@@ -105,6 +117,9 @@ impl TrainArgs {
             threads_per_rank: None,
             bucket_kb: None,
             quiet: false,
+            tp: None,
+            schedule: None,
+            sub_batches: None,
         }
     }
 }
@@ -409,6 +424,9 @@ pub fn worker(
 
 /// `ironweave train`: launches the ranks, prints the summary; returns the exit status.
 pub fn run(a: &TrainArgs) -> Result<i32> {
+    if a.tp.is_some() || a.schedule.is_some() || a.sub_batches.is_some() {
+        return crate::overlap::run(a);
+    }
     let (config, ranks, strategy, backend) = (a.config.as_path(), a.ranks, a.ckpt.as_str(), a.backend.as_str());
     let (iters, report_dir, fail, persist_every) = (a.iters, a.report_dir.as_path(), a.fail.as_deref(), a.persist_every);
     // a backend that is not compiled in or cannot run here is refused before any rank starts

@@ -8,8 +8,6 @@
 //! size (a ring all-reduce sums an element in an order that depends on where its chunk falls,
 //! so two bucketings would differ in the last bits).
 
-use std::time::Instant;
-
 use ironweave_transport::Communicator;
 
 use crate::error::{Result, TrainError};
@@ -101,19 +99,8 @@ pub fn ordered_avg(comm: &Communicator, buf: &mut [f32]) -> ironweave_transport:
     Ok(())
 }
 
-/// Seconds of `a` covered by the union of the disjoint spans `b`.
-pub fn covered_s(a: &[(Instant, Instant)], b: &[(Instant, Instant)]) -> f64 {
-    let mut s = 0.0;
-    for &(a0, a1) in a {
-        for &(b0, b1) in b {
-            let (lo, hi) = (a0.max(b0), a1.min(b1));
-            if hi > lo {
-                s += (hi - lo).as_secs_f64();
-            }
-        }
-    }
-    s
-}
+/// Seconds of `a` covered by `b` (the overlap scheduler's measure, shared).
+pub use ironweave_overlap::covered_s;
 
 /// What the data-parallel gradient averaging of one iteration did.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -181,7 +168,7 @@ mod tests {
 
     #[test]
     fn coverage_counts_only_overlap() {
-        let t = Instant::now();
+        let t = std::time::Instant::now();
         let at = |ms: u64| t + std::time::Duration::from_millis(ms);
         let comm = [(at(10), at(30)), (at(50), at(60))];
         let comp = [(at(0), at(20)), (at(25), at(55))];

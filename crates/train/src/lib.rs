@@ -14,6 +14,7 @@ pub mod dist;
 mod error;
 mod gelu;
 pub mod model;
+pub mod tp;
 pub mod trainer;
 
 pub use config::TrainConfig;

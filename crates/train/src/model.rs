@@ -111,11 +111,11 @@ pub fn init(cfg: &TrainConfig) -> Params {
     Params { list, step: 0 }
 }
 
-fn var(p: &Param, dev: &Device) -> Result<Var> {
+pub(crate) fn var(p: &Param, dev: &Device) -> Result<Var> {
     Ok(Var::from_slice(&p.w, p.shape.as_slice(), dev)?)
 }
 
-fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub(crate) fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor) -> Result<Tensor> {
     let mean = x.mean_keepdim(D::Minus1)?;
     let xc = x.broadcast_sub(&mean)?;
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
@@ -123,7 +123,7 @@ fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(y.broadcast_mul(g)?.broadcast_add(b)?)
 }
 
-fn softmax_last(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
     let mx = x.max_keepdim(D::Minus1)?.detach();
     let e = x.broadcast_sub(&mx)?.exp()?;
     Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)

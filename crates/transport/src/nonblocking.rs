@@ -63,7 +63,8 @@ impl CollExecutor {
         let bound = timeout.saturating_mul(ahead as u32 + 1) + Duration::from_secs(5);
         let (done, pending) = (slot.clone(), self.pending.clone());
         let job: Job = Box::new(move |c| {
-            let r = f(c);
+            let started = Instant::now();
+            let r = f(c).map(|v| (v, started, Instant::now()));
             pending.fetch_sub(1, Ordering::SeqCst);
             *lock(&done.value) = Some(r);
             done.cv.notify_all();
@@ -77,7 +78,8 @@ impl CollExecutor {
 }
 
 struct Slot<R> {
-    value: Mutex<Option<Result<R>>>,
+    /// The result with when the collective thread started and finished the operation.
+    value: Mutex<Option<Result<(R, Instant, Instant)>>>,
     cv: Condvar,
 }
 
@@ -110,7 +112,20 @@ impl<R> CollHandle<R> {
     /// Waits until `deadline` at the latest: `Timeout` if the operation has not finished by
     /// then (it still runs; its result is discarded).
     pub fn wait_until(self, deadline: Instant) -> Result<R> {
+        self.wait_timed(deadline).map(|(r, _, _)| r)
+    }
+
+    /// [`CollHandle::wait_until`], also returning when the collective thread started and
+    /// finished the operation (what an overlap schedule measures: the time on the wire, not
+    /// the time the caller waited).
+    pub fn wait_timed(self, deadline: Instant) -> Result<(R, Instant, Instant)> {
         take_when_filled(&self.slot.value, &self.slot.cv, deadline, "a non-blocking collective")
+    }
+
+    /// When the operation must have ended: the communicator's timeout for each operation
+    /// queued ahead of it and for itself.
+    pub fn deadline(&self) -> Instant {
+        self.bound
     }
 }
 
