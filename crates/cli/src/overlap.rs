@@ -321,6 +321,10 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         a.report_dir.join("timeline.svg").display(),
         &rep.final_state_sha256[..16]
     );
+    match crate::report::write(&a.report_dir, None) {
+        Ok(html) => println!("report: {}", html.display()),
+        Err(e) => eprintln!("ironweave train: could not write the HTML report: {e:#}"),
+    }
     Ok(0)
 }
 

@@ -105,7 +105,8 @@ fn escape(s: &str) -> String {
 /// The comparison rows of a bench JSON file: (name, mean iteration seconds), plus tokens/s
 /// where the rows have them.
 fn bench_rows(v: &Value) -> Vec<(String, f64, Option<f64>)> {
-    let Some(rows) = v.as_array() else { return Vec::new() };
+    // a list of rows, or an object holding them under "rows" (bench overlap)
+    let Some(rows) = v.as_array().or_else(|| v["rows"].as_array()) else { return Vec::new() };
     rows.iter()
         .filter_map(|r| {
             let name = ["strategy", "schedule", "label"].iter().find_map(|k| r[*k].as_str())?;
@@ -126,7 +127,33 @@ pub fn write(dir: &Path, out: Option<&Path>) -> Result<PathBuf> {
     let mut sections: Vec<(String, String, String)> = Vec::new(); // (id, heading, html)
     let mut summary = String::new();
     let rp = dir.join("report.json");
-    if rp.exists() {
+    let tp_run = rp.exists()
+        && serde_json::from_slice::<Value>(&std::fs::read(&rp)?)
+            .is_ok_and(|v| v.get("schedule").is_some() && v.get("tp").is_some());
+    if tp_run {
+        let r: crate::overlap::TpReport =
+            serde_json::from_slice(&std::fs::read(&rp)?).with_context(|| format!("reading {}", rp.display()))?;
+        summary = format!(
+            "{}: tensor parallel {} x data parallel {}, schedule {} with {} sub-batches, {} iterations, loss {:.3} → {:.3}, median iteration {:.1} ms, {:.0}% of tensor-parallel communication hidden",
+            escape(&r.config),
+            r.tp,
+            r.dp,
+            escape(&r.schedule),
+            r.sub_batches,
+            r.iterations,
+            r.loss.first().copied().unwrap_or(f32::NAN),
+            r.loss.last().copied().unwrap_or(f32::NAN),
+            r.median_iter_s() * 1e3,
+            r.hidden_fraction().unwrap_or(0.0) * 100.0
+        );
+        let loss: Vec<f64> = r.loss.iter().map(|&x| f64::from(x)).collect();
+        sections.push(("loss".into(), "Loss".into(), lines("Training loss", "nats per byte", &[("loss", &loss, BLUE)])?));
+        let ms = |v: &[f64]| -> Vec<f64> { v.iter().map(|s| s * 1e3).collect() };
+        let (it, co, hi) = (ms(&r.iter_time_s), ms(&r.tp_comm_s), ms(&r.tp_hidden_s));
+        let series: Vec<(&str, &[f64], RGBColor)> =
+            vec![("iteration time", &it, BLUE), ("tensor-parallel communication", &co, RED), ("of it hidden", &hi, GREEN)];
+        sections.push(("iteration-time".into(), "Time per iteration".into(), lines("Time per iteration", "ms", &series)?));
+    } else if rp.exists() {
         let r: Report = serde_json::from_slice(&std::fs::read(&rp)?).with_context(|| format!("reading {}", rp.display()))?;
         summary = format!(
             "{} on {} rank{} x {} thread{}, checkpoint strategy {}: {} iterations, loss {:.3} → {:.3}, {:.0} tokens/s{}",
@@ -181,7 +208,9 @@ pub fn write(dir: &Path, out: Option<&Path>) -> Result<PathBuf> {
     let tl = dir.join("timeline.svg");
     if tl.exists() {
         let svg = std::fs::read_to_string(&tl).with_context(|| format!("reading {}", tl.display()))?;
-        sections.push(("timeline".into(), "Timeline of the last profiled iteration (rank 0)".into(), svg));
+        let what =
+            if tp_run { "Every rank's lanes in the last iteration" } else { "Timeline of the last profiled iteration (rank 0)" };
+        sections.push(("timeline".into(), what.into(), svg));
     }
     if sections.is_empty() {
         bail!(

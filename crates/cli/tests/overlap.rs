@@ -60,6 +60,8 @@ fn both_schedules_train_the_same_and_show_every_rank_s_lanes() {
     for (pid, tid) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
         assert!(ev.iter().any(|e| e["ph"] == "X" && e["pid"] == pid && e["tid"] == tid), "no span of rank {pid} lane {tid}");
     }
+    // the run's HTML page is written beside its report
+    assert!(std::fs::read_to_string(base.join("o/report.html")).unwrap().contains("tensor parallel 2 x data parallel 1"));
     let _ = std::fs::remove_dir_all(&base);
 }
 
