@@ -34,6 +34,8 @@ pub struct TpWorkerArgs {
     pub iters: Option<u64>,
     #[arg(long)]
     pub report_dir: PathBuf,
+    #[arg(long)]
+    pub batch: Option<usize>,
 }
 
 /// What a tensor-parallel run's `report.json` holds (rank 0's view).
@@ -59,6 +61,9 @@ pub struct TpReport {
     pub wait_s: Vec<f64>,
     /// Data-parallel gradient averaging on the wire, per iteration.
     pub dp_comm_s: Vec<f64>,
+    /// Seconds of each iteration outside the scheduled work (loss average, optimizer step).
+    #[serde(default)]
+    pub outside_s: Vec<f64>,
     /// Mean compute seconds of each stage and sub-batch over the steady iterations.
     pub stage_compute_s: Vec<Vec<f64>>,
     /// Mean seconds on the wire of each stage's collective and sub-batch (0: none).
@@ -109,7 +114,10 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
             eprintln!("ironweave train: {choice}");
         }
     }
-    let (cfg, corpus) = load_config(&a.config)?;
+    let (mut cfg, corpus) = load_config(&a.config)?;
+    if let Some(b) = a.batch {
+        cfg.train.batch = b;
+    }
     let iters = a.iters.unwrap_or(cfg.train.iters);
     let schedule: Schedule = a.schedule.parse()?;
     let backend = ironweave::Backend::from_env()?;
@@ -151,6 +159,7 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
         rep.tp_hidden_s.push(st.hidden_s[0]);
         rep.wait_s.push(st.wait_s);
         rep.dp_comm_s.push(st.comm_s[1]);
+        rep.outside_s.push(s.outside_s);
         if it > 2 || iters <= 2 {
             // per-stage means over the steady iterations, the durations `predict` replays
             steady += 1;
@@ -233,9 +242,20 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     let chosen = ironweave::Backend::pick(&a.backend)?;
     chosen.usable().with_context(|| format!("--backend {chosen} cannot run here (`ironweave doctor` says more)"))?;
     let (cfg, _) = load_config(&a.config)?;
-    let tp = a.tp.unwrap_or(1);
-    let schedule: Schedule = a.schedule.as_deref().unwrap_or("oases").parse()?;
-    let k = a.sub_batches.unwrap_or(if schedule == Schedule::Oases { 2 } else { 1 });
+    let plan = a.tp_plan.as_deref().map(|p| PlanLayout::load(p, a.ranks)).transpose()?;
+    if plan.is_some() && (a.tp.is_some() || a.schedule.is_some() || a.sub_batches.is_some() || a.batch.is_some()) {
+        bail!("--tp-plan sets the degree, schedule, sub-batches and batch: drop --tp, --schedule, --sub-batches and --batch");
+    }
+    let tp = plan.as_ref().map_or(a.tp.unwrap_or(1), |p| p.tp);
+    let schedule: Schedule = match &plan {
+        Some(p) => p.schedule,
+        None => a.schedule.as_deref().unwrap_or("oases").parse()?,
+    };
+    let k = plan.as_ref().map_or(a.sub_batches.unwrap_or(if schedule == Schedule::Oases { 2 } else { 1 }), |p| p.sub_batches);
+    let batch = plan.as_ref().map(|p| p.batch).or(a.batch);
+    if let Some(p) = &plan {
+        eprintln!("ironweave train: executing {}", p.describe());
+    }
     if tp == 0 || a.ranks % tp != 0 {
         bail!("--tp {tp} must divide --ranks {}", a.ranks);
     }
@@ -260,6 +280,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     ];
     if let Some(i) = a.iters {
         args.extend(["--iters".into(), i.to_string()]);
+    }
+    if let Some(b) = batch {
+        args.extend(["--batch".into(), b.to_string()]);
     }
     let topology = match &a.topology {
         Some(p) => {
@@ -328,6 +351,87 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     Ok(0)
 }
 
+/// What the runtime takes from a TMP plan (`ironweave plan tmp --json`).
+#[derive(Debug, Clone)]
+pub struct PlanLayout {
+    /// The plan's tensor-parallel degree (one for every sub-layer).
+    pub tp: usize,
+    /// Sub-batches (the most any sub-layer asks for).
+    pub sub_batches: usize,
+    /// Oases when sub-batches overlap, Megatron otherwise.
+    pub schedule: Schedule,
+    /// Sequences per tensor group: `global_batch · tp / devices`.
+    pub batch: usize,
+    /// Per sub-layer (name, degree, sub-batches), as planned.
+    pub sublayers: Vec<(String, u32, u32)>,
+    /// The planner's predicted iteration time.
+    pub predicted_iter_s: f64,
+}
+
+impl PlanLayout {
+    /// Reads a plan for a job of `ranks` ranks and checks the runtime can execute it.
+    pub fn load(path: &Path, ranks: usize) -> Result<PlanLayout> {
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(path).with_context(|| format!("reading plan {}", path.display()))?)
+                .with_context(|| format!("parsing plan {}", path.display()))?;
+        // `plan tmp --json` writes {"plan": ..., "solve_s": ...}; a bare plan works too
+        let plan: ironweave_plan::tmp::TmpPlan = serde_json::from_value(v.get("plan").cloned().unwrap_or(v))
+            .with_context(|| format!("{} is not a TMP plan (write one with `ironweave plan tmp ... --json`)", path.display()))?;
+        Self::from_plan(&plan, ranks).with_context(|| format!("plan {}", path.display()))
+    }
+
+    /// The layout of `plan` on `ranks` ranks.
+    pub fn from_plan(plan: &ironweave_plan::tmp::TmpPlan, ranks: usize) -> Result<PlanLayout> {
+        if plan.devices as usize != ranks {
+            bail!("the plan is for {} devices; run it with --ranks {}", plan.devices, plan.devices);
+        }
+        if plan.global_batch == 0 {
+            bail!("the plan does not say its global batch (written by an older `ironweave plan tmp`): plan again");
+        }
+        let sublayers: Vec<(String, u32, u32)> = plan.sublayers.iter().map(|s| (s.name.clone(), s.tp, s.sub_batches)).collect();
+        let Some(&(_, tp, _)) = sublayers.first() else { bail!("the plan has no sub-layers") };
+        if let Some((n, t, _)) = sublayers.iter().find(|s| s.1 != tp) {
+            bail!(
+                "the plan gives {} tensor-parallel degree {t} and {} degree {tp}: sub-layers of different degrees need                  their activations resharded between them, which the runtime does not do yet (run a uniform --tp N)",
+                n,
+                sublayers[0].0
+            );
+        }
+        let k = sublayers.iter().map(|s| s.2).max().unwrap_or(1) as usize;
+        let gb = plan.global_batch as usize * tp as usize;
+        if gb % ranks != 0 {
+            bail!("global batch {} x degree {tp} does not split over {ranks} devices", plan.global_batch);
+        }
+        Ok(PlanLayout {
+            tp: tp as usize,
+            sub_batches: k,
+            schedule: if k > 1 { Schedule::Oases } else { Schedule::Megatron },
+            batch: gb / ranks,
+            sublayers,
+            predicted_iter_s: plan.predicted_iter_s,
+        })
+    }
+
+    /// One line for the log.
+    pub fn describe(&self) -> String {
+        let ks: Vec<u32> = self.sublayers.iter().map(|s| s.2).collect();
+        let mixed = if ks.iter().any(|&k| k as usize != self.sub_batches) {
+            format!(" (the plan varies sub-batches per sub-layer, {ks:?}; every sub-layer runs {})", self.sub_batches)
+        } else {
+            String::new()
+        };
+        format!(
+            "the plan: tensor parallel {} with {} sub-batch{} ({}), {} sequences per group, predicted {:.1} ms per iteration{mixed}",
+            self.tp,
+            self.sub_batches,
+            if self.sub_batches == 1 { "" } else { "es" },
+            self.schedule,
+            self.batch,
+            self.predicted_iter_s * 1e3
+        )
+    }
+}
+
 /// `ironweave bench overlap`'s options.
 #[derive(Debug, Clone, clap::Args)]
 pub struct OverlapArgs {
@@ -340,7 +444,7 @@ pub struct OverlapArgs {
     /// Ranks per emulated host.
     #[arg(long, default_value_t = 1)]
     pub ranks_per_host: usize,
-    /// Tensor-parallel degree (default: every rank).
+    /// Tensor-parallel degree of the uniform rows (default: every rank).
     #[arg(long)]
     pub tp: Option<usize>,
     /// Sub-batches of the Oases rows.
@@ -349,9 +453,17 @@ pub struct OverlapArgs {
     /// Iterations per row (the first two are warm-up).
     #[arg(long, default_value_t = 8)]
     pub iters: u64,
-    /// Link rate of the rows where communication is small (tc syntax).
-    #[arg(long, default_value = "10gbit")]
-    pub fast_rate: String,
+    /// Link rates of further beds (same hosts, every link at this rate; tc syntax),
+    /// comma-separated: the last one should leave little to hide.
+    #[arg(long, value_delimiter = ',', default_value = "400mbit,10gbit")]
+    pub also_rates: Vec<String>,
+    /// The workload as the planner sees it (the plan row).
+    #[arg(long, default_value = "configs/models/gpt-tp-cpu.toml")]
+    pub model: PathBuf,
+    /// The emulated cluster as the planner sees it; its first inter-node link takes each
+    /// bed's rate.
+    #[arg(long, default_value = "configs/clusters/emulated-2host.toml")]
+    pub cluster: PathBuf,
     /// Where the runs go.
     #[arg(long, default_value = "target/bench/overlap")]
     pub out: PathBuf,
@@ -360,8 +472,41 @@ pub struct OverlapArgs {
     pub json: Option<PathBuf>,
 }
 
-/// `ironweave bench overlap`: Megatron and Oases on the emulated bed, then both again on a fast
-/// link; each row with its measured hidden share and the overlap model's prediction.
+/// A `tc` rate (`200mbit`, `10gbit`, `125mbps`) in bytes per second.
+pub fn tc_rate_bytes(rate: &str) -> Result<f64> {
+    let r = rate.trim().to_ascii_lowercase();
+    let split = r.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(r.len());
+    let (num, unit) = r.split_at(split);
+    let v: f64 = num.parse().with_context(|| format!("rate {rate:?}: no number"))?;
+    let bits = match unit {
+        "bit" | "" => 1.0,
+        "kbit" => 1e3,
+        "mbit" => 1e6,
+        "gbit" => 1e9,
+        "bps" => 8.0,
+        "kbps" => 8e3,
+        "mbps" => 8e6,
+        "gbps" => 8e9,
+        _ => bail!("rate {rate:?}: unknown unit {unit:?} (bit, kbit, mbit, gbit, bps, kbps, mbps, gbps)"),
+    };
+    Ok(v * bits / 8.0)
+}
+
+/// One bench row: what ran and how it went.
+struct Row {
+    name: String,
+    link: String,
+    report: TpReport,
+    /// The planner's prediction for this layout on this bed (its cost model with compute
+    /// measured by the bed's Megatron row).
+    planner_s: Option<f64>,
+}
+
+/// `ironweave bench overlap`: on each bed (the topology's rate, then `--also-rates`) the
+/// Megatron and Oases schedules at the uniform degree, and on the first bed the planner's plan
+/// (planned with compute measured by that bed's Megatron row); each row with its measured
+/// hidden share and two predictions: the planner's cost model, and the executed steps replayed
+/// on the row's measured compute and the Megatron row's wire times.
 pub fn bench(a: &OverlapArgs) -> Result<()> {
     if a.iters < 3 {
         bail!("--iters must be at least 3 (two warm-up iterations are not counted)");
@@ -369,113 +514,176 @@ pub fn bench(a: &OverlapArgs) -> Result<()> {
     let topo = crate::cluster::Topology::load(&a.topology)?;
     let ranks = topo.hosts * a.ranks_per_host.max(1);
     let tp = a.tp.unwrap_or(ranks);
-    // the same hosts with every link at --fast-rate
-    let mut fast = topo.clone();
-    fast.name = format!("{}f", &topo.name[..topo.name.len().min(7)]);
-    for l in &mut fast.links {
-        l.rate = a.fast_rate.clone();
-    }
-    std::fs::create_dir_all(&a.out)?;
-    let fast_path = a.out.join("fast-topology.toml");
-    std::fs::write(&fast_path, toml_of(&fast))?;
-    let rows_spec: Vec<(String, &Path, Schedule, usize)> = vec![
-        ("megatron".into(), a.topology.as_path(), Schedule::Megatron, 1),
-        ("oases".into(), a.topology.as_path(), Schedule::Oases, a.sub_batches),
-        (format!("megatron @{}", a.fast_rate), fast_path.as_path(), Schedule::Megatron, 1),
-        (format!("oases @{}", a.fast_rate), fast_path.as_path(), Schedule::Oases, a.sub_batches),
-    ];
-    let progress = Progress::new("bench overlap: row", 0, rows_spec.len() as u64, Mode::detect());
-    let mut reps: Vec<(String, TpReport)> = Vec::new();
-    // each bed is brought up for its rows (both use the same subnets) and taken down again
-    // unless it was up before
-    let mut up: Option<(crate::cluster::Topology, bool)> = None;
-    let settle = |up: &mut Option<(crate::cluster::Topology, bool)>| -> Result<()> {
-        if let Some((t, ours)) = up.take() {
-            if ours {
-                crate::cluster::down(&t)?;
-            }
-        }
-        Ok(())
+    let (cfg, _) = load_config(&a.config)?;
+    let model = {
+        let mut m = crate::plan::load_model(&a.model, None)?;
+        // the plan splits the same global batch the uniform rows train on
+        m.global_batch = (cfg.train.batch * ranks / tp) as u32;
+        m.validate()?;
+        m
     };
-    for (i, (name, topo, sched, k)) in rows_spec.iter().enumerate() {
-        let t = crate::cluster::Topology::load(topo)?;
-        if up.as_ref().is_none_or(|(u, _)| u.name != t.name) {
-            settle(&mut up)?;
-            let was_up = crate::cluster::status(&t)?;
-            if !was_up {
-                crate::cluster::up(&t).with_context(|| format!("bringing up the emulated cluster of {}", topo.display()))?;
+    std::fs::create_dir_all(&a.out)?;
+    let mut beds = vec![(topo.links[0].rate.clone(), a.topology.clone())];
+    for (i, rate) in a.also_rates.iter().enumerate() {
+        tc_rate_bytes(rate)?;
+        let mut t = topo.clone();
+        t.name = format!("{}{}", &topo.name[..topo.name.len().min(6)], i);
+        for l in &mut t.links {
+            l.rate = rate.clone();
+        }
+        let p = a.out.join(format!("bed{i}-topology.toml"));
+        std::fs::write(&p, toml_of(&t))?;
+        beds.push((rate.clone(), p));
+    }
+    let total = 2 * beds.len() as u64 + 1;
+    let progress = Progress::new("bench overlap: row", 0, total, Mode::detect());
+    let mut rows: Vec<Row> = Vec::new();
+    let done = std::cell::Cell::new(0u64);
+    for (b, (rate, topo_path)) in beds.iter().enumerate() {
+        let t = crate::cluster::Topology::load(topo_path)?;
+        // each bed is up for its rows only (they share subnets); one that was up before stays
+        let was_up = crate::cluster::status(&t)?;
+        if !was_up {
+            crate::cluster::up(&t).with_context(|| format!("bringing up the emulated cluster of {}", topo_path.display()))?;
+        }
+        let r = (|| -> Result<()> {
+            let run_row = |name: String, sched: Schedule, tpd: usize, k: usize, plan: Option<&Path>| -> Result<TpReport> {
+                let n = done.get() + 1;
+                done.set(n);
+                let dir = a.out.join(format!("row{n}"));
+                let args = TrainArgs {
+                    ranks,
+                    topology: Some(topo_path.clone()),
+                    ranks_per_host: a.ranks_per_host,
+                    iters: Some(a.iters),
+                    report_dir: dir.clone(),
+                    quiet: true,
+                    tp: plan.is_none().then_some(tpd),
+                    schedule: plan.is_none().then(|| sched.name().to_string()),
+                    sub_batches: plan.is_none().then_some(k),
+                    tp_plan: plan.map(Path::to_path_buf),
+                    ..TrainArgs::new(&a.config)
+                };
+                let code = run(&args)?;
+                if code != 0 {
+                    bail!("the {name} run failed (status {code}); see its output above");
+                }
+                let rep: TpReport = serde_json::from_slice(&std::fs::read(dir.join("report.json"))?)?;
+                progress.step(n, &format!("{name}: median iteration {:.1} ms", rep.median_iter_s() * 1e3));
+                Ok(rep)
+            };
+            let meg = run_row(format!("megatron @{rate}"), Schedule::Megatron, tp, 1, None)?;
+            // the planner, calibrated with this bed's measured compute and its link rate
+            let profile = crate::plan::profile_from_run(&meg, &model)?;
+            let mut cluster = crate::plan::load_cluster(&a.cluster)?;
+            cluster.nodes = topo.hosts as u32;
+            cluster.devices_per_node = a.ranks_per_host.max(1) as u32;
+            let bw = tc_rate_bytes(rate)?;
+            let Some(l) = cluster.links.iter_mut().find(|l| l.scope == ironweave_plan::Scope::InterNode) else {
+                bail!("{} has no inter-node link to give the bed's rate", a.cluster.display());
+            };
+            l.bandwidth_gbyte_s = bw / 1e9;
+            // the same figures as a probe file, for `ironweave simulate tp --probe` on this bed
+            let probe = serde_json::json!([{ "name": l.name, "latency_s": l.latency_us * 1e-6,
+                "bandwidth_bytes_per_s": bw, "declared_bytes_per_s": bw, "streamed_bytes": 0 }]);
+            std::fs::write(a.out.join(format!("bed{b}-probe.json")), serde_json::to_vec_pretty(&probe)?)?;
+            cluster.validate()?;
+            let mut cm = ironweave_plan::CostModel::new(&cluster);
+            cm.profile = Some(&profile);
+            let mut ks = vec![1u32, a.sub_batches as u32];
+            ks.dedup();
+            let opts = ironweave_plan::tmp::TmpOptions { sub_batches: ks, ..Default::default() };
+            let problem = ironweave_plan::tmp::build(&model, &cluster, &cm, &opts)?;
+            let (sol, by) = problem.chain.solve(opts.solver, opts.time_limit_s, opts.mip_rel_gap)?;
+            let plan = problem.plan(&model, &cluster, &sol, by, &opts)?;
+            let uniform = |t: usize, k: usize| problem.uniform(t as u32, k as u32).map(|u| u.iter_s);
+            rows.push(Row { name: "megatron".into(), link: rate.clone(), planner_s: uniform(tp, 1), report: meg });
+            let oases = run_row(format!("oases @{rate}"), Schedule::Oases, tp, a.sub_batches, None)?;
+            rows.push(Row { name: "oases".into(), link: rate.clone(), planner_s: uniform(tp, a.sub_batches), report: oases });
+            if b == 0 {
+                let plan_path = a.out.join("plan.json");
+                crate::plan::write_json(&plan_path, &serde_json::json!({ "plan": plan }))?;
+                match PlanLayout::from_plan(&plan, ranks) {
+                    Ok(layout) => {
+                        eprintln!("bench overlap: executing {}", layout.describe());
+                        let rep =
+                            run_row(format!("plan @{rate}"), layout.schedule, layout.tp, layout.sub_batches, Some(&plan_path))?;
+                        rows.push(Row {
+                            name: "plan".into(),
+                            link: rate.clone(),
+                            planner_s: Some(plan.predicted_iter_s),
+                            report: rep,
+                        });
+                    }
+                    Err(e) => eprintln!("bench overlap: the planner's plan is not executed: {e:#}"),
+                }
             }
-            up = Some((t, !was_up));
+            Ok(())
+        })();
+        if !was_up {
+            crate::cluster::down(&t)?;
         }
-        let dir = a.out.join(format!("row{i}"));
-        let args = TrainArgs {
-            ranks,
-            topology: Some(topo.to_path_buf()),
-            ranks_per_host: a.ranks_per_host,
-            iters: Some(a.iters),
-            report_dir: dir.clone(),
-            quiet: true,
-            tp: Some(tp),
-            schedule: Some(sched.name().into()),
-            sub_batches: Some(*k),
-            ..TrainArgs::new(&a.config)
-        };
-        let code = run(&args)?;
-        if code != 0 {
-            settle(&mut up)?;
-            bail!("the {name} run failed (status {code}); see its output above");
-        }
-        let rep: TpReport = serde_json::from_slice(&std::fs::read(dir.join("report.json"))?)?;
-        progress.step(i as u64 + 1, &format!("{name}: median iteration {:.1} ms", rep.median_iter_s() * 1e3));
-        reps.push((name.clone(), rep));
+        r?;
     }
     progress.finish();
-    settle(&mut up)?;
-    let (cfg, corpus) = load_config(&a.config)?;
-    let mut rows = Vec::new();
+    let mut out_rows = Vec::new();
     let mut md = String::from(
-        "| schedule | link | median iteration | TP comm / iter | comm hidden | compute / iter | predicted | predicted / measured | speedup vs megatron |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| schedule | link | TP x DP | median iteration | TP comm / iter | comm hidden | compute / iter | predicted (planner) | planner / measured | replayed steps / measured | speedup vs megatron |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
-    for (i, (name, r)) in reps.iter().enumerate() {
-        // the Megatron row of the same link measured each collective without overlap: its
-        // per-stage wire times, with this row's own compute, replayed through this row's steps
-        let base = &reps[i - i % 2].1;
+    for (i, row) in rows.iter().enumerate() {
+        let r = &row.report;
+        // the Megatron row of the same bed measured each collective without overlap
+        let base = rows[..=i].iter().rev().find(|x| x.name == "megatron" && x.link == row.link).map_or(r, |x| &x.report);
         let sched: Schedule = r.schedule.parse()?;
-        let spec = TpSpec { tp: r.tp, schedule: sched, sub_batches: r.sub_batches };
-        let prog = TpTrainer::new(cfg.clone(), corpus.clone(), None, TpSpec { tp: 1, ..spec })?.program().clone();
+        let full = ironweave_train::model::init(&cfg);
+        let (prog, _) = ironweave_train::tp::program(&cfg, &full, r.sub_batches, r.dp > 1);
         let st = steps(&prog, sched)?;
+        let same_shape = base.tp == r.tp && base.stage_comm_s.len() == prog.stages.len();
         let comm_of = |c: CommRef| match c {
             // the whole batch's collective of a stage, split evenly over this row's sub-batches
-            CommRef::Stage { stage, .. } => base.stage_comm_s[stage].iter().sum::<f64>() / r.sub_batches as f64,
-            CommRef::Tail(t) => base.tail_comm_s.get(t).copied().unwrap_or(0.0),
+            CommRef::Stage { stage, .. } if same_shape => base.stage_comm_s[stage].iter().sum::<f64>() / r.sub_batches as f64,
+            CommRef::Stage { stage, .. } => r.stage_comm_s[stage].iter().sum::<f64>() / r.sub_batches as f64,
+            CommRef::Tail(t) => r.tail_comm_s.get(t).copied().unwrap_or(0.0),
         };
-        let predicted = predict(&prog, &st, |s, j| r.stage_compute_s[s][j], comm_of);
+        // both predictions cover the scheduled work; the optimizer step and the loss average
+        // outside it are added as measured (the planner does not model an optimizer)
+        let outside = TpReport::steady(&r.outside_s);
+        let replayed = predict(&prog, &st, |s, j| r.stage_compute_s[s][j], comm_of) + outside;
         let m = r.median_iter_s();
         let speedup = base.median_iter_s() / m;
-        let link = if i < 2 { topo.links[0].rate.clone() } else { a.fast_rate.clone() };
+        let planner = row.planner_s.map(|p| p + outside);
+        let predicted = planner.unwrap_or(replayed);
         md.push_str(&format!(
-            "| {} k={} | {link} | {:.1} ms | {:.1} ms | {:.0}% | {:.1} ms | {:.1} ms | {:.2} | {:.2}x |\n",
-            r.schedule,
+            "| {} {} k={} | {} | {} x {} | {:.1} ms | {:.1} ms | {:.0}% | {:.1} ms | {} | {} | {:.2} | {:.2}x |\n",
+            row.name,
+            if row.name == "plan" { format!("({})", r.schedule) } else { String::new() },
             r.sub_batches,
+            row.link,
+            r.tp,
+            r.dp,
             m * 1e3,
             r.comm_s() * 1e3,
             r.hidden_fraction().unwrap_or(0.0) * 100.0,
             TpReport::steady(&r.compute_s) * 1e3,
-            predicted * 1e3,
-            predicted / m,
+            planner.map_or("-".into(), |p| format!("{:.1} ms", p * 1e3)),
+            planner.map_or("-".into(), |p| format!("{:.2}", p / m)),
+            replayed / m,
             speedup
         ));
-        rows.push(serde_json::json!({
-            "schedule": name, "link_rate": link, "tp": r.tp, "dp": r.dp, "sub_batches": r.sub_batches,
-            "iter_time_s": m, "comm_s": r.comm_s(), "comm_hidden_fraction": r.hidden_fraction().unwrap_or(0.0),
+        out_rows.push(serde_json::json!({
+            "schedule": row.name, "executed_schedule": r.schedule, "link_rate": row.link, "tp": r.tp, "dp": r.dp,
+            "sub_batches": r.sub_batches, "iter_time_s": m, "comm_s": r.comm_s(),
+            "comm_hidden_fraction": r.hidden_fraction().unwrap_or(0.0),
             "compute_s": TpReport::steady(&r.compute_s), "wait_s": TpReport::steady(&r.wait_s),
-            "predicted_iter_time_s": predicted, "speedup_vs_megatron": speedup,
-            "loss_first": r.loss.first(), "loss_last": r.loss.last(), "report": format!("{}/row{i}", a.out.display()),
+            "dp_comm_s": TpReport::steady(&r.dp_comm_s), "outside_s": outside,
+            "predicted_iter_time_s": predicted, "predicted_by": if planner.is_some() { "planner" } else { "replayed steps" },
+            "replayed_iter_time_s": replayed, "speedup_vs_megatron": speedup,
+            "loss_first": r.loss.first(), "loss_last": r.loss.last(),
         }));
     }
     print!("{md}");
     std::fs::write(a.out.join("overlap.md"), &md)?;
-    let json = serde_json::to_vec_pretty(&serde_json::json!({ "rows": rows }))?;
+    let json = serde_json::to_vec_pretty(&serde_json::json!({ "rows": out_rows }))?;
     std::fs::write(a.out.join("overlap.json"), &json)?;
     if let Some(j) = &a.json {
         std::fs::write(j, &json)?;
@@ -493,4 +701,18 @@ fn toml_of(t: &crate::cluster::Topology) -> String {
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tc_rates_are_bytes_per_second() {
+        assert_eq!(tc_rate_bytes("200mbit").unwrap(), 25e6);
+        assert_eq!(tc_rate_bytes("10gbit").unwrap(), 1.25e9);
+        assert_eq!(tc_rate_bytes("125mbps").unwrap(), 125e6);
+        assert!(tc_rate_bytes("fast").unwrap_err().to_string().contains("no number"));
+        assert!(tc_rate_bytes("3furlongs").unwrap_err().to_string().contains("unknown unit"));
+    }
 }

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use ironweave_plan::chain::{Method, SolvedBy};
 use ironweave_plan::{sdp, tmp, ClusterDesc, CostModel, ModelDesc, ProfileTable};
 
@@ -75,10 +75,61 @@ pub fn load_inputs(
     Ok((m, c))
 }
 
-pub fn load_profile(path: Option<&Path>) -> Result<Option<ProfileTable>> {
+/// Measured throughputs: a TOML table (`[ops.attn] flops = ..., seconds = ...`), or a
+/// tensor-parallel run (`ironweave train --tp`; its directory or report.json), whose forward
+/// stages' mean compute becomes the attention and MLP throughput (the head, a matmul like the
+/// MLP's, takes the MLP's).
+pub fn load_profile(path: Option<&Path>, model: &ModelDesc) -> Result<Option<ProfileTable>> {
     let Some(path) = path else { return Ok(None) };
+    let report = if path.is_dir() { path.join("report.json") } else { path.to_path_buf() };
+    if report.extension().is_some_and(|e| e == "json") {
+        let r: crate::overlap::TpReport = serde_json::from_slice(
+            &std::fs::read(&report).with_context(|| format!("reading the run's report {}", report.display()))?,
+        )
+        .with_context(|| format!("{} is not the report of a tensor-parallel run (`ironweave train --tp`)", report.display()))?;
+        return Ok(Some(profile_from_run(&r, model)?));
+    }
     let text = std::fs::read_to_string(path).with_context(|| format!("reading profile table {}", path.display()))?;
     Ok(Some(toml::from_str(&text).with_context(|| format!("parsing profile table {}", path.display()))?))
+}
+
+/// The throughput of attention and MLP compute measured by a tensor-parallel run: each kind's
+/// forward and backward stage compute (all sub-batches, mean over layers) against the FLOPs the
+/// cost model counts for them on one rank (the group's batch split `tp` ways, forward plus a
+/// backward of 3x forward with recomputation), so the model's compute per sub-layer is the
+/// measured one. The MLP's backward is taken from the layers below the last (whose backward
+/// stage also runs the head).
+pub fn profile_from_run(r: &crate::overlap::TpReport, model: &ModelDesc) -> Result<ProfileTable> {
+    let layers = model.layers as usize;
+    if r.stage_compute_s.len() != 4 * layers + 1 {
+        bail!(
+            "the run has {} stages, a {}-layer model has {}: was it run with this model's configuration?",
+            r.stage_compute_s.len(),
+            layers,
+            4 * layers + 1
+        );
+    }
+    let group_batch = (r.tokens_per_iter as f64 / r.dp.max(1) as f64) / model.seq as f64;
+    let stage_s = |i: usize| r.stage_compute_s[i].iter().sum::<f64>();
+    // stage order: forward attn/mlp per layer, then per layer from the last: mlp.bwd, attn.bwd
+    let bwd_mlp = |l: usize| stage_s(2 * layers + 2 * (layers - 1 - l));
+    let bwd_attn = |l: usize| stage_s(2 * layers + 2 * (layers - 1 - l) + 1);
+    let attn_s = (0..layers).map(|l| stage_s(2 * l) + bwd_attn(l)).sum::<f64>() / layers as f64;
+    let below: Vec<usize> = if layers > 1 { (0..layers - 1).collect() } else { vec![0] };
+    let mlp_s = below.iter().map(|&l| stage_s(2 * l + 1) + bwd_mlp(l)).sum::<f64>() / below.len() as f64;
+    let recompute = if model.activation_recompute { 1.0 } else { 0.0 };
+    // the planner's backward is (2 + recompute) x forward: one FLOP count for both passes
+    let passes = 3.0 + recompute;
+    if attn_s <= 0.0 || mlp_s <= 0.0 {
+        bail!("the run recorded no forward compute (fewer than 3 iterations?)");
+    }
+    let tp = r.tp.max(1) as f64;
+    let op = |flops: f64, seconds: f64| ironweave_plan::cost::MeasuredOp { flops, seconds };
+    let mut t = ProfileTable::default();
+    t.ops.insert("attn".into(), op(model.attn_flops(group_batch) / tp * passes, attn_s));
+    t.ops.insert("mlp".into(), op(model.mlp_flops(group_batch) / tp * passes, mlp_s));
+    t.ops.insert("head".into(), op(model.mlp_flops(group_batch) / tp * passes, mlp_s));
+    Ok(t)
 }
 
 fn ms(s: f64) -> String {
@@ -114,7 +165,7 @@ pub fn tmp(
     probe: Option<&Path>,
 ) -> Result<()> {
     let (m, c) = load_inputs(model, cluster, global_batch, probe)?;
-    let prof = load_profile(profile)?;
+    let prof = load_profile(profile, &m)?;
     let mut cm = CostModel::new(&c);
     cm.profile = prof.as_ref();
     let opts = tmp::TmpOptions { solver: if highs_only { Method::Highs } else { Method::Auto }, ..Default::default() };
@@ -183,7 +234,7 @@ pub fn sdp(
     probe: Option<&Path>,
 ) -> Result<()> {
     let (m, c) = load_inputs(model, cluster, global_batch, probe)?;
-    let prof = load_profile(profile)?;
+    let prof = load_profile(profile, &m)?;
     let mut cm = CostModel::new(&c);
     cm.profile = prof.as_ref();
     let opts = sdp::SdpOptions::default();

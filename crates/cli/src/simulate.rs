@@ -47,6 +47,10 @@ pub struct SimArgs {
     /// Use link figures measured by `ironweave cluster probe --json FILE` instead of the description's.
     #[arg(long)]
     probe: Option<PathBuf>,
+    /// tp: measured compute throughputs (a TOML table, or a tensor-parallel run's directory:
+    /// `ironweave train --tp` / `bench overlap` rows), as `plan tmp --profile`.
+    #[arg(long)]
+    profile: Option<PathBuf>,
 }
 
 fn ms(s: f64) -> String {
@@ -70,7 +74,9 @@ pub fn run(scenario: &str, a: &SimArgs) -> Result<()> {
 
 fn run_tp(a: &SimArgs) -> Result<()> {
     let (m, c) = load_inputs(&a.model, &a.cluster, a.global_batch, a.probe.as_deref())?;
-    let cm = CostModel::new(&c);
+    let prof = crate::plan::load_profile(a.profile.as_deref(), &m)?;
+    let mut cm = CostModel::new(&c);
+    cm.profile = prof.as_ref();
     let opts = tmp::TmpOptions { solver: Method::Auto, ..Default::default() };
     let problem = tmp::build(&m, &c, &cm, &opts)?;
     let (sol, by) = problem.chain.solve(opts.solver, opts.time_limit_s, opts.mip_rel_gap)?;

@@ -98,6 +98,13 @@ pub struct TrainArgs {
     /// Sub-batches per rank's batch (default: 2 for oases, 1 for megatron).
     #[arg(long)]
     pub sub_batches: Option<usize>,
+    /// Execute the planner's plan (`ironweave plan tmp ... --json plan.json`): its
+    /// tensor-parallel degree, sub-batches and batch per group.
+    #[arg(long)]
+    pub tp_plan: Option<PathBuf>,
+    /// Sequences per data-parallel replica per iteration (default: the config's `batch`).
+    #[arg(long)]
+    pub batch: Option<usize>,
 }
 
 impl TrainArgs {
@@ -120,6 +127,8 @@ impl TrainArgs {
             tp: None,
             schedule: None,
             sub_batches: None,
+            tp_plan: None,
+            batch: None,
         }
     }
 }
@@ -424,7 +433,7 @@ pub fn worker(
 
 /// `ironweave train`: launches the ranks, prints the summary; returns the exit status.
 pub fn run(a: &TrainArgs) -> Result<i32> {
-    if a.tp.is_some() || a.schedule.is_some() || a.sub_batches.is_some() {
+    if a.tp.is_some() || a.schedule.is_some() || a.sub_batches.is_some() || a.tp_plan.is_some() {
         return crate::overlap::run(a);
     }
     let (config, ranks, strategy, backend) = (a.config.as_path(), a.ranks, a.ckpt.as_str(), a.backend.as_str());

@@ -89,6 +89,67 @@ fn layouts_that_cannot_run_are_refused_before_any_rank_starts() {
 }
 
 #[test]
+fn a_plan_is_executed_as_planned_or_refused_with_the_reason() {
+    let dir = std::env::temp_dir().join(format!("ironweave-tpplan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("plan.json");
+    let out = Command::new(BIN)
+        .current_dir(ROOT)
+        .args([
+            "plan",
+            "tmp",
+            "--model",
+            "configs/models/gpt-tp-cpu.toml",
+            "--cluster",
+            "configs/clusters/emulated-2host.toml",
+            "--json",
+        ])
+        .arg(&plan)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&plan).unwrap()).unwrap();
+    // a uniform plan runs: its degree, schedule and batch per group in the report
+    let sub = v["plan"]["sublayers"].as_array().unwrap().clone();
+    let tp = sub[0]["tp"].as_u64().unwrap();
+    let out = Command::new(BIN)
+        .current_dir(ROOT)
+        .args(["train", "--config", "configs/gpt-tp.toml", "--ranks", "2", "--iters", "3", "--quiet", "--tp-plan"])
+        .arg(&plan)
+        .arg("--report-dir")
+        .arg(dir.join("run"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("executing the plan: tensor parallel"), "{err}");
+    let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("run/report.json")).unwrap()).unwrap();
+    assert_eq!(rep["tp"].as_u64(), Some(tp));
+    // global batch 8 over 2 devices: 8 x tp / 2 sequences per group, dp = 2 / tp groups
+    assert_eq!(rep["tokens_per_iter"].as_u64(), Some(8 * 128), "{rep}");
+    // different degrees per sub-layer need resharding, which is refused with the reason
+    v["plan"]["sublayers"][1]["tp"] = serde_json::json!(if tp == 1 { 2 } else { 1 });
+    std::fs::write(&plan, serde_json::to_vec(&v).unwrap()).unwrap();
+    let out = Command::new(BIN)
+        .current_dir(ROOT)
+        .args(["train", "--config", "configs/gpt-tp.toml", "--ranks", "2", "--tp-plan"])
+        .arg(&plan)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("resharded"), "{err}");
+    let out = Command::new(BIN)
+        .current_dir(ROOT)
+        .args(["train", "--config", "configs/gpt-tp.toml", "--ranks", "4", "--tp-plan"])
+        .arg(&plan)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("run it with --ranks 2"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn bench_overlap_writes_a_row_per_schedule_with_its_counters() {
     let root = Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false);
     let ip = Command::new("ip").args(["netns", "list"]).output().map(|o| o.status.success()).unwrap_or(false);
@@ -107,7 +168,7 @@ fn bench_overlap_writes_a_row_per_schedule_with_its_counters() {
     let json = dir.join("out.json");
     let out = Command::new(BIN)
         .current_dir(ROOT)
-        .args(["bench", "overlap", "--iters", "3", "--quiet", "--topology"])
+        .args(["bench", "overlap", "--iters", "3", "--quiet", "--also-rates", "10gbit", "--topology"])
         .arg(&topo)
         .arg("--out")
         .arg(dir.join("runs"))
@@ -118,17 +179,26 @@ fn bench_overlap_writes_a_row_per_schedule_with_its_counters() {
     assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rows = v["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 4);
+    // megatron and oases on each of the two beds, and the planner's plan on the first when the
+    // runtime can execute it (a uniform degree)
+    let names: Vec<&str> = rows.iter().map(|r| r["schedule"].as_str().unwrap()).collect();
+    assert_eq!(names.iter().filter(|n| **n == "megatron").count(), 2, "{names:?}");
+    assert_eq!(names.iter().filter(|n| **n == "oases").count(), 2, "{names:?}");
+    assert!(dir.join("runs/plan.json").exists());
     for r in rows {
-        for k in ["iter_time_s", "comm_s", "predicted_iter_time_s", "speedup_vs_megatron"] {
+        for k in ["iter_time_s", "predicted_iter_time_s", "replayed_iter_time_s", "speedup_vs_megatron"] {
             assert!(r[k].as_f64().unwrap() > 0.0, "{k} in {r}");
         }
-        let h = r["comm_hidden_fraction"].as_f64().unwrap();
-        if r["schedule"].as_str().unwrap().starts_with("megatron") {
-            // Megatron waits for every collective right after issuing it: nothing computes meanwhile
-            assert!(h < 0.01, "megatron hid {h}");
-        } else {
-            assert!(h > 0.0, "oases hid nothing: {r}");
+        let f = |k: &str| r[k].as_f64().unwrap();
+        // bytes crossed the link: activations (tensor parallel) or gradients (a data-parallel plan)
+        let (tp, dp) = (r["tp"].as_u64().unwrap(), r["dp"].as_u64().unwrap());
+        assert_eq!(tp * dp, 2, "{r}");
+        assert!(if tp > 1 { f("comm_s") > 0.0 } else { f("dp_comm_s") > 0.0 }, "nothing communicated: {r}");
+        match r["schedule"].as_str().unwrap() {
+            // Megatron waits for every sub-layer's all-reduce right after issuing it
+            "megatron" => assert!(f("comm_hidden_fraction") < 0.01, "megatron hid {r}"),
+            "oases" => assert!(f("comm_hidden_fraction") > 0.0, "oases hid nothing: {r}"),
+            _ => {}
         }
     }
     // the bench took its beds down again

@@ -10,7 +10,10 @@ use crate::error::{OverlapError, Result};
 /// How collectives are placed against compute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Schedule {
-    /// Megatron-LM: every collective is waited for right after it is issued (no overlap).
+    /// Megatron-LM: every collective is waited for where its result is needed — a sub-layer's
+    /// all-reduce right after it is issued (the next sub-layer needs it: no overlap), tails
+    /// (data-parallel gradients, needed by the optimizer) at the end, as Megatron-LM overlaps
+    /// its gradient reduction with the rest of backward.
     Megatron,
     /// Oases: each stage runs for every sub-batch before the next stage starts, so the
     /// collective of sub-batch j runs while sub-batch j+1 (or the next stage of sub-batch
@@ -164,14 +167,10 @@ pub fn steps(p: &Program, schedule: Schedule) -> Result<Vec<Step>> {
         }
         for t in (0..p.tails.len()).filter(|&t| p.tails[t].after_stage == s) {
             out.push(Step::Issue(CommRef::Tail(t)));
-            if schedule == Schedule::Megatron {
-                out.push(Step::Wait(CommRef::Tail(t)));
-            }
         }
     }
-    if schedule == Schedule::Oases {
-        out.extend((0..p.tails.len()).map(|t| Step::Wait(CommRef::Tail(t))));
-    }
+    // both schedules need the tails' results only at the optimizer
+    out.extend((0..p.tails.len()).map(|t| Step::Wait(CommRef::Tail(t))));
     Ok(out)
 }
 
@@ -222,7 +221,7 @@ mod tests {
     use Step::{Issue, Run, Wait};
 
     #[test]
-    fn megatron_waits_right_after_each_issue() {
+    fn megatron_waits_right_after_each_issue_and_for_tails_at_the_optimizer() {
         let p = prog(3, 1, &[1]);
         let got = steps(&p, Schedule::Megatron).unwrap();
         let want = vec![
@@ -233,8 +232,8 @@ mod tests {
             Issue(S { stage: 1, sub: 0 }),
             Wait(S { stage: 1, sub: 0 }),
             Issue(CommRef::Tail(0)),
-            Wait(CommRef::Tail(0)),
             Run { stage: 2, sub: 0 },
+            Wait(CommRef::Tail(0)),
         ];
         assert_eq!(got, want);
     }

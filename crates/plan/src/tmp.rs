@@ -189,6 +189,10 @@ pub struct TmpPlan {
     pub cluster: String,
     /// Devices.
     pub devices: u32,
+    /// Sequences per iteration over the whole cluster (what a runtime executing the plan
+    /// splits: each tensor group of degree t takes `global_batch · t / devices`).
+    #[serde(default)]
+    pub global_batch: u32,
     /// Per sub-layer choices.
     pub sublayers: Vec<SubLayerPlan>,
     /// Predicted iteration time.
@@ -436,6 +440,7 @@ impl TmpProblem {
             model: model.name.clone(),
             cluster: cluster.name.clone(),
             devices: cluster.devices(),
+            global_batch: model.global_batch,
             sublayers: subs,
             predicted_iter_s: sol.cost,
             breakdown: Breakdown { compute_s: compute, exposed_comm_s: (sol.cost - compute).max(0.0), reshard_s: reshard },

@@ -48,6 +48,8 @@ pub struct TpStepReport {
     pub loss: f32,
     /// The executor's spans and overlap (group 0: tensor parallel, group 1: data parallel).
     pub stats: ExecStats,
+    /// Seconds of the step outside the executor: the loss average and the optimizer.
+    pub outside_s: f64,
 }
 
 /// One rank of a tensor- (and data-) parallel job.
@@ -210,6 +212,7 @@ impl TpTrainer {
             ironweave_overlap::OverlapError::Transport(t) => TrainError::Transport(t),
             other => TrainError::Config(other.to_string()),
         })?;
+        let exec_end = std::time::Instant::now();
         let (mut loss, grads) = (w.loss, w.grads);
         if let Some(d) = self.dp_comm.as_ref().filter(|_| self.dp > 1) {
             let mut l = [loss];
@@ -217,7 +220,8 @@ impl TpTrainer {
             loss = l[0];
         }
         adamw(&mut self.params, &grads, self.cfg.train.lr, self.cfg.train.weight_decay);
-        Ok(TpStepReport { iter, loss, stats })
+        let outside_s = exec_end.elapsed().as_secs_f64();
+        Ok(TpStepReport { iter, loss, stats, outside_s })
     }
 
     /// SHA-256 of this rank's parameters, both moments and the step.
@@ -266,7 +270,8 @@ fn ln(x: &Tensor, g: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 /// The program: per layer a forward stage for attention and for the MLP, then per layer in
 /// reverse a backward stage for each, then the embeddings' backward. With data parallelism,
 /// one tail per layer (and one for the head) averages its gradients once they are final.
-fn program(cfg: &TrainConfig, params: &Params, k: usize, dp: bool) -> (Program, Vec<Vec<usize>>) {
+/// Returns the program and the indices into `params` of each tail's gradients.
+pub fn program(cfg: &TrainConfig, params: &Params, k: usize, dp: bool) -> (Program, Vec<Vec<usize>>) {
     let layers = cfg.model.layers;
     let tp = Some(CommSpec { group: 0, op: ReduceOp::Sum });
     let mut stages = Vec::new();
