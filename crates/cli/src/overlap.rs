@@ -24,8 +24,9 @@ use crate::train::{load_config, TrainArgs};
 pub struct TpWorkerArgs {
     #[arg(long)]
     pub config: PathBuf,
-    #[arg(long)]
-    pub tp: usize,
+    /// Degree of every sub-layer (one value: all of them).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub degrees: Vec<usize>,
     #[arg(long)]
     pub schedule: String,
     #[arg(long)]
@@ -35,7 +36,7 @@ pub struct TpWorkerArgs {
     #[arg(long)]
     pub report_dir: PathBuf,
     #[arg(long)]
-    pub batch: Option<usize>,
+    pub global_batch: Option<usize>,
 }
 
 /// What a tensor-parallel run's `report.json` holds (rank 0's view).
@@ -43,7 +44,12 @@ pub struct TpWorkerArgs {
 pub struct TpReport {
     pub config: String,
     pub schedule: String,
+    /// The largest tensor-parallel degree (every sub-layer's when uniform).
     pub tp: usize,
+    /// Each sub-layer's degree (one value: uniform).
+    #[serde(default)]
+    pub degrees: Vec<usize>,
+    /// Data-parallel degree of the head.
     pub dp: usize,
     pub sub_batches: usize,
     pub ranks: usize,
@@ -114,31 +120,33 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
             eprintln!("ironweave train: {choice}");
         }
     }
-    let (mut cfg, corpus) = load_config(&a.config)?;
-    if let Some(b) = a.batch {
-        cfg.train.batch = b;
-    }
+    let (cfg, corpus) = load_config(&a.config)?;
     let iters = a.iters.unwrap_or(cfg.train.iters);
     let schedule: Schedule = a.schedule.parse()?;
     let backend = ironweave::Backend::from_env()?;
     let comm =
         Arc::new(ironweave::connect(backend, &env, CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() })?);
-    let spec = TpSpec { tp: a.tp, schedule, sub_batches: a.sub_batches };
+    let spec = TpSpec { degrees: a.degrees.clone(), schedule, sub_batches: a.sub_batches, global_batch: a.global_batch };
     let mut tr = TpTrainer::new(cfg.clone(), corpus, (comm.size() > 1).then_some(comm.as_ref()), spec)?;
     let (rank, n) = (comm.rank(), comm.size());
-    let (_, _, dp) = tr.coords();
+    let dp = tr.dp();
+    let degrees = a.degrees.clone();
+    let tp_max = tr.degrees().iter().copied().max().unwrap_or(1);
+    let group_names = tr.group_names();
+    let tp_groups: Vec<usize> = (0..group_names.len()).filter(|&g| tr.is_tp_group(g)).collect();
     let prog = tr.program().clone();
     let k = prog.sub_batches;
     let mut rep = TpReport {
         config: cfg.name.clone(),
         schedule: schedule.name().into(),
-        tp: a.tp,
+        tp: tp_max,
+        degrees: degrees.clone(),
         dp,
         sub_batches: k,
         ranks: n,
         threads_per_rank: std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
         iterations: iters,
-        tokens_per_iter: (cfg.train.batch * cfg.model.seq * dp) as u64,
+        tokens_per_iter: (tr.global_batch() * cfg.model.seq) as u64,
         stage_compute_s: vec![vec![0.0; k]; prog.stages.len()],
         stage_comm_s: vec![vec![0.0; k]; prog.stages.len()],
         tail_comm_s: vec![0.0; prog.tails.len()],
@@ -155,10 +163,12 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
         rep.iter_time_s.push(dt);
         rep.loss.push(s.loss);
         rep.compute_s.push(st.compute_s);
-        rep.tp_comm_s.push(st.comm_s[0]);
-        rep.tp_hidden_s.push(st.hidden_s[0]);
+        // tensor-parallel traffic: the sub-layers' all-reduces and the reshards
+        let tp_comm: f64 = tp_groups.iter().map(|&g| st.comm_s[g]).sum();
+        rep.tp_comm_s.push(tp_comm);
+        rep.tp_hidden_s.push(tp_groups.iter().map(|&g| st.hidden_s[g]).sum());
         rep.wait_s.push(st.wait_s);
-        rep.dp_comm_s.push(st.comm_s[1]);
+        rep.dp_comm_s.push(st.comm_s.iter().sum::<f64>() - tp_comm);
         rep.outside_s.push(s.outside_s);
         if it > 2 || iters <= 2 {
             // per-stage means over the steady iterations, the durations `predict` replays
@@ -192,8 +202,8 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
                     "loss {:.4}  {:>6.0} tokens/s  tp comm {:>6.1} ms ({:.0}% hidden)",
                     s.loss,
                     rep.tokens_per_iter as f64 / dt,
-                    st.comm_s[0] * 1e3,
-                    st.hidden_fraction(0).unwrap_or(0.0) * 100.0
+                    tp_comm * 1e3,
+                    if tp_comm > 0.0 { tp_groups.iter().map(|&g| st.hidden_s[g]).sum::<f64>() / tp_comm * 100.0 } else { 0.0 }
                 ),
             );
         }
@@ -229,10 +239,14 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
     let dir = &a.report_dir;
     std::fs::create_dir_all(dir)?;
     std::fs::write(dir.join("report.json"), serde_json::to_vec_pretty(&rep)?)?;
-    let groups = ["tensor-parallel", "data-parallel"];
+    let groups: Vec<&str> = group_names.iter().map(String::as_str).collect();
     std::fs::write(dir.join("trace.json"), serde_json::to_vec(&chrome_trace(&lanes, &groups))?)?;
-    let title =
-        format!("{} tp={} dp={} {} k={}: every rank's lanes in iteration {iters}", cfg.name, a.tp, dp, schedule.name(), k);
+    let title = format!(
+        "{} degrees {} (head dp={dp}) {} k={k}: every rank's lanes in iteration {iters}",
+        cfg.name,
+        degrees_str(&degrees),
+        schedule.name()
+    );
     std::fs::write(dir.join("timeline.svg"), svg_lanes(&lanes, &groups, &title))?;
     Ok(())
 }
@@ -246,19 +260,20 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     if plan.is_some() && (a.tp.is_some() || a.schedule.is_some() || a.sub_batches.is_some() || a.batch.is_some()) {
         bail!("--tp-plan sets the degree, schedule, sub-batches and batch: drop --tp, --schedule, --sub-batches and --batch");
     }
-    let tp = plan.as_ref().map_or(a.tp.unwrap_or(1), |p| p.tp);
+    let degrees = plan.as_ref().map_or_else(|| vec![a.tp.unwrap_or(1)], |p| p.degrees.clone());
     let schedule: Schedule = match &plan {
         Some(p) => p.schedule,
         None => a.schedule.as_deref().unwrap_or("oases").parse()?,
     };
     let k = plan.as_ref().map_or(a.sub_batches.unwrap_or(if schedule == Schedule::Oases { 2 } else { 1 }), |p| p.sub_batches);
-    let batch = plan.as_ref().map(|p| p.batch).or(a.batch);
     if let Some(p) = &plan {
         eprintln!("ironweave train: executing {}", p.describe());
     }
-    if tp == 0 || a.ranks % tp != 0 {
+    if let Some(&tp) = degrees.iter().find(|&&d| d == 0 || a.ranks % d != 0) {
         bail!("--tp {tp} must divide --ranks {}", a.ranks);
     }
+    // --batch is per group of the first sub-layer's degree
+    let global_batch = plan.as_ref().map(|p| p.global_batch).or(a.batch.map(|b| b * a.ranks / degrees[0]));
     if a.fail.is_some() {
         bail!("--fail is not supported with --tp: tensor-parallel runs do not checkpoint yet");
     }
@@ -269,8 +284,8 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         "tp-worker".to_string(),
         "--config".into(),
         a.config.display().to_string(),
-        "--tp".into(),
-        tp.to_string(),
+        "--degrees".into(),
+        degrees.iter().map(usize::to_string).collect::<Vec<_>>().join(","),
         "--schedule".into(),
         schedule.name().into(),
         "--sub-batches".into(),
@@ -281,8 +296,8 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     if let Some(i) = a.iters {
         args.extend(["--iters".into(), i.to_string()]);
     }
-    if let Some(b) = batch {
-        args.extend(["--batch".into(), b.to_string()]);
+    if let Some(b) = global_batch {
+        args.extend(["--global-batch".into(), b.to_string()]);
     }
     let topology = match &a.topology {
         Some(p) => {
@@ -295,10 +310,10 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         None => None,
     };
     eprintln!(
-        "ironweave train: {} on {} ranks over {chosen}, tensor parallel {tp} x data parallel {}, schedule {schedule} with {k} sub-batch{} (no checkpoints), report in {}",
+        "ironweave train: {} on {} ranks over {chosen}, tensor-parallel degree {} (data parallel across groups), schedule {schedule} with {k} sub-batch{} (no checkpoints), report in {}",
         cfg.name,
         a.ranks,
-        a.ranks / tp,
+        degrees_str(&degrees),
         if k == 1 { "" } else { "es" },
         a.report_dir.display()
     );
@@ -326,9 +341,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     let rep: TpReport = serde_json::from_slice(&std::fs::read(a.report_dir.join("report.json")).context("reading report.json")?)?;
     println!(
-        "done: {} iterations, tp {} x dp {} ({} k={}), loss {:.4} -> {:.4}, {:.0} tokens/s (median iteration {:.1} ms), tensor-parallel communication {:.1} ms per iteration, {:.0}% of it hidden behind compute",
+        "done: {} iterations, degree {} with head dp {} ({} k={}), loss {:.4} -> {:.4}, {:.0} tokens/s (median iteration {:.1} ms), tensor-parallel communication {:.1} ms per iteration, {:.0}% of it hidden behind compute",
         rep.iterations,
-        rep.tp,
+        degrees_str(&rep.degrees),
         rep.dp,
         rep.schedule,
         rep.sub_batches,
@@ -351,17 +366,27 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     Ok(0)
 }
 
+/// Sub-layer degrees as one number when uniform, else the list.
+pub fn degrees_str(d: &[usize]) -> String {
+    match d {
+        [] => "?".into(),
+        [x] => x.to_string(),
+        v if v.iter().all(|&x| x == v[0]) => v[0].to_string(),
+        v => format!("[{}]", v.iter().map(usize::to_string).collect::<Vec<_>>().join(",")),
+    }
+}
+
 /// What the runtime takes from a TMP plan (`ironweave plan tmp --json`).
 #[derive(Debug, Clone)]
 pub struct PlanLayout {
-    /// The plan's tensor-parallel degree (one for every sub-layer).
-    pub tp: usize,
+    /// Each transformer sub-layer's degree (`L0.attn, L0.mlp, ...`), as planned.
+    pub degrees: Vec<usize>,
     /// Sub-batches (the most any sub-layer asks for).
     pub sub_batches: usize,
     /// Oases when sub-batches overlap, Megatron otherwise.
     pub schedule: Schedule,
-    /// Sequences per tensor group: `global_batch · tp / devices`.
-    pub batch: usize,
+    /// Sequences per iteration over the job.
+    pub global_batch: usize,
     /// Per sub-layer (name, degree, sub-batches), as planned.
     pub sublayers: Vec<(String, u32, u32)>,
     /// The planner's predicted iteration time.
@@ -380,7 +405,8 @@ impl PlanLayout {
         Self::from_plan(&plan, ranks).with_context(|| format!("plan {}", path.display()))
     }
 
-    /// The layout of `plan` on `ranks` ranks.
+    /// The layout of `plan` on `ranks` ranks: the degree of every attention and MLP sub-layer
+    /// (the embeddings run at the first one's, the head at the last one's).
     pub fn from_plan(plan: &ironweave_plan::tmp::TmpPlan, ranks: usize) -> Result<PlanLayout> {
         if plan.devices as usize != ranks {
             bail!("the plan is for {} devices; run it with --ranks {}", plan.devices, plan.devices);
@@ -389,24 +415,23 @@ impl PlanLayout {
             bail!("the plan does not say its global batch (written by an older `ironweave plan tmp`): plan again");
         }
         let sublayers: Vec<(String, u32, u32)> = plan.sublayers.iter().map(|s| (s.name.clone(), s.tp, s.sub_batches)).collect();
-        let Some(&(_, tp, _)) = sublayers.first() else { bail!("the plan has no sub-layers") };
-        if let Some((n, t, _)) = sublayers.iter().find(|s| s.1 != tp) {
-            bail!(
-                "the plan gives {} tensor-parallel degree {t} and {} degree {tp}: sub-layers of different degrees need                  their activations resharded between them, which the runtime does not do yet (run a uniform --tp N)",
-                n,
-                sublayers[0].0
-            );
+        let mut degrees = Vec::new();
+        for (i, (name, t, _)) in sublayers.iter().filter(|s| s.0 != "head").enumerate() {
+            let want = format!("L{}.{}", i / 2, if i % 2 == 0 { "attn" } else { "mlp" });
+            if *name != want {
+                bail!("sub-layer {i} of the plan is {name}, expected {want}: the runtime runs dense models (attention and MLP per layer)");
+            }
+            degrees.push(*t as usize);
+        }
+        if degrees.is_empty() {
+            bail!("the plan has no sub-layers");
         }
         let k = sublayers.iter().map(|s| s.2).max().unwrap_or(1) as usize;
-        let gb = plan.global_batch as usize * tp as usize;
-        if gb % ranks != 0 {
-            bail!("global batch {} x degree {tp} does not split over {ranks} devices", plan.global_batch);
-        }
         Ok(PlanLayout {
-            tp: tp as usize,
+            degrees,
             sub_batches: k,
             schedule: if k > 1 { Schedule::Oases } else { Schedule::Megatron },
-            batch: gb / ranks,
+            global_batch: plan.global_batch as usize,
             sublayers,
             predicted_iter_s: plan.predicted_iter_s,
         })
@@ -421,12 +446,12 @@ impl PlanLayout {
             String::new()
         };
         format!(
-            "the plan: tensor parallel {} with {} sub-batch{} ({}), {} sequences per group, predicted {:.1} ms per iteration{mixed}",
-            self.tp,
+            "the plan: tensor-parallel degree {} with {} sub-batch{} ({}), {} sequences per iteration, predicted {:.1} ms per iteration{mixed}",
+            degrees_str(&self.degrees),
             self.sub_batches,
             if self.sub_batches == 1 { "" } else { "es" },
             self.schedule,
-            self.batch,
+            self.global_batch,
             self.predicted_iter_s * 1e3
         )
     }
@@ -606,8 +631,7 @@ pub fn bench(a: &OverlapArgs) -> Result<()> {
                 match PlanLayout::from_plan(&plan, ranks) {
                     Ok(layout) => {
                         eprintln!("bench overlap: executing {}", layout.describe());
-                        let rep =
-                            run_row(format!("plan @{rate}"), layout.schedule, layout.tp, layout.sub_batches, Some(&plan_path))?;
+                        let rep = run_row(format!("plan @{rate}"), layout.schedule, tp, layout.sub_batches, Some(&plan_path))?;
                         rows.push(Row {
                             name: "plan".into(),
                             link: rate.clone(),
@@ -628,17 +652,23 @@ pub fn bench(a: &OverlapArgs) -> Result<()> {
     progress.finish();
     let mut out_rows = Vec::new();
     let mut md = String::from(
-        "| schedule | link | TP x DP | median iteration | TP comm / iter | comm hidden | compute / iter | predicted (planner) | planner / measured | replayed steps / measured | speedup vs megatron |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| schedule | link | TP degree x head DP | median iteration | TP comm / iter | comm hidden | compute / iter | predicted (planner) | planner / measured | replayed steps / measured | speedup vs megatron |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for (i, row) in rows.iter().enumerate() {
         let r = &row.report;
         // the Megatron row of the same bed measured each collective without overlap
         let base = rows[..=i].iter().rev().find(|x| x.name == "megatron" && x.link == row.link).map_or(r, |x| &x.report);
         let sched: Schedule = r.schedule.parse()?;
-        let full = ironweave_train::model::init(&cfg);
-        let (prog, _) = ironweave_train::tp::program(&cfg, &full, r.sub_batches, r.dp > 1);
+        let degrees = if r.degrees.is_empty() { vec![r.tp] } else { r.degrees.clone() };
+        let spec = TpSpec {
+            degrees,
+            schedule: sched,
+            sub_batches: r.sub_batches,
+            global_batch: Some(r.tokens_per_iter as usize / cfg.model.seq),
+        };
+        let prog = TpTrainer::program_for(&cfg, &spec, r.ranks)?;
         let st = steps(&prog, sched)?;
-        let same_shape = base.tp == r.tp && base.stage_comm_s.len() == prog.stages.len();
+        let same_shape = base.degrees == r.degrees && base.stage_comm_s.len() == prog.stages.len();
         let comm_of = |c: CommRef| match c {
             // the whole batch's collective of a stage, split evenly over this row's sub-batches
             CommRef::Stage { stage, .. } if same_shape => base.stage_comm_s[stage].iter().sum::<f64>() / r.sub_batches as f64,
@@ -659,7 +689,7 @@ pub fn bench(a: &OverlapArgs) -> Result<()> {
             if row.name == "plan" { format!("({})", r.schedule) } else { String::new() },
             r.sub_batches,
             row.link,
-            r.tp,
+            degrees_str(&r.degrees),
             r.dp,
             m * 1e3,
             r.comm_s() * 1e3,
@@ -671,7 +701,7 @@ pub fn bench(a: &OverlapArgs) -> Result<()> {
             speedup
         ));
         out_rows.push(serde_json::json!({
-            "schedule": row.name, "executed_schedule": r.schedule, "link_rate": row.link, "tp": r.tp, "dp": r.dp,
+            "schedule": row.name, "executed_schedule": r.schedule, "link_rate": row.link, "tp": r.tp, "degrees": r.degrees, "dp": r.dp,
             "sub_batches": r.sub_batches, "iter_time_s": m, "comm_s": r.comm_s(),
             "comm_hidden_fraction": r.hidden_fraction().unwrap_or(0.0),
             "compute_s": TpReport::steady(&r.compute_s), "wait_s": TpReport::steady(&r.wait_s),

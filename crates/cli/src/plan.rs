@@ -101,15 +101,17 @@ pub fn load_profile(path: Option<&Path>, model: &ModelDesc) -> Result<Option<Pro
 /// stage also runs the head).
 pub fn profile_from_run(r: &crate::overlap::TpReport, model: &ModelDesc) -> Result<ProfileTable> {
     let layers = model.layers as usize;
-    if r.stage_compute_s.len() != 4 * layers + 1 {
+    if r.stage_compute_s.len() != 4 * layers + 1 || r.degrees.iter().any(|&d| d != r.tp) {
         bail!(
-            "the run has {} stages, a {}-layer model has {}: was it run with this model's configuration?",
+            "the run has {} stages, a {}-layer model at one degree has {}: profile with a uniform run of this model's configuration",
             r.stage_compute_s.len(),
             layers,
             4 * layers + 1
         );
     }
-    let group_batch = (r.tokens_per_iter as f64 / r.dp.max(1) as f64) / model.seq as f64;
+    // a sub-layer of degree d runs B·d/N sequences split d ways on every rank: B/N sequences'
+    // worth of FLOPs whatever the degree
+    let per_rank = (r.tokens_per_iter as f64 / model.seq as f64) / r.ranks.max(1) as f64;
     let stage_s = |i: usize| r.stage_compute_s[i].iter().sum::<f64>();
     // stage order: forward attn/mlp per layer, then per layer from the last: mlp.bwd, attn.bwd
     let bwd_mlp = |l: usize| stage_s(2 * layers + 2 * (layers - 1 - l));
@@ -123,12 +125,11 @@ pub fn profile_from_run(r: &crate::overlap::TpReport, model: &ModelDesc) -> Resu
     if attn_s <= 0.0 || mlp_s <= 0.0 {
         bail!("the run recorded no forward compute (fewer than 3 iterations?)");
     }
-    let tp = r.tp.max(1) as f64;
     let op = |flops: f64, seconds: f64| ironweave_plan::cost::MeasuredOp { flops, seconds };
     let mut t = ProfileTable::default();
-    t.ops.insert("attn".into(), op(model.attn_flops(group_batch) / tp * passes, attn_s));
-    t.ops.insert("mlp".into(), op(model.mlp_flops(group_batch) / tp * passes, mlp_s));
-    t.ops.insert("head".into(), op(model.mlp_flops(group_batch) / tp * passes, mlp_s));
+    t.ops.insert("attn".into(), op(model.attn_flops(per_rank) * passes, attn_s));
+    t.ops.insert("mlp".into(), op(model.mlp_flops(per_rank) * passes, mlp_s));
+    t.ops.insert("head".into(), op(model.mlp_flops(per_rank) * passes, mlp_s));
     Ok(t)
 }
 

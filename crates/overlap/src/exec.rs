@@ -8,7 +8,7 @@ use std::time::Instant;
 use ironweave_transport::{CollHandle, Communicator};
 
 use crate::error::{OverlapError, Result};
-use crate::schedule::{CommRef, Program, Step};
+use crate::schedule::{CollOp, CommRef, Program, Step};
 use crate::trace::{covered_s, Lane, Span};
 
 /// The model's side of a program: what each compute task does, and what tails carry.
@@ -58,7 +58,9 @@ enum InFlight {
 }
 
 /// Runs `steps` (from [`crate::steps`] on `p`). `groups[g]` is the communicator of group `g`;
-/// `None` or a group of one rank makes its collectives the identity (no thread, no span).
+/// `None` or a group of one rank makes its collectives the identity (no thread, no span). An
+/// all-gather hands the next stage every member's buffer, in group-rank order (buffers must be
+/// the same length on every member).
 pub fn execute(p: &Program, steps: &[Step], groups: &[Option<&Communicator>], work: &mut dyn Work) -> Result<ExecStats> {
     p.validate()?;
     if p.groups_used() > groups.len() {
@@ -144,8 +146,9 @@ pub fn execute(p: &Program, steps: &[Step], groups: &[Option<&Communicator>], wo
                     CommRef::Tail(t) => work.tail_input(t),
                 };
                 let s = spec(c);
-                let entry = match groups[s.group] {
-                    Some(comm) if comm.size() > 1 => InFlight::Pending(comm.iall_reduce(buf, s.op)?),
+                let entry = match (groups[s.group], s.op) {
+                    (Some(comm), CollOp::AllReduce(op)) if comm.size() > 1 => InFlight::Pending(comm.iall_reduce(buf, op)?),
+                    (Some(comm), CollOp::AllGather) if comm.size() > 1 => InFlight::Pending(comm.iall_gather(buf)?),
                     _ => InFlight::Done(buf),
                 };
                 flight.insert(c, entry);

@@ -20,5 +20,5 @@ pub mod trace;
 
 pub use error::{OverlapError, Result};
 pub use exec::{execute, ExecStats, Work};
-pub use schedule::{steps, CommSpec, Program, Schedule, Stage, Step, Tail};
+pub use schedule::{steps, CollOp, CommSpec, Program, Schedule, Stage, Step, Tail};
 pub use trace::{covered_s, Lane, Span};

@@ -49,13 +49,33 @@ impl std::fmt::Display for Schedule {
     }
 }
 
-/// A collective: on which of the rank's groups, with which reduction.
+/// What a collective does with the buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CollOp {
+    /// All-reduce with this reduction (tensor-parallel partial sums, data-parallel gradients).
+    AllReduce(ReduceOp),
+    /// All-gather in group-rank order (resharding activations to a larger tensor group).
+    AllGather,
+}
+
+/// A collective: on which of the rank's groups, doing what.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CommSpec {
     /// Index into the groups handed to the executor.
     pub group: usize,
-    /// Reduction of the all-reduce.
-    pub op: ReduceOp,
+    /// The operation.
+    pub op: CollOp,
+}
+
+impl CommSpec {
+    /// An all-reduce on group `group`.
+    pub fn all_reduce(group: usize, op: ReduceOp) -> CommSpec {
+        CommSpec { group, op: CollOp::AllReduce(op) }
+    }
+    /// An all-gather on group `group`.
+    pub fn all_gather(group: usize) -> CommSpec {
+        CommSpec { group, op: CollOp::AllGather }
+    }
 }
 
 /// One step of the chain every sub-batch passes through.
@@ -207,12 +227,12 @@ mod tests {
 
     fn prog(stages: usize, k: usize, tails: &[usize]) -> Program {
         let mut v: Vec<Stage> =
-            (0..stages).map(|s| Stage { name: format!("s{s}"), comm: Some(CommSpec { group: 0, op: ReduceOp::Sum }) }).collect();
+            (0..stages).map(|s| Stage { name: format!("s{s}"), comm: Some(CommSpec::all_reduce(0, ReduceOp::Sum)) }).collect();
         v.last_mut().expect("one").comm = None;
         let tails = tails
             .iter()
             .enumerate()
-            .map(|(i, &a)| Tail { name: format!("t{i}"), after_stage: a, comm: CommSpec { group: 1, op: ReduceOp::Avg } })
+            .map(|(i, &a)| Tail { name: format!("t{i}"), after_stage: a, comm: CommSpec::all_reduce(1, ReduceOp::Avg) })
             .collect();
         Program { stages: v, tails, sub_batches: k }
     }
@@ -289,7 +309,7 @@ mod tests {
     #[test]
     fn malformed_programs_are_refused_with_the_reason() {
         let mut p = prog(2, 1, &[]);
-        p.stages[1].comm = Some(CommSpec { group: 0, op: ReduceOp::Sum });
+        p.stages[1].comm = Some(CommSpec::all_reduce(0, ReduceOp::Sum));
         assert!(steps(&p, Schedule::Oases).unwrap_err().to_string().contains("last stage"));
         let p = prog(2, 0, &[]);
         assert!(steps(&p, Schedule::Oases).unwrap_err().to_string().contains("sub_batches"));

@@ -106,10 +106,15 @@ pub fn svg_lanes(ranks: &[(usize, Vec<SpanRec>)], groups: &[&str], title: &str) 
     let t0 = ranks.iter().flat_map(|(_, v)| v.iter().map(|s| s.start_s)).fold(f64::INFINITY, f64::min);
     let t1 = ranks.iter().flat_map(|(_, v)| v.iter().map(|s| s.end_s)).fold(f64::NEG_INFINITY, f64::max);
     let span = (t1 - t0).max(1e-9);
-    let lanes = 1 + groups.len();
-    let (left, width, row_h) = (150.0, 900.0, 22.0);
+    // lanes no rank used (groups of one rank, whose collectives are the identity) are left out
+    let lane_of = |row: usize| if row == 0 { Lane::Compute } else { Lane::Comm(row - 1) };
+    let rows: Vec<usize> = (0..=groups.len())
+        .filter(|&row| row == 0 || ranks.iter().any(|(_, v)| v.iter().any(|sp| sp.lane == lane_of(row))))
+        .collect();
+    let lanes = rows.len();
+    let (left, width, row_h) = (190.0, 900.0, 22.0);
     let height = 50.0 + (ranks.len() * lanes) as f64 * row_h + ranks.len() as f64 * 8.0 + 30.0;
-    let colours = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759"];
+    let colours = ["#4e79a7", "#e15759", "#59a14f", "#f28e2b", "#b07aa1", "#76b7b2", "#edc948", "#9c755f"];
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
          <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"10\" y=\"20\" font-size=\"14\">{}</text>\n",
@@ -118,8 +123,8 @@ pub fn svg_lanes(ranks: &[(usize, Vec<SpanRec>)], groups: &[&str], title: &str) 
     );
     let mut y = 40.0;
     for (rank, spans) in ranks {
-        for row in 0..lanes {
-            let l = if row == 0 { Lane::Compute } else { Lane::Comm(row - 1) };
+        for (i, &row) in rows.iter().enumerate() {
+            let l = lane_of(row);
             s.push_str(&format!("<text x=\"10\" y=\"{:.1}\">rank {rank} {}</text>\n", y + 15.0, xml(&lane_name(l, groups))));
             for sp in spans.iter().filter(|sp| sp.lane == l) {
                 let x = left + (sp.start_s - t0) / span * width;
@@ -128,7 +133,7 @@ pub fn svg_lanes(ranks: &[(usize, Vec<SpanRec>)], groups: &[&str], title: &str) 
                     "<rect x=\"{x:.2}\" y=\"{:.1}\" width=\"{w:.2}\" height=\"{:.1}\" fill=\"{}\" stroke=\"white\" stroke-width=\"0.3\"><title>{} {:.2} ms</title></rect>\n",
                     y + 2.0,
                     row_h - 4.0,
-                    colours[row % colours.len()],
+                    colours[i % colours.len()],
                     xml(&sp.name),
                     (sp.end_s - sp.start_s) * 1e3
                 ));

@@ -37,14 +37,14 @@ impl Work for Chain {
 }
 
 fn program(k: usize) -> Program {
-    let sum = Some(CommSpec { group: 0, op: ReduceOp::Sum });
+    let sum = Some(CommSpec::all_reduce(0, ReduceOp::Sum));
     Program {
         stages: vec![
             Stage { name: "a".into(), comm: sum },
             Stage { name: "b".into(), comm: sum },
             Stage { name: "c".into(), comm: None },
         ],
-        tails: vec![Tail { name: "grads".into(), after_stage: 1, comm: CommSpec { group: 1, op: ReduceOp::Avg } }],
+        tails: vec![Tail { name: "grads".into(), after_stage: 1, comm: CommSpec::all_reduce(1, ReduceOp::Avg) }],
         sub_batches: k,
     }
 }
@@ -112,4 +112,50 @@ fn a_failing_compute_task_is_an_error_naming_the_stage_not_a_hang() {
     // a program using a group the executor was not given is refused up front
     let e = execute(&p, &st, &[None], &mut w).unwrap_err().to_string();
     assert!(e.contains("uses 2 groups"), "{e}");
+}
+
+#[derive(Debug)]
+struct Gather(Vec<f32>);
+
+impl Work for Gather {
+    fn compute(
+        &mut self,
+        stage: usize,
+        _sub: usize,
+        input: Option<Vec<f32>>,
+    ) -> Result<Vec<f32>, Box<dyn std::error::Error + Send + Sync>> {
+        if stage == 1 {
+            self.0 = input.unwrap_or_default();
+        }
+        Ok(self.0.clone())
+    }
+    fn tail_input(&mut self, _t: usize) -> Vec<f32> {
+        Vec::new()
+    }
+    fn tail_output(&mut self, _t: usize, _d: Vec<f32>) {}
+}
+
+#[test]
+fn an_all_gather_hands_the_next_stage_every_member_s_buffer_in_rank_order() {
+    let comms: Vec<Communicator> =
+        inproc::world(3).into_iter().map(|l| Communicator::new(vec![l], CommOptions::default()).unwrap()).collect();
+    let p = Program {
+        stages: vec![
+            Stage { name: "rows".into(), comm: Some(CommSpec::all_gather(0)) },
+            Stage { name: "use".into(), comm: None },
+        ],
+        tails: vec![],
+        sub_batches: 1,
+    };
+    std::thread::scope(|s| {
+        for c in &comms {
+            let p = p.clone();
+            s.spawn(move || {
+                let r = c.rank() as f32;
+                let mut w = Gather(vec![r, r + 0.5]);
+                execute(&p, &steps(&p, Schedule::Oases).unwrap(), &[Some(c)], &mut w).unwrap();
+                assert_eq!(w.0, vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
+            });
+        }
+    });
 }

@@ -49,7 +49,7 @@ fn run(n: usize, spec: TpSpec) -> (Vec<f32>, Vec<Params>) {
         let hs: Vec<_> = comms
             .iter()
             .map(|c| {
-                let (cfg, corpus) = (cfg.clone(), corpus.clone());
+                let (cfg, corpus, spec) = (cfg.clone(), corpus.clone(), spec.clone());
                 s.spawn(move || {
                     let mut tr = TpTrainer::new(cfg, corpus, (n > 1).then_some(c), spec).unwrap();
                     let losses: Vec<f32> = (0..ITERS).map(|_| tr.step().unwrap().loss).collect();
@@ -75,7 +75,7 @@ fn close(a: &[f32], b: &[f32], what: &str) {
 }
 
 fn spec(tp: usize, schedule: Schedule, k: usize) -> TpSpec {
-    TpSpec { tp, schedule, sub_batches: k }
+    TpSpec::uniform(tp, schedule, k)
 }
 
 #[test]
@@ -93,9 +93,14 @@ fn every_tensor_parallel_degree_and_schedule_trains_like_one_rank() {
         (2, spec(2, Schedule::Oases, 2)),
         (4, spec(4, Schedule::Megatron, 1)),
         (4, spec(4, Schedule::Oases, 2)),
+        // per sub-layer degrees (L0.attn, L0.mlp, L1.attn, L1.mlp), the same 4 sequences in all,
+        // resharded between sub-layers of different degrees
+        (2, TpSpec { degrees: vec![2, 1, 1, 2], schedule: Schedule::Oases, sub_batches: 2, global_batch: Some(4) }),
+        (4, TpSpec { degrees: vec![4, 1, 2, 4], schedule: Schedule::Megatron, sub_batches: 1, global_batch: Some(4) }),
+        (4, TpSpec { degrees: vec![1, 2, 4, 2], schedule: Schedule::Oases, sub_batches: 1, global_batch: Some(4) }),
     ] {
-        let (l, _) = run(n, s);
-        close(&l, &base, &format!("tp{} {} k={}", s.tp, s.schedule, s.sub_batches));
+        let (l, _) = run(n, s.clone());
+        close(&l, &base, &format!("tp{:?} {} k={}", s.degrees, s.schedule, s.sub_batches));
     }
 }
 
