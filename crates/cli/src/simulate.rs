@@ -51,6 +51,10 @@ pub struct SimArgs {
     /// `ironweave train --tp` / `bench overlap` rows), as `plan tmp --profile`.
     #[arg(long)]
     profile: Option<PathBuf>,
+    /// tp: also simulate these uniform degrees under both schedules (e.g. the degree a
+    /// `bench overlap` ran, to compare with its measured rows).
+    #[arg(long, value_delimiter = ',')]
+    tp_degrees: Vec<u32>,
 }
 
 fn ms(s: f64) -> String {
@@ -98,6 +102,14 @@ fn run_tp(a: &SimArgs) -> Result<()> {
     if let Some(u) = &plan.uniform_overlap {
         if let Some(p) = picks_for(u.tp, 2) {
             runs.push(tp::simulate(&problem, &m, &cm, &p, &format!("Oases schedule, uniform TP={}", u.tp))?);
+        }
+    }
+    for &t in &a.tp_degrees {
+        for (k, what) in [(1, "Megatron"), (2, "Oases schedule")] {
+            match picks_for(t, k) {
+                Some(p) => runs.push(tp::simulate(&problem, &m, &cm, &p, &format!("{what}, uniform TP={t} (--tp-degrees)"))?),
+                None => eprintln!("simulate tp: TP={t} with {k} sub-batch(es) is not an admissible option here; left out"),
+            }
         }
     }
     runs.push(tp::simulate(&problem, &m, &cm, &sol.picks, "Oases plan")?);
