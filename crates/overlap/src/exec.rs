@@ -8,7 +8,7 @@ use std::time::Instant;
 use ironweave_transport::{CollHandle, Communicator};
 
 use crate::error::{OverlapError, Result};
-use crate::schedule::{CollOp, CommRef, Program, Step};
+use crate::schedule::{CollOp, CommRef, CommSpec, Program, Step};
 use crate::trace::{covered_s, Lane, Span};
 
 /// The model's side of a program: what each compute task does, and what tails carry.
@@ -70,13 +70,30 @@ pub fn execute(p: &Program, steps: &[Step], groups: &[Option<&Communicator>], wo
             groups.len()
         )));
     }
+    // steps may come from anywhere: every index they name must exist, and only a stage with a
+    // collective can issue one
+    for step in steps {
+        let bad = match *step {
+            Step::Run { stage, sub } => stage >= p.stages.len() || sub >= p.sub_batches,
+            Step::Issue(CommRef::Stage { stage, sub }) | Step::Wait(CommRef::Stage { stage, sub }) => {
+                stage >= p.stages.len() || sub >= p.sub_batches || p.stages[stage].comm.is_none()
+            }
+            Step::Issue(CommRef::Tail(t)) | Step::Wait(CommRef::Tail(t)) => t >= p.tails.len(),
+        };
+        if bad {
+            return Err(OverlapError::Program(format!("step {step:?} names no task or collective of the program")));
+        }
+    }
     let mut st = ExecStats { comm_s: vec![0.0; groups.len()], hidden_s: vec![0.0; groups.len()], ..Default::default() };
     let mut flight: HashMap<CommRef, InFlight> = HashMap::new();
     // the output of a stage without a collective, for the next stage of the same sub-batch
     let mut passed: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
     let mut outputs: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
     let spec = |c: CommRef| match c {
-        CommRef::Stage { stage, .. } => p.stages[stage].comm.expect("validated: only stages with a collective issue"),
+        // checked above: a stage that issues has a collective
+        CommRef::Stage { stage, .. } => {
+            p.stages[stage].comm.unwrap_or(CommSpec::all_reduce(0, ironweave_transport::ReduceOp::Sum))
+        }
         CommRef::Tail(t) => p.tails[t].comm,
     };
     let label = |c: CommRef| match c {

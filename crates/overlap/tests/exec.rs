@@ -112,6 +112,18 @@ fn a_failing_compute_task_is_an_error_naming_the_stage_not_a_hang() {
     // a program using a group the executor was not given is refused up front
     let e = execute(&p, &st, &[None], &mut w).unwrap_err().to_string();
     assert!(e.contains("uses 2 groups"), "{e}");
+    // so are steps naming what the program lacks (a hand-written list, not `steps`)
+    use ironweave_overlap::schedule::CommRef;
+    use ironweave_overlap::Step;
+    for bad in [
+        vec![Step::Run { stage: 9, sub: 0 }],
+        vec![Step::Run { stage: 0, sub: 5 }],
+        vec![Step::Issue(CommRef::Stage { stage: 2, sub: 0 })],
+        vec![Step::Wait(CommRef::Tail(3))],
+    ] {
+        let e = execute(&p, &bad, &[None, None], &mut w).unwrap_err().to_string();
+        assert!(e.contains("names no task"), "{bad:?}: {e}");
+    }
 }
 
 #[derive(Debug)]
