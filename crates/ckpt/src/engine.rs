@@ -1,9 +1,13 @@
 //! The engine: snapshot after the optimizer step, replicate to peers' host memory, agree on
 //! the newest committed iteration, restore it.
 //!
-//! **Placement** (Gemini's "mixed" placement): ranks form groups of `m` consecutive ranks and
-//! each rank's snapshot is held by the other members of its group; ranks left over when the
-//! world is not a multiple of `m` use ring placement (the next `m - 1` ranks).
+//! **Placement** (Gemini's "mixed" placement across machines): every rank says which host it is
+//! on (`EngineConfig::host`, exchanged when the engine starts); with more than one host, each
+//! replica of a rank goes to *another* host (the rank with the same place on the next hosts), so
+//! losing a whole host loses no in-memory copy of its ranks. On one host, ranks form groups of
+//! `m` consecutive ranks and each rank's snapshot is held by the other members of its group;
+//! ranks left over when the world is not a multiple of `m` use ring placement (the next `m - 1`
+//! ranks).
 //!
 //! **Replication**: one sender thread per holder streams `Begin` (the manifest: layout and
 //! chunk checksums), the chunks, and `End`. One receiver thread per source stores the chunks
@@ -119,7 +123,8 @@ pub struct EngineConfig {
     pub link_bytes_per_s: Option<f64>,
     /// Capricorn fills this fraction of a predicted window.
     pub window_fill: f64,
-    /// Capricorn re-profiles when the expert-load drift exceeds this.
+    /// Capricorn re-profiles when the drift of the smoothed expert load (EWMA, see
+    /// `ironweave_profile::SpeculativeActivation`) since the last profiled iteration exceeds this.
     pub drift_threshold: f64,
     /// Gemini's fixed chunk size, bytes.
     pub gemini_chunk_bytes: u64,
@@ -127,6 +132,10 @@ pub struct EngineConfig {
     pub gemini_profile_iters: u64,
     /// Windows shorter than this are ignored, ns.
     pub min_window_ns: u64,
+    /// Which host this rank runs on (any string equal on the ranks of one host and different
+    /// between hosts: `ironweave_transport::rendezvous::host_name()`); replicas go to other
+    /// hosts when there are several. Empty on every rank: one host.
+    pub host: String,
 }
 
 impl Default for EngineConfig {
@@ -143,10 +152,11 @@ impl Default for EngineConfig {
             link: 0,
             link_bytes_per_s: None,
             window_fill: 0.9,
-            drift_threshold: 0.15,
+            drift_threshold: 0.3,
             gemini_chunk_bytes: 64 << 20,
             gemini_profile_iters: 1,
             min_window_ns: 50_000,
+            host: String::new(),
         }
     }
 }
@@ -163,6 +173,42 @@ pub fn placement(world: usize, m: usize) -> Vec<Vec<usize>> {
             } else {
                 (1..m).map(|k| (r + k) % world).collect()
             }
+        })
+        .collect()
+}
+
+/// Ranks holding a replica of each rank when rank `r` runs on host `hosts[r]`: with several
+/// hosts, every holder is on another host — replica `t` of a rank at place `i` on host `h` goes
+/// to place `i` (shifted by the round when hosts run out) on the `t`-th next host; with one
+/// host, [`placement`]. A host with fewer ranks takes the place modulo its count; a rank never
+/// holds the same replica twice.
+pub fn placement_on_hosts<H: PartialEq>(hosts: &[H], m: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<&H> = Vec::new();
+    for h in hosts {
+        if !order.contains(&h) {
+            order.push(h);
+        }
+    }
+    if order.len() <= 1 {
+        return placement(hosts.len(), m);
+    }
+    let n_hosts = order.len();
+    let ranks_on: Vec<Vec<usize>> = order.iter().map(|h| (0..hosts.len()).filter(|&r| hosts[r] == **h).collect()).collect();
+    (0..hosts.len())
+        .map(|r| {
+            let hi = order.iter().position(|h| **h == hosts[r]).unwrap_or(0);
+            let place = ranks_on[hi].iter().position(|&x| x == r).unwrap_or(0);
+            let mut holders = Vec::new();
+            for t in 0..m.saturating_sub(1) {
+                let other = (hi + 1 + t % (n_hosts - 1)) % n_hosts;
+                let round = t / (n_hosts - 1);
+                let on = &ranks_on[other];
+                let h = on[(place + round) % on.len()];
+                if !holders.contains(&h) {
+                    holders.push(h);
+                }
+            }
+            holders
         })
         .collect()
 }
@@ -300,6 +346,8 @@ pub struct Engine {
     registry: Arc<Registry>,
     snaps: SnapshotBuffers,
     holders: Vec<usize>,
+    /// Every rank's host key (from `EngineConfig::host`), as exchanged at start.
+    hosts: Vec<u64>,
     shared: Arc<Mutex<Shared>>,
     stop: Arc<AtomicBool>,
     senders: Vec<(usize, JoinHandle<()>)>,
@@ -377,6 +425,7 @@ impl Engine {
             registry: Arc::new(registry),
             snaps,
             holders: Vec::new(),
+            hosts: Vec::new(),
             shared: Arc::new(Mutex::new(Shared::default())),
             stop: Arc::new(AtomicBool::new(false)),
             senders: Vec::new(),
@@ -451,7 +500,16 @@ impl Engine {
         let comm = self.comm.clone();
         let world = comm.size();
         let me = comm.rank();
-        let place = placement(world, self.cfg.replicas as usize);
+        // every rank's host, to put replicas on other hosts (a collective: every rank starts
+        // or re-binds its engine at the same point)
+        let key = xxhash_rust::xxh3::xxh3_64(self.cfg.host.as_bytes()).to_le_bytes();
+        let mut keys = vec![0u8; 8 * world];
+        if world > 1 {
+            comm.all_gather(&key, &mut keys)?;
+        }
+        let hosts: Vec<&[u8]> = keys.chunks_exact(8).collect();
+        let place = placement_on_hosts(&hosts, self.cfg.replicas as usize);
+        self.hosts = hosts.iter().map(|h| u64::from_le_bytes((*h).try_into().unwrap_or([0; 8]))).collect();
         let in_mem = self.cfg.strategy.in_memory();
         self.holders = if in_mem { place[me].clone() } else { Vec::new() };
         let sources: Vec<usize> = if in_mem { (0..world).filter(|&s| place[s].contains(&me)).collect() } else { Vec::new() };
@@ -570,6 +628,12 @@ impl Engine {
         &self.holders
     }
 
+    /// Every rank's host key (equal keys: the same host), as the ranks said when the engine
+    /// started.
+    pub fn hosts(&self) -> &[u64] {
+        &self.hosts
+    }
+
     /// The layout.
     pub fn registry(&self) -> &Arc<Registry> {
         &self.registry
@@ -602,17 +666,12 @@ impl Engine {
     pub fn begin_iteration(&mut self, iter: u64, load: Option<&ExpertLoad>) -> bool {
         let profile = match self.cfg.strategy {
             Strategy::Capricorn => match load {
-                Some(l) => self.activation.should_profile(l),
+                Some(l) => self.activation.decide(l),
                 None => self.profiled_iters == 0,
             },
             Strategy::Gemini => self.profiled_iters < self.cfg.gemini_profile_iters,
             _ => false,
         };
-        if profile {
-            if let (Strategy::Capricorn, Some(l)) = (self.cfg.strategy, load) {
-                self.activation.profiled(l.clone());
-            }
-        }
         self.profiler.set_detailed(profile);
         self.profiler.begin_iteration(iter);
         self.this_iter = Some((iter, profile));

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ironweave_ckpt::{placement, CkptError, Dtype, Engine, EngineConfig, Registry, Source, TensorSpec};
+use ironweave_ckpt::{placement, placement_on_hosts, CkptError, Dtype, Engine, EngineConfig, Registry, Source, TensorSpec};
 
 mod common;
 use common::world;
@@ -64,6 +64,29 @@ fn placement_is_mixed_groups_then_ring() {
     assert_eq!(placement(3, 3), vec![vec![1, 2], vec![0, 2], vec![0, 1]]);
     assert_eq!(placement(2, 5), vec![vec![1], vec![0]]);
     assert_eq!(placement(3, 1), vec![Vec::<usize>::new(); 3]);
+}
+
+#[test]
+fn with_several_hosts_every_replica_is_on_another_host() {
+    // 2 hosts x 2 ranks (the launcher's layout: rank / ranks-per-host), 2 copies: each rank's
+    // replica is the rank at the same place on the other host
+    let hosts = ["h0", "h0", "h1", "h1"];
+    assert_eq!(placement_on_hosts(&hosts, 2), vec![vec![2], vec![3], vec![0], vec![1]]);
+    // 3 copies over 3 hosts: one on each other host
+    let hosts = [0, 0, 1, 1, 2, 2];
+    let p = placement_on_hosts(&hosts, 3);
+    assert_eq!(p[0], vec![2, 4]);
+    assert_eq!(p[5], vec![1, 3]);
+    // more copies than other hosts: the next places on them, never the rank's own host
+    let p = placement_on_hosts(&["a", "a", "a", "b", "b", "b"], 3);
+    assert_eq!(p[0], vec![3, 4]);
+    for (r, hs) in p.iter().enumerate() {
+        assert!(hs.iter().all(|&h| (h < 3) != (r < 3)), "rank {r}: {hs:?}");
+    }
+    // uneven hosts, and one host falling back to consecutive groups
+    let p = placement_on_hosts(&[1, 1, 1, 2], 2);
+    assert_eq!(p, vec![vec![3], vec![3], vec![3], vec![0]]);
+    assert_eq!(placement_on_hosts(&[7, 7, 7, 7], 2), placement(4, 2));
 }
 
 #[test]

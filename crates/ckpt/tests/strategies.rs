@@ -81,7 +81,11 @@ fn capricorn_replicates_in_windows_and_reprofiles_only_on_drift() {
     for o in &out {
         assert_eq!(o.committed, Some(10));
         let profiled: Vec<u64> = o.reports.iter().filter(|r| r.profiled).map(|r| r.iter).collect();
-        assert_eq!(profiled, vec![1, 6], "profiling must run at the start and when the load shifts");
+        // the decision smooths the load (EWMA): a shift at 6 is caught within 2 iterations
+        assert!(
+            profiled.len() == 2 && profiled[0] == 1 && (6..=7).contains(&profiled[1]),
+            "profiling must run at the start and when the load shifts: {profiled:?}"
+        );
         // from iteration 2 on, the previous snapshot (1 MiB) goes out during the iteration
         for r in &o.reports[1..] {
             assert!(r.chunks > 0 && r.bytes_sent >= registry().total, "iteration {}: {r:?}", r.iter);

@@ -21,6 +21,26 @@ use serde::{Deserialize, Serialize};
 
 use crate::progress::{Mode, Progress};
 
+/// `--fail host=H,iter=I` as the `rank=...` form naming every rank of emulated host `H`; other
+/// forms unchanged.
+pub fn host_fail_to_ranks(s: &str, emulated: bool, ranks_per_host: usize, ranks: usize) -> Result<String> {
+    let Some(host) = s.split(',').find_map(|p| p.trim().strip_prefix("host=")) else { return Ok(s.to_string()) };
+    if !emulated {
+        bail!("--fail host=H needs --topology (the emulated cluster's hosts); on one machine use rank=R1+R2");
+    }
+    let h: usize = host.trim().parse().with_context(|| format!("--fail: host {host:?}"))?;
+    let k = ranks_per_host.max(1);
+    if (h + 1) * k > ranks {
+        bail!("--fail host={h}: there are only {} hosts of {k} ranks", ranks / k);
+    }
+    let list: Vec<String> = (h * k..(h + 1) * k).map(|r| r.to_string()).collect();
+    let rest: Vec<&str> = s.split(',').filter(|p| !p.trim().starts_with("host=")).collect();
+    Ok(std::iter::once(format!("rank={}", list.join("+")))
+        .chain(rest.into_iter().map(String::from))
+        .collect::<Vec<_>>()
+        .join(","))
+}
+
 /// `--fail rank=R,iter=I` (several ranks: `rank=R1+R2,iter=I`, killed together).
 pub fn parse_fail(s: &str) -> Result<(Vec<usize>, u64)> {
     let mut ranks = Vec::new();
@@ -69,7 +89,8 @@ pub struct TrainArgs {
     /// Where report.json, trace.json (Perfetto) and timeline.svg go.
     #[arg(long, default_value = "target/train-report")]
     pub report_dir: PathBuf,
-    /// Kill rank R with SIGKILL in the middle of iteration I's backward pass: rank=R,iter=I.
+    /// Kill rank R with SIGKILL in the middle of iteration I's backward pass: rank=R,iter=I
+    /// (several: rank=R1+R2,iter=I; a whole emulated host with --topology: host=H,iter=I).
     #[arg(long)]
     pub fail: Option<String>,
     /// In-memory strategies: also write the persistent tier every N iterations (0: never).
@@ -161,6 +182,16 @@ pub struct Report {
     pub dp_comm_s: Vec<f64>,
     #[serde(default)]
     pub dp_hidden_s: Vec<f64>,
+    /// Where each rank's state came from in the last recovery: "own memory", "peer",
+    /// "persistent" ("" when it never restored).
+    #[serde(default)]
+    pub restore_sources: Vec<String>,
+    /// The ranks holding a replica of each rank's snapshots.
+    #[serde(default)]
+    pub replica_holders: Vec<Vec<usize>>,
+    /// Each rank's host (index in order of first appearance).
+    #[serde(default)]
+    pub hosts: Vec<usize>,
 }
 
 impl Report {
@@ -240,6 +271,8 @@ pub fn worker(
         persist_dir: Some(report_dir.join("persist")),
         persist_every: if matches!(strategy, Strategy::Gemini | Strategy::Capricorn) { persist_every } else { 0 },
         timeout: Duration::from_secs(60),
+        // replicas go to other hosts (the emulated cluster's, or real ones by hostname)
+        host: ironweave_transport::rendezvous::host_name(),
         ..EngineConfig::default()
     };
     let ecfg = if strategy == Strategy::None { EngineConfig { persist_dir: None, ..ecfg } } else { ecfg };
@@ -247,6 +280,9 @@ pub fn worker(
     let mut engine: Option<Engine> = None;
     let mut rep = Report { config: cfg.name.clone(), strategy: strategy.name().into(), iterations: iters, ..Default::default() };
     let mut need_restore = gen > 0;
+    // where this rank's state came from in its last recovery (0: none, 1: own memory, 2: a
+    // peer's replica, 3: the persistent tier)
+    let mut last_source = 0u8;
     loop {
         if gen > start_gen + 8 {
             bail!("gave up after 8 re-formations");
@@ -287,6 +323,11 @@ pub fn worker(
             let mut start = 1;
             if need_restore {
                 let r = e.restore_latest()?;
+                last_source = match r.source {
+                    ironweave_ckpt::Source::Local => 1,
+                    ironweave_ckpt::Source::Peer(_) => 2,
+                    ironweave_ckpt::Source::Persistent => 3,
+                };
                 tr.load_state(|name| r.snapshot.tensor(name).map(<[u8]>::to_vec))?;
                 rep.recoveries += 1;
                 if rank == 0 {
@@ -360,6 +401,30 @@ pub fn worker(
     comm.all_gather(&mine, &mut all)?;
     use sha2::Digest;
     rep.final_state_sha256 = sha2::Sha256::digest(&all).iter().map(|b| format!("{b:02x}")).collect();
+    let mut sources = vec![0u8; comm.size()];
+    comm.all_gather(&[last_source], &mut sources)?;
+    rep.restore_sources = sources
+        .iter()
+        .map(|s| match s {
+            1 => "own memory",
+            2 => "peer",
+            3 => "persistent",
+            _ => "",
+        })
+        .map(String::from)
+        .collect();
+    // the placement every rank derived from the hosts they exchanged
+    let keys = e.hosts().to_vec();
+    let mut order: Vec<u64> = Vec::new();
+    for k in &keys {
+        if !order.contains(k) {
+            order.push(*k);
+        }
+    }
+    rep.hosts = keys.iter().map(|k| order.iter().position(|o| o == k).unwrap_or(0)).collect();
+    if matches!(strategy, Strategy::Gemini | Strategy::Capricorn) {
+        rep.replica_holders = ironweave_ckpt::placement_on_hosts(&keys, ecfg.replicas as usize);
+    }
     rep.ranks = comm.size();
     rep.tokens_per_iter = (cfg.train.batch * cfg.model.seq * comm.size()) as u64;
     if rank == 0 {
@@ -437,7 +502,12 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         return crate::overlap::run(a);
     }
     let (config, ranks, strategy, backend) = (a.config.as_path(), a.ranks, a.ckpt.as_str(), a.backend.as_str());
-    let (iters, report_dir, fail, persist_every) = (a.iters, a.report_dir.as_path(), a.fail.as_deref(), a.persist_every);
+    let (iters, report_dir, persist_every) = (a.iters, a.report_dir.as_path(), a.persist_every);
+    // --fail host=H: every rank of emulated host H (the launcher puts rank r on host
+    // r / ranks-per-host), killed together
+    let fail_ranks =
+        a.fail.as_deref().map(|f| host_fail_to_ranks(f, a.topology.is_some(), a.ranks_per_host, ranks)).transpose()?;
+    let fail = fail_ranks.as_deref();
     // a backend that is not compiled in or cannot run here is refused before any rank starts
     let chosen = ironweave::Backend::pick(backend)?;
     chosen.usable().with_context(|| format!("--backend {chosen} cannot run here (`ironweave doctor` says more)"))?;
@@ -612,4 +682,20 @@ pub fn bench(
     std::fs::write(out.join("ckpt.json"), serde_json::to_vec_pretty(&json)?)?;
     eprintln!("wrote {} and {}", out.join("ckpt.md").display(), out.join("ckpt.json").display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_failure_names_every_rank_of_the_host() {
+        assert_eq!(host_fail_to_ranks("host=1,iter=12", true, 2, 4).unwrap(), "rank=2+3,iter=12");
+        assert_eq!(host_fail_to_ranks("iter=3,host=0", true, 3, 6).unwrap(), "rank=0+1+2,iter=3");
+        assert_eq!(host_fail_to_ranks("rank=1,iter=2", false, 1, 4).unwrap(), "rank=1,iter=2");
+        assert!(host_fail_to_ranks("host=1,iter=2", false, 2, 4).unwrap_err().to_string().contains("needs --topology"));
+        assert!(host_fail_to_ranks("host=2,iter=2", true, 2, 4).unwrap_err().to_string().contains("only 2 hosts"));
+        let (r, i) = parse_fail(&host_fail_to_ranks("host=1,iter=5", true, 2, 4).unwrap()).unwrap();
+        assert_eq!((r, i), (vec![2, 3], 5));
+    }
 }

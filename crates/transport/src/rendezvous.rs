@@ -372,6 +372,21 @@ fn serve(listener: TcpListener, creds: Credentials, size: usize, timeout: Durati
     }
 }
 
+/// The host this process runs on, as a string equal on every rank of a host and different
+/// between hosts: `IRONWEAVE_HOST` (set by the launcher for each host of an emulated cluster,
+/// whose namespaces share one hostname), else the kernel's hostname. Checkpoint replicas go to
+/// other hosts by it.
+pub fn host_name() -> String {
+    host_name_from(|k| std::env::var(k).ok(), || std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+}
+
+fn host_name_from(get: impl Fn(&str) -> Option<String>, kernel: impl Fn() -> Option<String>) -> String {
+    if let Some(h) = get("IRONWEAVE_HOST").filter(|h| !h.trim().is_empty()) {
+        return format!("emulated-host-{}", h.trim());
+    }
+    kernel().or_else(|| get("HOSTNAME")).map(|h| h.trim().to_string()).unwrap_or_default()
+}
+
 /// Runs an `n`-rank job inside this process: one thread per rank calls `join` with its
 /// [`JobEnv`] (a loopback rendezvous on a free port, job id `local-<what>-<port>`). Returns
 /// the results in rank order, or the first rank's error. Backends build their `local_world`
@@ -412,8 +427,19 @@ where
 
 #[cfg(test)]
 mod tests {
+
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn the_host_is_the_emulated_one_then_the_kernel_s_name() {
+        fn env(v: Option<&'static str>) -> impl Fn(&str) -> Option<String> {
+            move |k: &str| if k == "IRONWEAVE_HOST" { v.map(str::to_string) } else { None }
+        }
+        assert_eq!(host_name_from(env(Some("1")), || Some("box\n".into())), "emulated-host-1");
+        assert_eq!(host_name_from(env(None), || Some("box\n".into())), "box");
+        assert_eq!(host_name_from(env(Some(" ")), || None), "");
+    }
 
     fn env_of(pairs: &[(&str, &str)]) -> Result<JobEnv> {
         let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();

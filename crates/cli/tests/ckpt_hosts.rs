@@ -1,0 +1,100 @@
+//! Replicas on other hosts: on the emulated cluster (2 hosts x 2 ranks) every replica holder
+//! of a rank is on the other host, and a whole host killed (all its ranks SIGKILLed together,
+//! `--fail host=1,iter=I`) restores from the other host's memory — not the persistent tier —
+//! to exactly the clean run's final state. Needs root and iproute2 (CI runs as root); without
+//! them the test says why it is skipped.
+
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ironweave");
+const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+
+fn can_run() -> bool {
+    let root = Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false);
+    let ip = Command::new("ip").args(["netns", "list"]).output().map(|o| o.status.success()).unwrap_or(false);
+    if !(root && ip) {
+        eprintln!("SKIPPED: the emulated cluster needs root and iproute2 (root={root}, ip={ip})");
+    }
+    root && ip
+}
+
+fn iw(args: &[&str]) -> std::process::Output {
+    Command::new(BIN).current_dir(ROOT).args(args).output().unwrap()
+}
+
+fn train(topo: &str, dir: &std::path::Path, fail: Option<&str>) -> serde_json::Value {
+    let mut args = vec![
+        "train",
+        "--config",
+        "configs/moe-tiny.toml",
+        "--topology",
+        topo,
+        "--ranks-per-host",
+        "2",
+        "--ranks",
+        "4",
+        "--ckpt",
+        "capricorn",
+        "--iters",
+        "16",
+        "--persist-every",
+        "4",
+        "--quiet",
+        "--report-dir",
+        dir.to_str().unwrap(),
+    ];
+    if let Some(f) = fail {
+        args.extend(["--fail", f]);
+    }
+    let out = iw(&args);
+    assert!(
+        out.status.success(),
+        "train {fail:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn a_whole_host_killed_restores_from_the_other_host_s_memory() {
+    if !can_run() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ironweave-hosts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let topo = dir.join("topo.toml");
+    std::fs::write(
+        &topo,
+        "name = \"iwckh\"\nhosts = 2\n[[links]]\nname = \"a\"\nrate = \"1gbit\"\nsubnet = \"10.233.11.0/24\"\n",
+    )
+    .unwrap();
+    let topo = topo.to_str().unwrap();
+    let up = iw(&["cluster", "up", "--topology", topo]);
+    assert!(up.status.success(), "{}", String::from_utf8_lossy(&up.stderr));
+    let result = std::panic::catch_unwind(|| {
+        let clean = train(topo, &dir.join("clean"), None);
+        // every replica holder is on the other host
+        let hosts: Vec<u64> = clean["hosts"].as_array().unwrap().iter().map(|h| h.as_u64().unwrap()).collect();
+        assert_eq!(hosts, vec![0, 0, 1, 1]);
+        let holders = clean["replica_holders"].as_array().unwrap();
+        for (r, hs) in holders.iter().enumerate() {
+            let hs: Vec<usize> = hs.as_array().unwrap().iter().map(|h| h.as_u64().unwrap() as usize).collect();
+            assert!(!hs.is_empty() && hs.iter().all(|&h| hosts[h] != hosts[r]), "rank {r} replicated on {hs:?}");
+        }
+        // host 1 (ranks 2 and 3) killed mid-backward of iteration 10: their newest committed
+        // state is in host 0's memory (and iteration 8 in the persistent tier); memory must win
+        let failed = train(topo, &dir.join("fail"), Some("host=1,iter=10"));
+        assert_eq!(failed["recoveries"].as_u64(), Some(1), "{failed}");
+        let sources: Vec<&str> = failed["restore_sources"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
+        assert_eq!(&sources[2..], ["peer", "peer"], "the killed host's ranks restored from {sources:?}");
+        assert!(sources[..2].iter().all(|s| *s == "own memory"), "{sources:?}");
+        assert_eq!(failed["final_state_sha256"], clean["final_state_sha256"], "the recovered run ended elsewhere");
+    });
+    let down = iw(&["cluster", "down", "--topology", topo]);
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+    assert!(down.status.success(), "{}", String::from_utf8_lossy(&down.stderr));
+}
