@@ -41,6 +41,7 @@ use ironweave_profile::{
 };
 
 use crate::error::{CkptError, Result};
+use crate::partition::{partition_accuracy, ChunkSpan};
 use crate::persist::{self, Manifest};
 use crate::registry::Registry;
 use crate::schedule::{self, Releaser, Scheduled};
@@ -126,9 +127,11 @@ pub struct EngineConfig {
     /// Capricorn re-profiles when the drift of the smoothed expert load (EWMA, see
     /// `ironweave_profile::SpeculativeActivation`) since the last profiled iteration exceeds this.
     pub drift_threshold: f64,
-    /// Gemini's fixed chunk size, bytes.
+    /// Gemini's fixed chunk size, bytes (0: sized from the profiled spans and the state, so
+    /// that whole chunks fill the spans best without overfilling any).
     pub gemini_chunk_bytes: u64,
-    /// Gemini profiles this many iterations at the start, then never again.
+    /// Gemini profiles this many iterations at the start (the spans of the last one are
+    /// used), then never again.
     pub gemini_profile_iters: u64,
     /// Windows shorter than this are ignored, ns.
     pub min_window_ns: u64,
@@ -153,8 +156,8 @@ impl Default for EngineConfig {
             link_bytes_per_s: None,
             window_fill: 0.9,
             drift_threshold: 0.3,
-            gemini_chunk_bytes: 64 << 20,
-            gemini_profile_iters: 1,
+            gemini_chunk_bytes: 0,
+            gemini_profile_iters: 3,
             min_window_ns: 50_000,
             host: String::new(),
         }
@@ -232,6 +235,8 @@ struct Shared {
     failures: Vec<String>,
     /// holders we can no longer send to or hear from
     lost_holders: BTreeSet<usize>,
+    /// chunk transfers the sender threads finished, for the partition accuracy
+    chunk_log: Vec<ChunkSpan>,
 }
 
 /// Where a restored state came from.
@@ -279,11 +284,12 @@ pub struct IterationReport {
     pub strategy: String,
     /// Checkpoint bytes sent during the iteration (all holders).
     pub bytes_sent: u64,
-    /// Chunk transfers that ran.
+    /// Chunk transfers the iteration released (chunks x holders), leftovers included.
     pub chunks: u32,
-    /// Of which ran while no training communication was on the link.
+    /// Of which finished within the iteration, not as leftovers, while no training
+    /// communication was on the link.
     pub chunks_in_window: u32,
-    /// `chunks_in_window / chunks` (None without chunks).
+    /// `chunks_in_window / chunks` (None without chunks; see `partition::partition_accuracy`).
     pub partition_accuracy: Option<f64>,
     /// Whether profiling ran this iteration.
     pub profiled: bool,
@@ -297,7 +303,8 @@ pub struct IterationReport {
 
 enum Job {
     Begin(Arc<Snapshot>),
-    Chunk(u64, u64),
+    /// Offset, length, and whether it is a leftover (released when the iteration ended).
+    Chunk(u64, u64, bool),
     End,
 }
 
@@ -309,13 +316,18 @@ struct Sched {
     comms: u32,
     txs: Vec<Sender<Job>>,
     open: bool,
+    /// Chunks released for the snapshot being sent (each goes to every holder).
+    released: usize,
+    /// `flush` is releasing: what goes now is a leftover.
+    flushing: bool,
 }
 
 impl Sched {
     fn dispatch(&mut self, released: Vec<Scheduled>) {
+        self.released += released.len();
         for s in released {
             for tx in &self.txs {
-                let _ = tx.send(Job::Chunk(s.chunk.offset, s.chunk.len));
+                let _ = tx.send(Job::Chunk(s.chunk.offset, s.chunk.len, self.flushing));
             }
         }
         if self.open && self.releaser.as_ref().is_some_and(|r| r.pending() == 0) {
@@ -330,7 +342,9 @@ impl Sched {
     fn flush(&mut self) {
         if let Some(r) = self.releaser.as_mut() {
             let rel = r.end();
+            self.flushing = true;
             self.dispatch(rel);
+            self.flushing = false;
         }
     }
 }
@@ -358,6 +372,8 @@ pub struct Engine {
     profiler: Arc<Profiler<MonotonicClock>>,
     sched: Arc<Mutex<Sched>>,
     pending: Option<Arc<Snapshot>>,
+    /// Iteration of the snapshot this iteration replicates (its chunks' accuracy is measured).
+    sending: Option<u64>,
     activation: SpeculativeActivation,
     predictor: WindowPredictor,
     gemini_spans: Option<Vec<Window>>,
@@ -404,9 +420,9 @@ fn spawn<T: Send + 'static>(name: String, f: impl FnOnce() -> T + Send + 'static
 impl Engine {
     /// Start the engine for `registry` on `comm` (all ranks call this together).
     pub fn new(comm: Arc<Communicator>, registry: Registry, cfg: EngineConfig) -> Result<Self> {
-        if cfg.replicas == 0 || cfg.chunk_bytes == 0 || cfg.gemini_chunk_bytes == 0 || cfg.checksum_bytes == 0 {
+        if cfg.replicas == 0 || cfg.chunk_bytes == 0 || cfg.checksum_bytes == 0 {
             return Err(CkptError::Invalid(
-                "replicas, chunk_bytes, checksum_bytes and gemini_chunk_bytes must be at least 1".into(),
+                "replicas, chunk_bytes and checksum_bytes must be at least 1 (gemini_chunk_bytes 0: sized from the spans)".into(),
             ));
         }
         if !(cfg.window_fill > 0.0 && cfg.window_fill <= 1.0) {
@@ -436,6 +452,7 @@ impl Engine {
             profiler: Arc::new(Profiler::new(MonotonicClock::default(), 8)),
             sched: Arc::new(Mutex::new(Sched::default())),
             pending: None,
+            sending: None,
             gemini_spans: None,
             profiled_iters: 0,
             this_iter: None,
@@ -542,9 +559,10 @@ impl Engine {
                                 comm.send_bytes(h, TAG_DATA, &begin)?;
                                 cur = Some(snap);
                             }
-                            Job::Chunk(off, len) => {
+                            Job::Chunk(off, len, leftover) => {
                                 let Some(snap) = &cur else { return Ok(()) };
                                 let _span = prof.comm(link, CommKind::Checkpoint, len);
+                                let start_ns = prof.now_ns();
                                 let t0 = Instant::now();
                                 for (k, piece) in snap.data[off as usize..(off + len) as usize].chunks(chunk).enumerate() {
                                     let at = off + (k * chunk) as u64;
@@ -554,6 +572,8 @@ impl Engine {
                                     }
                                     comm.send_bytes(h, TAG_DATA, &msg)?;
                                 }
+                                let end_ns = prof.now_ns();
+                                lock(&shared).chunk_log.push(ChunkSpan { snapshot: snap.iter, leftover, start_ns, end_ns });
                                 let mut r = rate.lock().unwrap_or_else(|e| e.into_inner());
                                 r.0 += len as f64;
                                 r.1 += t0.elapsed().as_secs_f64();
@@ -707,6 +727,8 @@ impl Engine {
             }
             s.open = true;
             s.releaser = Some(Releaser::new(plan));
+            s.released = 0;
+            self.sending = Some(snap.iter);
             self.last_sent = Some(snap.iter);
             let rel = s.releaser.as_mut().map(|r| r.start()).unwrap_or_default();
             s.dispatch(rel);
@@ -717,7 +739,15 @@ impl Engine {
     /// End the current iteration (after the optimizer step): leftover chunks go now; a
     /// profiled iteration's windows feed the predictor.
     pub fn end_iteration(&mut self) -> IterationReport {
-        lock_sched(&self.sched).flush();
+        // leftovers go now, marked as such: they count as outside every window
+        let released = {
+            let mut s = lock_sched(&self.sched);
+            s.flush();
+            let n = s.released * s.txs.len();
+            s.released = 0;
+            n
+        };
+        let sending = self.sending.take();
         let prof = self.profiler.end_iteration();
         let (iter, profiled) = self.this_iter.take().unwrap_or((0, false));
         let mut rep = IterationReport {
@@ -735,18 +765,23 @@ impl Engine {
                 .filter(|c| c.link == self.cfg.link && c.kind == CommKind::Training)
                 .map(|c| (c.start_ns, c.end_ns))
                 .collect();
-            for c in p.comms.iter().filter(|c| c.kind == CommKind::Checkpoint) {
-                rep.chunks += 1;
-                rep.bytes_sent += c.bytes;
-                if !training.iter().any(|&(a, b)| a < c.end_ns && c.start_ns < b) {
-                    rep.chunks_in_window += 1;
-                }
-            }
-            rep.partition_accuracy = (rep.chunks > 0).then(|| rep.chunks_in_window as f64 / rep.chunks as f64);
+            rep.bytes_sent = p.comms.iter().filter(|c| c.kind == CommKind::Checkpoint).map(|c| c.bytes).sum();
+            // this iteration's snapshot's transfers, by the iteration that released them;
+            // older entries go (late ones of this snapshot are dropped at the next report)
+            let spans: Vec<ChunkSpan> = {
+                let mut sh = lock(&self.shared);
+                let v = sh.chunk_log.iter().filter(|c| Some(c.snapshot) == sending).copied().collect();
+                sh.chunk_log.retain(|c| sending.is_some_and(|i| c.snapshot > i));
+                v
+            };
+            rep.partition_accuracy = partition_accuracy(&training, &spans, released, p.end_ns);
+            rep.chunks = released as u32;
+            rep.chunks_in_window = rep.partition_accuracy.map_or(0, |a| (a * released as f64).round() as u32);
             if profiled {
                 let w = idle_windows(&p, self.cfg.link, self.cfg.min_window_ns);
                 self.predictor.observe(&w);
-                if self.cfg.strategy == Strategy::Gemini && self.gemini_spans.is_none() {
+                // Gemini keeps the spans of its last profiled iteration (the first is cold)
+                if self.cfg.strategy == Strategy::Gemini {
                     self.gemini_spans = Some(w);
                 }
                 self.profiled_iters += 1;

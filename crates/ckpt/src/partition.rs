@@ -65,7 +65,101 @@ pub fn partition_fixed(total: u64, chunk: u64, capacities: &[u64]) -> Vec<Chunk>
     out
 }
 
+/// Gemini's chunk size for a state of `total` bytes and spans of `capacities` bytes, when no
+/// size is configured: of the candidate sizes (each span's capacity, and the whole state), the
+/// one that places the most bytes into whole chunks inside the spans, the larger on ties (fewer
+/// chunks); never below `min_chunk` unless the state is smaller. Without spans: the whole state
+/// (one transfer at the end).
+pub fn gemini_chunk(total: u64, capacities: &[u64], min_chunk: u64) -> u64 {
+    let total = total.max(1);
+    let placed = |c: u64| -> u64 { capacities.iter().map(|&cap| (cap / c) * c).sum::<u64>().min(total) };
+    capacities
+        .iter()
+        .copied()
+        .chain(std::iter::once(total))
+        .map(|c| c.clamp(min_chunk.min(total).max(1), total))
+        .max_by(|&a, &b| placed(a).cmp(&placed(b)).then(a.cmp(&b)))
+        .unwrap_or(total)
+}
+
 /// Bytes that did not fit any window.
 pub fn leftover(chunks: &[Chunk]) -> u64 {
     chunks.iter().filter(|c| c.window.is_none()).map(|c| c.len).sum()
+}
+
+/// One checkpoint chunk's transfer to one holder, as the sender logged it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkSpan {
+    /// Iteration of the snapshot the chunk belongs to.
+    pub snapshot: u64,
+    /// Released as a leftover (after the iteration's windows, when it ended).
+    pub leftover: bool,
+    /// Transfer start and end, profiler nanoseconds.
+    pub start_ns: u64,
+    /// End.
+    pub end_ns: u64,
+}
+
+/// Partition accuracy of one iteration: of the chunk transfers the iteration released
+/// (`released`: chunks × holders, whether they finished or not), the share that ran entirely
+/// inside an idle window — finished before the iteration's end (`end_ns`), not a leftover, and
+/// overlapping no training communication (`training`). A transfer still running at the end,
+/// or a leftover, counts as outside. `spans` are the transfers of this iteration's snapshot.
+/// None when nothing was released.
+pub fn partition_accuracy(training: &[(u64, u64)], spans: &[ChunkSpan], released: usize, end_ns: u64) -> Option<f64> {
+    if released == 0 {
+        return None;
+    }
+    let inside = spans
+        .iter()
+        .filter(|c| !c.leftover && c.end_ns <= end_ns && !training.iter().any(|&(a, b)| a < c.end_ns && c.start_ns < b))
+        .count();
+    Some(inside.min(released) as f64 / released as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(start_ns: u64, end_ns: u64, leftover: bool) -> ChunkSpan {
+        ChunkSpan { snapshot: 7, leftover, start_ns, end_ns }
+    }
+
+    #[test]
+    fn accuracy_counts_only_transfers_inside_windows_of_the_releasing_iteration() {
+        // training on the link at [0,10) [20,30) [40,50); the iteration ends at 60
+        let training = [(0, 10), (20, 30), (40, 50)];
+        let spans = [
+            span(10, 20, false), // fills the window [10,20): inside
+            span(31, 39, false), // inside [30,40)
+            span(15, 25, false), // runs into training at 20: outside
+            span(51, 58, true),  // a leftover, though the link is idle: outside
+            span(52, 70, false), // ends after the iteration: outside
+        ];
+        // 8 transfers released, 3 never finished: 2 of 8 inside
+        assert_eq!(partition_accuracy(&training, &spans, 8, 60), Some(0.25));
+        // with nothing released there is no accuracy; released never below what is logged
+        assert_eq!(partition_accuracy(&training, &spans, 0, 60), None);
+        assert_eq!(partition_accuracy(&[], &spans[..2], 1, 60), Some(1.0));
+    }
+
+    #[test]
+    fn gemini_s_chunk_fills_the_spans_without_overfilling_any() {
+        // 14 MB of state, spans of 3, 5 and 4 MB: 3 MB chunks place one per span, 9 MB; 4 MB
+        // chunks 0 + 4 + 4 = 8; 5 MB chunks 5; the whole state none: 3 MB wins
+        let mb = 1 << 20;
+        let caps = [3 * mb, 5 * mb, 4 * mb];
+        assert_eq!(gemini_chunk(14 * mb, &caps, 256 << 10), 3 * mb);
+        let chunks = partition_fixed(14 * mb, gemini_chunk(14 * mb, &caps, 256 << 10), &caps);
+        for (i, &cap) in caps.iter().enumerate() {
+            let in_span: u64 = chunks.iter().filter(|c| c.window == Some(i)).map(|c| c.len).sum();
+            assert!(in_span <= cap, "span {i} overfilled: {in_span} > {cap}");
+        }
+        assert_eq!(leftover(&chunks), 5 * mb);
+        // everything fits one span: one chunk; no spans: the whole state at the end; tiny
+        // spans do not make chunks smaller than the floor
+        assert_eq!(gemini_chunk(mb, &[8 * mb], 1), mb);
+        assert_eq!(gemini_chunk(14 * mb, &[], 1), 14 * mb);
+        assert_eq!(gemini_chunk(14 * mb, &[10, 20], 256 << 10), 14 * mb);
+    }
 }

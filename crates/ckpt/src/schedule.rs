@@ -57,9 +57,12 @@ pub fn capricorn(
         .collect()
 }
 
-/// Gemini: fixed chunks placed into the spans profiled once, released by time.
+/// Gemini: fixed chunks placed into the spans profiled at the start, released by time; a span
+/// never takes more whole chunks than it can carry. `chunk` 0: sized from the spans and the
+/// state ([`crate::partition::gemini_chunk`]).
 pub fn gemini(total: u64, spans: &[Window], bytes_per_s: f64, chunk: u64) -> Vec<Scheduled> {
     let caps: Vec<u64> = spans.iter().map(|w| (w.len_ns as f64 * 1e-9 * bytes_per_s).floor() as u64).collect();
+    let chunk = if chunk == 0 { crate::partition::gemini_chunk(total, &caps, 256 << 10) } else { chunk };
     let mut placed_in = vec![0u64; spans.len()];
     partition_fixed(total, chunk, &caps)
         .into_iter()

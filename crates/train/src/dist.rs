@@ -43,6 +43,9 @@ impl Dist {
     /// Exchange a fixed number of counts with every rank.
     pub fn exchange_counts(&self, send: &[i64]) -> Result<Vec<i64>> {
         let mut out = vec![0i64; send.len()];
+        // small, but it is training traffic on the link: a checkpoint chunk sent across it is
+        // not in a window
+        let _t = self.prof.as_ref().map(|p| p.comm(0, CommKind::Training, (send.len() * 8) as u64));
         self.comm.all_to_all(send, &mut out)?;
         Ok(out)
     }
