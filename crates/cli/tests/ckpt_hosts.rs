@@ -4,19 +4,12 @@
 //! to exactly the clean run's final state. Needs root and iproute2 (CI runs as root); without
 //! them the test says why it is skipped.
 
+mod common;
+
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ironweave");
 const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
-
-fn can_run() -> bool {
-    let root = Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false);
-    let ip = Command::new("ip").args(["netns", "list"]).output().map(|o| o.status.success()).unwrap_or(false);
-    if !(root && ip) {
-        eprintln!("SKIPPED: the emulated cluster needs root and iproute2 (root={root}, ip={ip})");
-    }
-    root && ip
-}
 
 fn iw(args: &[&str]) -> std::process::Output {
     Command::new(BIN).current_dir(ROOT).args(args).output().unwrap()
@@ -58,7 +51,7 @@ fn train(topo: &str, dir: &std::path::Path, fail: Option<&str>) -> serde_json::V
 
 #[test]
 fn a_whole_host_killed_restores_from_the_other_host_s_memory() {
-    if !can_run() {
+    if !common::can_run_emulated() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ironweave-hosts-{}", std::process::id()));

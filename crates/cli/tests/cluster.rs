@@ -3,21 +3,14 @@
 //! striped over both links and on each alone. Needs root and iproute2; without them the tests
 //! say why they are skipped (CI runs as root).
 
+mod common;
+
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ironweave");
 
 /// The tests compare the whole `ip netns list`, so they must not run at the same time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn can_run() -> bool {
-    let root = Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false);
-    let ip = Command::new("ip").args(["netns", "list"]).output().map(|o| o.status.success()).unwrap_or(false);
-    if !(root && ip) {
-        eprintln!("SKIPPED: the emulated cluster needs root and iproute2 (root={root}, ip={ip})");
-    }
-    root && ip
-}
 
 fn netns() -> Vec<String> {
     let o = Command::new("ip").args(["netns", "list"]).output().unwrap();
@@ -43,7 +36,7 @@ fn iw(args: &[&str]) -> std::process::Output {
 #[test]
 fn up_then_down_leaves_namespaces_as_they_were() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    if !can_run() {
+    if !common::can_run_emulated() {
         return;
     }
     let t = topology("ut1", 3);
@@ -76,7 +69,7 @@ fn up_then_down_leaves_namespaces_as_they_were() {
 #[test]
 fn two_hosts_two_ranks_each_over_two_links() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    if !can_run() {
+    if !common::can_run_emulated() {
         return;
     }
     let t = topology("ut2", 2);

@@ -2,6 +2,8 @@
 //! TCP learns the same losses and draws every rank's compute and communication lanes; `bench
 //! overlap` on the emulated cluster writes a row per schedule with the counters behind it.
 
+mod common;
+
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ironweave");
@@ -163,10 +165,7 @@ fn a_plan_is_executed_as_planned_or_refused_with_the_reason() {
 
 #[test]
 fn bench_overlap_writes_a_row_per_schedule_with_its_counters() {
-    let root = Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false);
-    let ip = Command::new("ip").args(["netns", "list"]).output().map(|o| o.status.success()).unwrap_or(false);
-    if !(root && ip) {
-        eprintln!("SKIPPED: the emulated cluster needs root and iproute2 (root={root}, ip={ip})");
+    if !common::can_run_emulated() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ironweave-ov-{}", std::process::id()));

@@ -61,6 +61,23 @@ pub struct Params {
 }
 
 impl Params {
+    /// SHA-256 of the step and every parameter's name, values and both moments, in order
+    /// (little-endian floats): equal digests, equal training states.
+    pub fn digest(&self) -> [u8; 32] {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(self.step.to_le_bytes());
+        for p in &self.list {
+            h.update(p.name.as_bytes());
+            for v in [&p.w, &p.m, &p.v] {
+                for x in v.iter() {
+                    h.update(x.to_le_bytes());
+                }
+            }
+        }
+        h.finalize().into()
+    }
+
     /// Index of a parameter by name.
     pub fn idx(&self, name: &str) -> usize {
         self.list.iter().position(|p| p.name == name).unwrap_or_else(|| panic!("no parameter {name}"))

@@ -29,7 +29,6 @@ use std::error::Error as StdError;
 use candle_core::{Device, Tensor, Var};
 use ironweave_overlap::{execute, steps, CommSpec, ExecStats, Program, Schedule, Stage, Step, Tail, Work};
 use ironweave_transport::{Communicator, ReduceOp};
-use sha2::{Digest, Sha256};
 
 use crate::config::TrainConfig;
 use crate::data::Corpus;
@@ -466,15 +465,7 @@ impl TpTrainer {
 
     /// SHA-256 of this rank's parameters, both moments and the step.
     pub fn state_digest(&self) -> [u8; 32] {
-        let mut h = Sha256::new();
-        h.update(self.params.step.to_le_bytes());
-        for p in &self.params.list {
-            h.update(p.name.as_bytes());
-            for v in [&p.w, &p.m, &p.v] {
-                h.update(bytemuck::cast_slice::<f32, u8>(v));
-            }
-        }
-        h.finalize().into()
+        self.params.digest()
     }
 
     fn t(&self, name: &str) -> candle_core::Result<Tensor> {

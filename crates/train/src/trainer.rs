@@ -6,7 +6,6 @@ use std::time::Instant;
 
 use ironweave_profile::{CommKind, ExpertLoad, MonotonicClock, Phase, Profiler};
 use ironweave_transport::Communicator;
-use sha2::{Digest, Sha256};
 
 use crate::buckets::{covered_s, ordered_avg, plan_buckets, Bucket, GradSyncStats};
 use crate::config::TrainConfig;
@@ -325,17 +324,7 @@ impl Trainer {
 
     /// SHA-256 of the parameters, both moments and the step, in order.
     pub fn state_digest(&self) -> [u8; 32] {
-        let mut h = Sha256::new();
-        h.update(self.params.step.to_le_bytes());
-        for p in &self.params.list {
-            h.update(p.name.as_bytes());
-            for v in [&p.w, &p.m, &p.v] {
-                for x in v.iter() {
-                    h.update(x.to_le_bytes());
-                }
-            }
-        }
-        h.finalize().into()
+        self.params.digest()
     }
 
     /// [`Trainer::state_digest`] in hex.
