@@ -217,15 +217,7 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
     }
     rep.tail_comm_s.iter_mut().for_each(|x| *x /= norm);
     // every rank's digest and lanes to rank 0
-    let mine = tr.state_digest();
-    let mut all = vec![0u8; 32 * n];
-    if n > 1 {
-        comm.all_gather(&mine, &mut all)?;
-    } else {
-        all.copy_from_slice(&mine);
-    }
-    use sha2::Digest;
-    rep.final_state_sha256 = sha2::Sha256::digest(&all).iter().map(|b| format!("{b:02x}")).collect();
+    rep.final_state_sha256 = crate::train::job_state_sha256(&comm, &tr.state_digest())?;
     let bytes = serde_json::to_vec(&last_spans)?;
     if rank != 0 {
         comm.send_bytes(0, SPANS_TAG, &bytes)?;

@@ -219,6 +219,15 @@ impl Report {
     }
 }
 
+/// `final_state_sha256` of a job: SHA-256 of every rank's state digest, in rank order
+/// (collective: every rank calls it with its own digest).
+pub fn job_state_sha256(comm: &ironweave_transport::Communicator, mine: &[u8; 32]) -> Result<String> {
+    let mut all = vec![0u8; 32 * comm.size()];
+    comm.all_gather(mine, &mut all)?;
+    use sha2::Digest;
+    Ok(sha2::Sha256::digest(&all).iter().map(|b| format!("{b:02x}")).collect())
+}
+
 pub fn load_config(path: &Path) -> Result<(TrainConfig, Corpus)> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let cfg = TrainConfig::from_toml_str(&text)?;
@@ -394,13 +403,8 @@ pub fn worker(
     let e = engine.as_mut().expect("ran");
     rep.last_committed_iter = e.commit(true)?;
     let tr = trainer.expect("ran");
-    // final_state_sha256: SHA-256 of every rank's state digest, in rank order
-    let mine = tr.state_digest();
     let comm = e.comm().clone();
-    let mut all = vec![0u8; 32 * comm.size()];
-    comm.all_gather(&mine, &mut all)?;
-    use sha2::Digest;
-    rep.final_state_sha256 = sha2::Sha256::digest(&all).iter().map(|b| format!("{b:02x}")).collect();
+    rep.final_state_sha256 = job_state_sha256(&comm, &tr.state_digest())?;
     let mut sources = vec![0u8; comm.size()];
     comm.all_gather(&[last_source], &mut sources)?;
     rep.restore_sources = sources
