@@ -21,7 +21,7 @@ pub mod registry;
 pub mod schedule;
 pub mod snapshot;
 
-pub use engine::{placement, placement_on_hosts, CheckpointReport, Engine, EngineConfig, Restored, Source};
+pub use engine::{placement, placement_on_hosts, CheckpointReport, Counters, Engine, EngineConfig, Restored, Source};
 pub use error::{CkptError, Result};
 pub use registry::{Dtype, Registry, TensorMeta, TensorSpec};
 pub use snapshot::{ChunkSum, Snapshot, SnapshotBuffers};

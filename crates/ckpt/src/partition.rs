@@ -94,6 +94,8 @@ pub struct ChunkSpan {
     pub snapshot: u64,
     /// Released as a leftover (after the iteration's windows, when it ended).
     pub leftover: bool,
+    /// Link (profiler index) it went over.
+    pub link: u32,
     /// Transfer start and end, profiler nanoseconds.
     pub start_ns: u64,
     /// End.
@@ -103,16 +105,19 @@ pub struct ChunkSpan {
 /// Partition accuracy of one iteration: of the chunk transfers the iteration released
 /// (`released`: chunks × holders, whether they finished or not), the share that ran entirely
 /// inside an idle window — finished before the iteration's end (`end_ns`), not a leftover, and
-/// overlapping no training communication (`training`). A transfer still running at the end,
+/// overlapping no training communication on its link (`training`: link, start, end). A
+/// transfer still running at the end,
 /// or a leftover, counts as outside. `spans` are the transfers of this iteration's snapshot.
 /// None when nothing was released.
-pub fn partition_accuracy(training: &[(u64, u64)], spans: &[ChunkSpan], released: usize, end_ns: u64) -> Option<f64> {
+pub fn partition_accuracy(training: &[(u32, u64, u64)], spans: &[ChunkSpan], released: usize, end_ns: u64) -> Option<f64> {
     if released == 0 {
         return None;
     }
     let inside = spans
         .iter()
-        .filter(|c| !c.leftover && c.end_ns <= end_ns && !training.iter().any(|&(a, b)| a < c.end_ns && c.start_ns < b))
+        .filter(|c| {
+            !c.leftover && c.end_ns <= end_ns && !training.iter().any(|&(l, a, b)| l == c.link && a < c.end_ns && c.start_ns < b)
+        })
         .count();
     Some(inside.min(released) as f64 / released as f64)
 }
@@ -122,13 +127,13 @@ mod tests {
     use super::*;
 
     fn span(start_ns: u64, end_ns: u64, leftover: bool) -> ChunkSpan {
-        ChunkSpan { snapshot: 7, leftover, start_ns, end_ns }
+        ChunkSpan { snapshot: 7, leftover, link: 0, start_ns, end_ns }
     }
 
     #[test]
     fn accuracy_counts_only_transfers_inside_windows_of_the_releasing_iteration() {
         // training on the link at [0,10) [20,30) [40,50); the iteration ends at 60
-        let training = [(0, 10), (20, 30), (40, 50)];
+        let training = [(0, 0, 10), (0, 20, 30), (0, 40, 50)];
         let spans = [
             span(10, 20, false), // fills the window [10,20): inside
             span(31, 39, false), // inside [30,40)
@@ -141,6 +146,9 @@ mod tests {
         // with nothing released there is no accuracy; released never below what is logged
         assert_eq!(partition_accuracy(&training, &spans, 0, 60), None);
         assert_eq!(partition_accuracy(&[], &spans[..2], 1, 60), Some(1.0));
+        // a transfer on another link does not collide with this link's training
+        let other = [ChunkSpan { link: 1, ..span(15, 25, false) }];
+        assert_eq!(partition_accuracy(&training, &other, 1, 60), Some(1.0));
     }
 
     #[test]

@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -57,11 +58,51 @@ pub fn paths(dir: &Path, iter: u64, rank: u32) -> (PathBuf, PathBuf) {
     (d.join(format!("rank-{rank:05}.safetensors")), d.join(format!("rank-{rank:05}.json")))
 }
 
-fn write_atomic(path: &Path, parts: &[&[u8]]) -> Result<()> {
+/// A token bucket: `rate` bytes per second, at most `burst` bytes at once. The persistent
+/// tier's writer takes tokens before each block, so its long-run rate is `rate` (emulated
+/// remote storage: a host's share of a parallel file system).
+#[derive(Debug)]
+pub struct TokenBucket {
+    rate: f64,
+    burst: f64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl TokenBucket {
+    /// A full bucket.
+    pub fn new(bytes_per_s: f64, burst: u64) -> Self {
+        TokenBucket { rate: bytes_per_s.max(1.0), burst: burst.max(1) as f64, tokens: burst.max(1) as f64, last: Instant::now() }
+    }
+
+    /// How long to wait before `n` bytes may go, taking their tokens (pure given `now`).
+    pub fn take_at(&mut self, n: u64, now: Instant) -> Duration {
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = self.last.max(now);
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.burst);
+        self.tokens -= n as f64;
+        if self.tokens >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-self.tokens / self.rate)
+        }
+    }
+}
+
+/// Block size of paced writes.
+pub const PACE_BLOCK: usize = 1 << 20;
+
+fn write_atomic(path: &Path, parts: &[&[u8]], bucket: Option<&Mutex<TokenBucket>>) -> Result<()> {
     let tmp = path.with_extension(format!("{}.tmp", path.extension().and_then(|e| e.to_str()).unwrap_or("")));
     let mut f = File::create(&tmp).map_err(|e| CkptError::io(&tmp, e))?;
     for p in parts {
-        f.write_all(p).map_err(|e| CkptError::io(&tmp, e))?;
+        for block in p.chunks(PACE_BLOCK) {
+            if let Some(b) = bucket {
+                let wait = b.lock().unwrap_or_else(|e| e.into_inner()).take_at(block.len() as u64, Instant::now());
+                std::thread::sleep(wait);
+            }
+            f.write_all(block).map_err(|e| CkptError::io(&tmp, e))?;
+        }
     }
     f.sync_all().map_err(|e| CkptError::io(&tmp, e))?;
     drop(f);
@@ -92,6 +133,11 @@ fn header(reg: &Registry, meta: &BTreeMap<String, String>) -> Result<Vec<u8>> {
 
 /// Write `snap` of `rank` (of `world`) under `dir`. Returns the data file's path.
 pub fn write(dir: &Path, snap: &Snapshot, rank: u32, world: u32) -> Result<PathBuf> {
+    write_with(dir, snap, rank, world, None)
+}
+
+/// [`write`], the data paced by `bucket` when given.
+pub fn write_with(dir: &Path, snap: &Snapshot, rank: u32, world: u32, bucket: Option<&Mutex<TokenBucket>>) -> Result<PathBuf> {
     let (data_path, man_path) = paths(dir, snap.iter, rank);
     let d = data_path.parent().expect("has a parent");
     fs::create_dir_all(d).map_err(|e| CkptError::io(d, e))?;
@@ -102,9 +148,9 @@ pub fn write(dir: &Path, snap: &Snapshot, rank: u32, world: u32) -> Result<PathB
     meta.insert("world".to_string(), world.to_string());
     let h = header(&snap.registry, &meta)?;
     let n = (h.len() as u64).to_le_bytes();
-    write_atomic(&data_path, &[&n, &h, &snap.data])?;
+    write_atomic(&data_path, &[&n, &h, &snap.data], bucket)?;
     let m = serde_json::to_vec_pretty(&Manifest::of(snap, rank, world)).map_err(|e| CkptError::Invalid(e.to_string()))?;
-    write_atomic(&man_path, &[&m])?;
+    write_atomic(&man_path, &[&m], None)?;
     sync_dir(d)?;
     sync_dir(dir)?;
     Ok(data_path)
@@ -207,4 +253,25 @@ pub fn iterations(dir: &Path, rank: u32) -> Vec<u64> {
         .collect();
     v.sort_unstable_by(|a, b| b.cmp(a));
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bucket_lets_a_burst_through_then_paces_at_its_rate() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket { rate: 1e6, burst: 2e6, tokens: 2e6, last: t0 };
+        // 2 MB at once: the burst
+        assert_eq!(b.take_at(2_000_000, t0), Duration::ZERO);
+        // 1 MB more right away: a second at 1 MB/s
+        assert_eq!(b.take_at(1_000_000, t0), Duration::from_secs(1));
+        // after that second plus half a second: 0.5 MB in the bucket, 1 MB wants half a second
+        let later = t0 + Duration::from_millis(1500);
+        assert_eq!(b.take_at(1_000_000, later), Duration::from_millis(500));
+        // a long pause refills at most the burst
+        let much_later = later + Duration::from_secs(100);
+        assert_eq!(b.take_at(2_000_000, much_later + Duration::from_millis(500)), Duration::ZERO);
+    }
 }

@@ -32,6 +32,8 @@ pub struct Scheduled {
     pub trigger: Trigger,
     /// The window's predicted length, ns (0 for leftovers).
     pub window_ns: u64,
+    /// Link slot the chunk goes over (0: the training link; see [`capricorn_links`]).
+    pub link: u32,
 }
 
 /// Capricorn: chunks sized to `fill` of each predicted window at `bytes_per_s`.
@@ -43,16 +45,31 @@ pub fn capricorn(
     min_chunk: u64,
     max_leftover: u64,
 ) -> Vec<Scheduled> {
-    let caps: Vec<u64> = windows.iter().map(|w| (w.len_ns as f64 * 1e-9 * bytes_per_s * fill).floor().max(0.0) as u64).collect();
+    capricorn_links(total, &[(windows, bytes_per_s)], fill, min_chunk, max_leftover)
+}
+
+/// Capricorn over several links (beyond the paper): every link's predicted windows, each at
+/// its link's rate, filled in the order the windows open (on ties, the lower slot), so each
+/// chunk goes over the link whose window opens first. `links[k]` is slot `k`'s windows and
+/// rate; slot 0 is the training link and carries the leftovers (after the iteration's
+/// training traffic). With one link this is the paper's schedule.
+pub fn capricorn_links(total: u64, links: &[(&[Window], f64)], fill: f64, min_chunk: u64, max_leftover: u64) -> Vec<Scheduled> {
+    let mut all: Vec<(usize, Window)> = links.iter().enumerate().flat_map(|(k, (w, _))| w.iter().map(move |w| (k, *w))).collect();
+    all.sort_by_key(|(k, w)| (w.offset_ns, *k));
+    let caps: Vec<u64> = all.iter().map(|(k, w)| (w.len_ns as f64 * 1e-9 * links[*k].1 * fill).floor().max(0.0) as u64).collect();
     partition(total, &caps, min_chunk, max_leftover)
         .into_iter()
         .map(|c| match c.window {
-            Some(i) => Scheduled {
-                chunk: c,
-                trigger: windows[i].after_comm.map(Trigger::AfterComm).unwrap_or(Trigger::Start),
-                window_ns: windows[i].len_ns,
-            },
-            None => Scheduled { chunk: c, trigger: Trigger::End, window_ns: 0 },
+            Some(i) => {
+                let (k, w) = all[i];
+                Scheduled {
+                    chunk: c,
+                    trigger: w.after_comm.map(Trigger::AfterComm).unwrap_or(Trigger::Start),
+                    window_ns: w.len_ns,
+                    link: k as u32,
+                }
+            }
+            None => Scheduled { chunk: c, trigger: Trigger::End, window_ns: 0, link: 0 },
         })
         .collect()
 }
@@ -70,9 +87,9 @@ pub fn gemini(total: u64, spans: &[Window], bytes_per_s: f64, chunk: u64) -> Vec
             Some(i) => {
                 let at = spans[i].offset_ns + (placed_in[i] as f64 / bytes_per_s * 1e9) as u64;
                 placed_in[i] += c.len;
-                Scheduled { chunk: c, trigger: Trigger::At(at), window_ns: spans[i].len_ns }
+                Scheduled { chunk: c, trigger: Trigger::At(at), window_ns: spans[i].len_ns, link: 0 }
             }
-            None => Scheduled { chunk: c, trigger: Trigger::End, window_ns: 0 },
+            None => Scheduled { chunk: c, trigger: Trigger::End, window_ns: 0, link: 0 },
         })
         .collect()
 }
@@ -179,6 +196,30 @@ mod tests {
         assert_eq!(r.comm_done(1).len(), 1);
         assert_eq!(r.end().len(), 2);
         assert_eq!(r.pending(), 0);
+    }
+
+    #[test]
+    fn several_links_take_chunks_in_the_order_their_windows_open() {
+        // link 0 (training): windows at 0 ms (after nothing) and 12 ms (after comm 0), 10 ms
+        // each at 1 GB/s; link 1 (no training traffic): one 40 ms window at 0.25 GB/s
+        let l0 = [w(0, 10, None), w(12, 10, Some(0))];
+        let mut l1 = [w(0, 40, None)];
+        l1[0].link = 1;
+        let plan = capricorn_links(30_000_000, &[(&l0, 1e9), (&l1, 0.25e9)], 0.9, 1, 4_000_000);
+        let got: Vec<(u64, u32, Trigger)> = plan.iter().map(|s| (s.chunk.len, s.link, s.trigger)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (9_000_000, 0, Trigger::Start),
+                (9_000_000, 1, Trigger::Start),
+                (9_000_000, 0, Trigger::AfterComm(0)),
+                (3_000_000, 0, Trigger::End),
+            ]
+        );
+        // one link: the paper's schedule, all on slot 0
+        assert!(capricorn(30_000_000, &l0, 1e9, 0.9, 1, 4_000_000).iter().all(|s| s.link == 0));
+        let total: u64 = plan.iter().map(|s| s.chunk.len).sum();
+        assert_eq!(total, 30_000_000);
     }
 
     #[test]

@@ -24,14 +24,35 @@ fn load(iter: u64, shift_at: u64) -> ExpertLoad {
 struct Outcome {
     reports: Vec<IterationReport>,
     committed: Option<u64>,
+    /// Replica bytes sent per link slot; storage bytes written.
+    per_link: Vec<u64>,
+    storage: u64,
+    /// After a restart of rank 1's memory: where each rank's state came from, and whether it
+    /// equals the last checkpointed state.
+    restored: Option<(ironweave_ckpt::Source, bool)>,
 }
 
 fn train(strategy: Strategy, iters: u64, shift_at: u64, dir: Option<std::path::PathBuf>) -> Vec<Outcome> {
-    let hs: Vec<_> = world(2)
+    train_on(world(2), strategy, iters, shift_at, dir, Vec::new(), None)
+}
+
+/// Two ranks on `worlds`; chunks may also go over `extra_links`; the storage is paced at
+/// `storage_rate` bytes/s when given.
+fn train_on(
+    worlds: Vec<ironweave_transport::Communicator>,
+    strategy: Strategy,
+    iters: u64,
+    shift_at: u64,
+    dir: Option<std::path::PathBuf>,
+    extra_links: Vec<u32>,
+    storage_rate: Option<f64>,
+) -> Vec<Outcome> {
+    let hs: Vec<_> = worlds
         .into_iter()
         .enumerate()
         .map(|(rank, comm)| {
             let dir = dir.clone();
+            let extra_links = extra_links.clone();
             std::thread::spawn(move || {
                 let comm = Arc::new(comm);
                 let cfg = EngineConfig {
@@ -41,6 +62,11 @@ fn train(strategy: Strategy, iters: u64, shift_at: u64, dir: Option<std::path::P
                     persist_dir: dir,
                     timeout: Duration::from_secs(60),
                     min_window_ns: 100_000,
+                    // with a second link, the first is declared slow (20 MB/s: its 3 ms windows
+                    // carry less than a chunk), so chunks take the second
+                    link_bytes_per_s: (!extra_links.is_empty()).then_some(2e7),
+                    extra_links,
+                    storage_bytes_per_s: storage_rate,
                     ..EngineConfig::default()
                 };
                 let mut e = Engine::new(comm.clone(), registry(), cfg).unwrap();
@@ -66,8 +92,19 @@ fn train(strategy: Strategy, iters: u64, shift_at: u64, dir: Option<std::path::P
                     e.commit(false).unwrap();
                 }
                 let committed = e.commit(true).unwrap();
+                let c = e.counters();
+                use std::sync::atomic::Ordering::Relaxed;
+                let per_link: Vec<u64> = c.replica_bytes_per_link.iter().map(|x| x.load(Relaxed)).collect();
+                let storage = c.storage_bytes.load(Relaxed);
+                let restored = (committed.is_some() && strategy == Strategy::Capricorn).then(|| {
+                    if rank == 1 {
+                        e.forget_memory_for_test();
+                    }
+                    let r = e.restore_latest().unwrap();
+                    (r.source, r.snapshot.tensor("w").unwrap() == &w[..])
+                });
                 e.shutdown().unwrap();
-                Outcome { reports, committed }
+                Outcome { reports, committed, per_link, storage, restored }
             })
         })
         .collect();
@@ -97,6 +134,39 @@ fn capricorn_replicates_in_windows_and_reprofiles_only_on_drift() {
 }
 
 #[test]
+fn capricorn_routes_chunks_over_an_idle_second_link() {
+    // two loopback links; training all-reduces on the first only, so the second is one long
+    // window and takes chunks from the start of every iteration
+    let spec =
+        |name: &str| ironweave_tcp::LinkSpec { name: name.into(), bind: "127.0.0.1".parse().unwrap(), rate_bytes_per_s: None };
+    let cfg = ironweave_tcp::TcpConfig {
+        links: vec![spec("a"), spec("b")],
+        timeout: Duration::from_secs(60),
+        linger: Duration::from_secs(2),
+        ..ironweave_tcp::TcpConfig::default()
+    };
+    let opts = ironweave_transport::CommOptions { timeout: Duration::from_secs(60), ..Default::default() };
+    let worlds = ironweave_tcp::local_world(2, &cfg, opts).unwrap();
+    let out = train_on(worlds, Strategy::Capricorn, 6, 100, None, vec![1], None);
+    for (rank, o) in out.iter().enumerate() {
+        assert_eq!(o.committed, Some(6));
+        assert!(o.per_link[1] > 0, "rank {rank}: nothing went over the second link: {:?}", o.per_link);
+        // every snapshot went out whole, over the two links together
+        assert_eq!(o.per_link[0] + o.per_link[1], 6 * registry().total, "rank {rank}: {:?}", o.per_link);
+        // and what arrived over both restores bit-identically from the peer
+        let (source, same) = o.restored.expect("restored");
+        assert!(same, "rank {rank}: restored state differs");
+        if rank == 1 {
+            assert_eq!(source, ironweave_ckpt::Source::Peer(0));
+        }
+    }
+    // a second link the communicator does not have is refused
+    let comm = Arc::new(world(1).pop().unwrap());
+    let e = Engine::new(comm, registry(), EngineConfig { extra_links: vec![3], ..EngineConfig::default() }).unwrap_err();
+    assert!(e.to_string().contains("extra link 3"), "{e}");
+}
+
+#[test]
 fn gemini_profiles_its_first_iterations_only() {
     let out = train(Strategy::Gemini, 6, 3, None);
     for o in &out {
@@ -121,9 +191,11 @@ fn tmpdir(name: &str) -> std::path::PathBuf {
 fn storage_strategies_commit_what_is_written() {
     for s in [Strategy::Blocking, Strategy::Async] {
         let dir = tmpdir(s.name());
-        let out = train(s, 4, 100, Some(dir.clone()));
+        // paced at 8 MB/s: about 0.13 s per 1 MiB write, and every byte counted
+        let out = train_on(world(2), s, 4, 100, Some(dir.clone()), Vec::new(), Some(8e6));
         for (rank, o) in out.iter().enumerate() {
             assert_eq!(o.committed, Some(4), "{s:?}");
+            assert_eq!(o.storage, 4 * registry().total, "{s:?}");
             assert!(o.reports.iter().all(|r| r.chunks == 0 && !r.profiled));
             assert_eq!(ironweave_ckpt::persist::iterations(&dir, rank as u32), vec![4, 3, 2, 1]);
         }

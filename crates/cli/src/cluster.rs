@@ -222,3 +222,28 @@ pub fn status(t: &Topology) -> Result<bool> {
     }
     Ok(up)
 }
+
+/// Bytes every host has sent on each link so far (`tx_bytes` of the host end of the link's
+/// veth, read inside the host's namespace): only traffic between hosts crosses it (ranks of
+/// one host talk over loopback). `[host][link]`.
+pub fn link_tx_bytes(t: &Topology) -> Result<Vec<Vec<u64>>> {
+    (0..t.hosts)
+        .map(|h| {
+            t.links
+                .iter()
+                .map(|l| {
+                    let ns = t.host_ns(h);
+                    let path = format!("/sys/class/net/{}/statistics/tx_bytes", l.name);
+                    let out = Command::new("ip")
+                        .args(["netns", "exec", &ns, "cat", &path])
+                        .output()
+                        .with_context(|| format!("reading {path} in {ns}"))?;
+                    if !out.status.success() {
+                        bail!("reading {path} in {ns}: {}", String::from_utf8_lossy(&out.stderr).trim());
+                    }
+                    String::from_utf8_lossy(&out.stdout).trim().parse::<u64>().with_context(|| format!("{path} in {ns}"))
+                })
+                .collect()
+        })
+        .collect()
+}

@@ -7,6 +7,8 @@
 
 mod backend;
 mod bench;
+mod ckpt_bench;
+mod ckpt_replay;
 mod ckpt_selftest;
 mod cluster;
 mod launch;
@@ -91,22 +93,7 @@ enum Cmd {
     Train(train::TrainArgs),
     /// Per-rank body of `train` (started by it).
     #[command(hide = true)]
-    TrainWorker {
-        #[arg(long)]
-        config: std::path::PathBuf,
-        #[arg(long)]
-        ckpt: String,
-        #[arg(long)]
-        iters: Option<u64>,
-        #[arg(long)]
-        report_dir: std::path::PathBuf,
-        #[arg(long)]
-        fail: Option<String>,
-        #[arg(long, default_value_t = 10)]
-        persist_every: u64,
-        #[arg(long)]
-        bucket_kb: Option<usize>,
-    },
+    TrainWorker(train::WorkerArgs),
     /// Per-rank body of `train --tp` (started by it).
     #[command(hide = true)]
     TpWorker(overlap::TpWorkerArgs),
@@ -280,18 +267,19 @@ enum BenchCmd {
     /// data): iteration time, overhead vs `none`, Capricorn's speedup over each.
     Ckpt {
         /// Training configuration.
-        #[arg(long, default_value = "configs/moe-small.toml")]
+        #[arg(long, default_value = "configs/moe-wide.toml")]
         config: std::path::PathBuf,
-        /// Strategies to compare.
-        #[arg(long, value_delimiter = ',', default_value = "none,blocking,async,gemini,capricorn")]
+        /// Strategies to compare (`all`: none, blocking, async, gemini, capricorn, and
+        /// capricorn-multilink when the topology has several links).
+        #[arg(long, value_delimiter = ',', default_value = "all")]
         strategies: Vec<String>,
         /// Ranks.
         #[arg(long, default_value_t = 4)]
         ranks: usize,
-        /// Iterations per strategy (the first two are warm-up and not averaged).
-        #[arg(long, default_value_t = 12)]
+        /// Iterations per strategy (the first two are warm-up and not counted).
+        #[arg(long, default_value_t = 8)]
         iters: u64,
-        /// Run on the emulated cluster of this topology file.
+        /// Run on the emulated cluster of this topology file (brought up if it is not).
         #[arg(long)]
         topology: Option<std::path::PathBuf>,
         /// Ranks per emulated host (with --topology).
@@ -300,6 +288,19 @@ enum BenchCmd {
         /// Where the per-strategy reports, ckpt.json and ckpt.md go.
         #[arg(long, default_value = "target/bench/ckpt")]
         out: std::path::PathBuf,
+        /// Also write the rows here (JSON).
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+        /// Bandwidth of the emulated remote storage per host (`200mbit`, `1gbit`), or `auto`:
+        /// the paper-scale ratio of one checkpoint's write time to one iteration (simulated
+        /// on configs/clusters/4x8-a100.toml) applied to the measured `none` iteration, or
+        /// `unlimited` (the local disk).
+        #[arg(long, default_value = "auto")]
+        storage_rate: String,
+        /// Run every strategy this many times, interleaved (none, blocking, ..., none,
+        /// blocking, ...); rows pool the rounds' steady iterations.
+        #[arg(long, default_value_t = 1)]
+        rounds: usize,
     },
     /// Snapshot a state to host memory (ironweave-ckpt vs memcpy) and to the persistent tier
     /// (vs a sequential write); `cargo xtask bench snapshot` adds torch.save and torchsnapshot.
@@ -451,8 +452,24 @@ fn run(cli: Cli) -> Result<i32> {
                 launch::Outcome::TimedOut => 124,
             })
         }
-        Cmd::Bench { what: BenchCmd::Ckpt { config, strategies, ranks, iters, topology, ranks_per_host, out }, .. } => {
-            train::bench(&config, &strategies, ranks, iters, topology.as_deref(), ranks_per_host, &out)?;
+        Cmd::Bench {
+            what: BenchCmd::Ckpt { config, strategies, ranks, iters, topology, ranks_per_host, out, json, storage_rate, rounds },
+            ..
+        } => {
+            launch::install_signal_handlers();
+            let a = ckpt_bench::CkptBenchArgs {
+                config,
+                strategies,
+                ranks,
+                iters,
+                topology,
+                ranks_per_host,
+                out,
+                json,
+                storage_rate,
+                rounds,
+            };
+            ckpt_bench::bench(&a)?;
             Ok(0)
         }
         Cmd::Bench { what: BenchCmd::Overlap(a), .. } => {
@@ -567,8 +584,8 @@ fn run(cli: Cli) -> Result<i32> {
             println!("{}", p.display());
             Ok(0)
         }
-        Cmd::TrainWorker { config, ckpt, iters, report_dir, fail, persist_every, bucket_kb } => {
-            train::worker(&config, &ckpt, iters, &report_dir, fail.as_deref(), persist_every, bucket_kb)?;
+        Cmd::TrainWorker(a) => {
+            train::worker(&a)?;
             Ok(0)
         }
         Cmd::Simulate { scenario, args } => {

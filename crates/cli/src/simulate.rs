@@ -16,10 +16,15 @@ use crate::plan::{load_inputs, write_json};
 pub struct SimArgs {
     /// Model description (configs/models/*.toml).
     #[arg(long)]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// Cluster description (configs/clusters/*.toml).
     #[arg(long)]
-    cluster: PathBuf,
+    cluster: Option<PathBuf>,
+    /// ckpt: replay a measured run instead (a `bench ckpt` output directory, or one `train`
+    /// report directory): its profile, link rates and state sizes predict every strategy's
+    /// iteration time on the emulated bed, beside the measured ones.
+    #[arg(long)]
+    from_report: Option<PathBuf>,
     /// Write the timeline here (SVG).
     #[arg(long)]
     svg: Option<PathBuf>,
@@ -67,17 +72,32 @@ fn write_svg(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
+/// `--model` and `--cluster`, which every scenario but a replay needs.
+fn inputs(a: &SimArgs) -> Result<(&Path, &Path)> {
+    match (&a.model, &a.cluster) {
+        (Some(m), Some(c)) => Ok((m, c)),
+        _ => bail!("give --model and --cluster (or, for ckpt, --from-report DIR to replay a measured run)"),
+    }
+}
+
 pub fn run(scenario: &str, a: &SimArgs) -> Result<()> {
+    if a.from_report.is_some() && scenario != "ckpt" {
+        bail!("--from-report replays a checkpoint run: use it with `simulate ckpt`");
+    }
     match scenario {
         "tp" => run_tp(a),
         "sdp" => run_sdp(a),
-        "ckpt" => run_ckpt(a),
+        "ckpt" => match &a.from_report {
+            Some(dir) => crate::ckpt_replay::run(dir, a.json.as_deref()),
+            None => run_ckpt(a),
+        },
         other => bail!("unknown scenario `{other}` (expected tp, sdp or ckpt)"),
     }
 }
 
 fn run_tp(a: &SimArgs) -> Result<()> {
-    let (m, c) = load_inputs(&a.model, &a.cluster, a.global_batch, a.probe.as_deref())?;
+    let (mp, cp) = inputs(a)?;
+    let (m, c) = load_inputs(mp, cp, a.global_batch, a.probe.as_deref())?;
     let prof = crate::plan::load_profile(a.profile.as_deref(), &m)?;
     let mut cm = CostModel::new(&c);
     cm.profile = prof.as_ref();
@@ -130,7 +150,8 @@ fn run_tp(a: &SimArgs) -> Result<()> {
 }
 
 fn run_sdp(a: &SimArgs) -> Result<()> {
-    let (m, c) = load_inputs(&a.model, &a.cluster, a.global_batch, a.probe.as_deref())?;
+    let (mp, cp) = inputs(a)?;
+    let (m, c) = load_inputs(mp, cp, a.global_batch, a.probe.as_deref())?;
     let cm = CostModel::new(&c);
     let plan = psdp::plan(&m, &c, &cm, &psdp::SdpOptions::default())?;
     let layers = psdp::layers(&m, &c, &cm)?;
@@ -164,7 +185,8 @@ fn run_sdp(a: &SimArgs) -> Result<()> {
 }
 
 fn run_ckpt(a: &SimArgs) -> Result<()> {
-    let (m, c) = load_inputs(&a.model, &a.cluster, a.global_batch, a.probe.as_deref())?;
+    let (mp, cp) = inputs(a)?;
+    let (m, c) = load_inputs(mp, cp, a.global_batch, a.probe.as_deref())?;
     let strategies: Vec<Strategy> = a.strategies.iter().map(|s| Strategy::parse(s.trim())).collect::<Result<_, _>>()?;
     let load = match &a.load_trace {
         Some(p) => {
@@ -224,4 +246,50 @@ fn run_ckpt(a: &SimArgs) -> Result<()> {
         write_json(p, &rep)?;
     }
     Ok(())
+}
+
+/// The paper-scale setting `bench ckpt` takes its storage bandwidth from.
+pub const PAPER_MODEL: &str = "configs/models/moe-gpt-32e.toml";
+/// Its cluster.
+pub const PAPER_CLUSTER: &str = "configs/clusters/4x8-a100.toml";
+
+/// One checkpoint's write time to the persistent tier over one training iteration at paper
+/// scale (moe-gpt-32e on 4 x 8 A100, simulated without checkpoints; each device's share of its
+/// node's storage bandwidth), with a line saying where it comes from. `root`: the repository
+/// (where `configs/` is).
+pub fn paper_write_ratio(root: &std::path::Path) -> Result<(f64, String)> {
+    let (m, c) = load_inputs(&root.join(PAPER_MODEL), &root.join(PAPER_CLUSTER), None, None)?;
+    let opts = CkptOptions { iterations: 4, ..Default::default() };
+    let rep = ckpt::simulate(&m, &c, &[Strategy::None], &opts)?;
+    let iter_s = rep.results.first().map(|r| r.mean_iter_s).context("the simulator returned no row")?;
+    let per_device = c.host.storage_gbyte_s * 1e9 / f64::from(c.devices_per_node.max(1));
+    let write_s = rep.state_bytes_per_device / per_device;
+    let ratio = write_s / iter_s;
+    Ok((
+        ratio,
+        format!(
+            "{} on {}: {:.2} GB per device written at {:.2} GB/s (the node's {:.1} GB/s shared by {} devices) = {:.1} s, against a {:.2} s iteration: ratio {:.2}",
+            m.name,
+            c.name,
+            rep.state_bytes_per_device / 1e9,
+            per_device / 1e9,
+            c.host.storage_gbyte_s,
+            c.devices_per_node,
+            write_s,
+            iter_s,
+            ratio
+        ),
+    ))
+}
+
+/// The repository root for `config` (the nearest ancestor of the config, or of the working
+/// directory, holding the paper-scale cluster description).
+pub fn repo_root(config: &std::path::Path) -> std::path::PathBuf {
+    let abs = std::fs::canonicalize(config).unwrap_or_else(|_| config.to_path_buf());
+    let cwd = std::env::current_dir().unwrap_or_default();
+    abs.ancestors()
+        .chain(cwd.ancestors())
+        .find(|d| d.join(PAPER_CLUSTER).exists())
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or(cwd)
 }

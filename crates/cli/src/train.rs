@@ -126,6 +126,11 @@ pub struct TrainArgs {
     /// Sequences per data-parallel replica per iteration (default: the config's `batch`).
     #[arg(long)]
     pub batch: Option<usize>,
+    /// Bandwidth of the persistent tier per host, as `tc` writes rates (`200mbit`, `1gbit`):
+    /// emulated remote storage, enforced by a token bucket in each rank's writer (the host's
+    /// ranks share it equally). Default: the local disk, unpaced.
+    #[arg(long)]
+    pub storage_rate: Option<String>,
 }
 
 impl TrainArgs {
@@ -150,6 +155,7 @@ impl TrainArgs {
             sub_batches: None,
             tp_plan: None,
             batch: None,
+            storage_rate: None,
         }
     }
 }
@@ -192,6 +198,32 @@ pub struct Report {
     /// Each rank's host (index in order of first appearance).
     #[serde(default)]
     pub hosts: Vec<usize>,
+    /// Parameters and optimizer state each rank holds between iterations (what one
+    /// checkpoint of a rank carries), bytes.
+    #[serde(default)]
+    pub state_bytes_per_rank: u64,
+    /// Replica bytes the ranks sent to their holders over the run (every holder counted).
+    #[serde(default)]
+    pub ckpt_bytes_replicated: u64,
+    /// Of which to holders on another host, as the senders counted them (the links' own
+    /// counters are in `bench ckpt`'s rows).
+    #[serde(default)]
+    pub ckpt_bytes_inter_host_sent: u64,
+    /// Replica bytes per link the engine used (the training link first).
+    #[serde(default)]
+    pub ckpt_bytes_per_link: Vec<u64>,
+    /// Bytes written to the persistent tier over the run, all ranks.
+    #[serde(default)]
+    pub ckpt_bytes_storage: u64,
+    /// Each rank's share of the emulated storage bandwidth, bytes/s (None: the local disk).
+    #[serde(default)]
+    pub storage_bytes_per_s_per_rank: Option<f64>,
+    /// The emulated cluster's topology file the run used (None: one machine).
+    #[serde(default)]
+    pub topology: Option<PathBuf>,
+    /// Ranks per host.
+    #[serde(default)]
+    pub ranks_per_host: usize,
 }
 
 impl Report {
@@ -244,16 +276,54 @@ pub fn load_config(path: &Path) -> Result<(TrainConfig, Corpus)> {
     Ok((cfg, corpus))
 }
 
-#[allow(clippy::too_many_arguments)] // one per command-line option
-pub fn worker(
-    config: &Path,
-    strategy: &str,
-    iters: Option<u64>,
-    report_dir: &Path,
-    fail: Option<&str>,
-    persist_every: u64,
-    bucket_kb: Option<usize>,
-) -> Result<()> {
+/// The hidden `train-worker`'s options (set by `ironweave train`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerArgs {
+    #[arg(long)]
+    pub config: PathBuf,
+    #[arg(long)]
+    pub ckpt: String,
+    #[arg(long)]
+    pub iters: Option<u64>,
+    #[arg(long)]
+    pub report_dir: PathBuf,
+    #[arg(long)]
+    pub fail: Option<String>,
+    #[arg(long, default_value_t = 10)]
+    pub persist_every: u64,
+    #[arg(long)]
+    pub bucket_kb: Option<usize>,
+    /// This rank's share of the emulated storage bandwidth, bytes/s.
+    #[arg(long)]
+    pub storage_bytes_per_s: Option<f64>,
+}
+
+/// A checkpoint strategy as the CLI names it: the engine's five, `capricorn-multilink`
+/// (Capricorn whose chunks may take every link of the job) and `capricorn-always` (Capricorn
+/// profiling every iteration: the reference speculative activation is measured against).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CkptChoice {
+    pub strategy: Strategy,
+    pub multilink: bool,
+    pub always_profile: bool,
+}
+
+/// Names beyond the engine's five.
+pub const VARIANTS: [&str; 2] = ["capricorn-multilink", "capricorn-always"];
+
+pub fn parse_strategy(s: &str) -> Result<CkptChoice> {
+    let plain = |strategy| CkptChoice { strategy, multilink: false, always_profile: false };
+    Ok(match s {
+        "capricorn-multilink" => CkptChoice { multilink: true, ..plain(Strategy::Capricorn) },
+        "capricorn-always" => CkptChoice { always_profile: true, ..plain(Strategy::Capricorn) },
+        _ => plain(Strategy::parse(s).map_err(|e| anyhow::anyhow!("{e} (or {})", VARIANTS.join(", ")))?),
+    })
+}
+
+pub fn worker(a: &WorkerArgs) -> Result<()> {
+    let (config, iters, report_dir, persist_every, bucket_kb) =
+        (a.config.as_path(), a.iters, a.report_dir.as_path(), a.persist_every, a.bucket_kb);
+    let fail = a.fail.as_deref();
     // before any compute pool exists: ranks from torchrun/srun/mpirun get cores / local ranks
     let base = JobEnv::from_env()?;
     if let Some(choice) = ironweave_transport::threads::apply_to_process(base.local_world_size)? {
@@ -266,7 +336,8 @@ pub fn worker(
         cfg.train.bucket_kb = k;
     }
     let iters = iters.unwrap_or(cfg.train.iters);
-    let strategy = Strategy::parse(strategy)?;
+    let choice = parse_strategy(&a.ckpt)?;
+    let (strategy, multilink) = (choice.strategy, choice.multilink);
     let fail = fail.map(parse_fail).transpose()?;
     // the launcher exports the backend `ironweave train --backend` named
     let backend = ironweave::Backend::from_env()?;
@@ -282,12 +353,15 @@ pub fn worker(
         timeout: Duration::from_secs(60),
         // replicas go to other hosts (the emulated cluster's, or real ones by hostname)
         host: ironweave_transport::rendezvous::host_name(),
+        storage_bytes_per_s: a.storage_bytes_per_s,
+        // always-on profiling: any drift at all re-profiles
+        drift_threshold: if choice.always_profile { 0.0 } else { EngineConfig::default().drift_threshold },
         ..EngineConfig::default()
     };
     let ecfg = if strategy == Strategy::None { EngineConfig { persist_dir: None, ..ecfg } } else { ecfg };
     let mut trainer: Option<Trainer> = None;
     let mut engine: Option<Engine> = None;
-    let mut rep = Report { config: cfg.name.clone(), strategy: strategy.name().into(), iterations: iters, ..Default::default() };
+    let mut rep = Report { config: cfg.name.clone(), strategy: a.ckpt.clone(), iterations: iters, ..Default::default() };
     let mut need_restore = gen > 0;
     // where this rank's state came from in its last recovery (0: none, 1: own memory, 2: a
     // peer's replica, 3: the persistent tier)
@@ -301,6 +375,16 @@ pub fn worker(
         env.job_id = format!("{}-g{gen}", base.job_id);
         let opts = CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() };
         let comm = Arc::new(ironweave::connect(backend, &env, opts)?);
+        let ecfg = if multilink {
+            // every further link of the job may carry chunks (training stays on the first)
+            let n = comm.links().len() as u32;
+            if n < 2 {
+                bail!("capricorn-multilink needs a job with several links (--topology with two or more); this one has {n}");
+            }
+            EngineConfig { extra_links: (1..n).collect(), ..ecfg.clone() }
+        } else {
+            ecfg.clone()
+        };
         let dist = Dist { comm: comm.clone(), prof: None };
         // a fresh trainer per generation (its communicator is new); parameters come back from
         // the restore, or from the seed at generation 0
@@ -404,6 +488,25 @@ pub fn worker(
     rep.last_committed_iter = e.commit(true)?;
     let tr = trainer.expect("ran");
     let comm = e.comm().clone();
+    // what the engine moved, summed over the ranks (after the final commit's flush)
+    {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = e.counters();
+        let mut v: Vec<i64> =
+            [c.replica_bytes.load(Relaxed), c.replica_bytes_inter_host.load(Relaxed), c.storage_bytes.load(Relaxed)]
+                .into_iter()
+                .chain(c.replica_bytes_per_link.iter().map(|x| x.load(Relaxed)))
+                .map(|x| x as i64)
+                .collect();
+        comm.all_reduce(&mut v, ironweave_transport::ReduceOp::Sum)?;
+        let v: Vec<u64> = v.into_iter().map(|x| x.max(0) as u64).collect();
+        rep.ckpt_bytes_replicated = v[0];
+        rep.ckpt_bytes_inter_host_sent = v[1];
+        rep.ckpt_bytes_storage = v[2];
+        rep.ckpt_bytes_per_link = v[3..3 + e.link_ids().len()].to_vec();
+        rep.state_bytes_per_rank = e.registry().total;
+        rep.storage_bytes_per_s_per_rank = a.storage_bytes_per_s;
+    }
     rep.final_state_sha256 = job_state_sha256(&comm, &tr.state_digest())?;
     let mut sources = vec![0u8; comm.size()];
     comm.all_gather(&[last_source], &mut sources)?;
@@ -516,7 +619,20 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     let chosen = ironweave::Backend::pick(backend)?;
     chosen.usable().with_context(|| format!("--backend {chosen} cannot run here (`ironweave doctor` says more)"))?;
     let (cfg, _) = load_config(config)?;
-    Strategy::parse(strategy)?;
+    parse_strategy(strategy)?;
+    // the host's storage bandwidth, shared by its ranks
+    let per_host = if a.topology.is_some() { a.ranks_per_host.max(1) } else { ranks.max(1) };
+    let storage_per_rank = match &a.storage_rate {
+        Some(r) => {
+            // bytes per second
+            let rate = ironweave_tcp::parse_rate(r).map_err(|e| anyhow::anyhow!("--storage-rate: {e}"))?;
+            if rate == 0 {
+                bail!("--storage-rate must be above 0 (leave it out for the local disk's speed)");
+            }
+            Some(rate as f64 / per_host as f64)
+        }
+        None => None,
+    };
     if let Some(f) = fail {
         let (rs, i) = parse_fail(f)?;
         if let Some(r) = rs.iter().find(|&&r| r >= ranks) {
@@ -551,6 +667,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     if let Some(k) = a.bucket_kb {
         args.extend(["--bucket-kb".into(), k.to_string()]);
     }
+    if let Some(r) = storage_per_rank {
+        args.extend(["--storage-bytes-per-s".into(), format!("{r}")]);
+    }
     let topology = match &a.topology {
         Some(p) => Some((crate::cluster::Topology::load(p)?, a.ranks_per_host.max(1))),
         None => None,
@@ -583,7 +702,11 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         crate::launch::Outcome::Interrupted { signal } => return Ok(128 + signal),
         crate::launch::Outcome::TimedOut => return Ok(124),
     }
-    let rep: Report = serde_json::from_slice(&std::fs::read(report_dir.join("report.json")).context("reading report.json")?)?;
+    let mut rep: Report = serde_json::from_slice(&std::fs::read(report_dir.join("report.json")).context("reading report.json")?)?;
+    // where it ran, for replays (`ironweave simulate ckpt --from-report`)
+    rep.topology = a.topology.clone();
+    rep.ranks_per_host = per_host;
+    std::fs::write(report_dir.join("report.json"), serde_json::to_vec_pretty(&rep)?)?;
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let committed = match rep.last_committed_iter {
         Some(i) => format!("iteration {i}"),
@@ -618,74 +741,6 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         Err(e) => eprintln!("ironweave train: could not write the HTML report: {e:#}"),
     }
     Ok(0)
-}
-
-/// `ironweave bench ckpt`: every strategy on the same training, one after the other.
-pub fn bench(
-    config: &Path,
-    strategies: &[String],
-    ranks: usize,
-    iters: u64,
-    topology: Option<&Path>,
-    ranks_per_host: usize,
-    out: &Path,
-) -> Result<()> {
-    if iters < 3 {
-        bail!("--iters must be at least 3 (two warm-up iterations are not averaged)");
-    }
-    for s in strategies {
-        Strategy::parse(s)?;
-    }
-    let mut rows: Vec<(String, Report)> = Vec::new();
-    let progress = Progress::new("bench ckpt: strategy", 0, strategies.len() as u64, Mode::detect());
-    for s in strategies {
-        let dir = out.join(s);
-        let args = TrainArgs {
-            ranks,
-            ckpt: s.clone(),
-            topology: topology.map(Path::to_path_buf),
-            ranks_per_host,
-            iters: Some(iters),
-            report_dir: dir.clone(),
-            persist_every: 0,
-            quiet: true,
-            ..TrainArgs::new(config)
-        };
-        let code = run(&args)?;
-        if code != 0 {
-            bail!("the {s} run failed (status {code}); see its output above");
-        }
-        let rep: Report = serde_json::from_slice(&std::fs::read(dir.join("report.json"))?)?;
-        progress.step(rows.len() as u64 + 1, &format!("{s}: mean iteration {:.1} ms", rep.mean_iter_s() * 1e3));
-        rows.push((s.clone(), rep));
-    }
-    progress.finish();
-    let none = rows.iter().find(|(s, _)| s == "none").map(|(_, r)| r.mean_iter_s());
-    let cap = rows.iter().find(|(s, _)| s == "capricorn").map(|(_, r)| r.mean_iter_s());
-    let mut md = String::new();
-    md.push_str("| strategy | mean iteration | overhead vs none | Capricorn speedup over it | exposed checkpoint | partition accuracy | profiling activations | committed |\n");
-    md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
-    for (s, r) in &rows {
-        let m = r.mean_iter_s();
-        let exposed = Report::steady(&r.ckpt_exposed_s, 2);
-        md.push_str(&format!(
-            "| {s} | {:.1} ms | {} | {} | {:.1} ms | {} | {} | {} |\n",
-            m * 1e3,
-            none.map(|n| format!("{:+.1}%", (m / n - 1.0) * 100.0)).unwrap_or_else(|| "-".into()),
-            cap.map(|c| format!("{:.2}x", m / c)).unwrap_or_else(|| "-".into()),
-            exposed * 1e3,
-            r.partition_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into()),
-            r.profiling_activations,
-            r.last_committed_iter.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
-        ));
-    }
-    print!("{md}");
-    std::fs::write(out.join("ckpt.md"), &md)?;
-    let json: Vec<serde_json::Value> =
-        rows.iter().map(|(s, r)| serde_json::json!({"strategy": s, "mean_iter_s": r.mean_iter_s(), "report": r})).collect();
-    std::fs::write(out.join("ckpt.json"), serde_json::to_vec_pretty(&json)?)?;
-    eprintln!("wrote {} and {}", out.join("ckpt.md").display(), out.join("ckpt.json").display());
-    Ok(())
 }
 
 #[cfg(test)]

@@ -91,3 +91,90 @@ fn a_whole_host_killed_restores_from_the_other_host_s_memory() {
     }
     assert!(down.status.success(), "{}", String::from_utf8_lossy(&down.stderr));
 }
+
+/// `bench ckpt` on a 2-host, 2-link emulated cluster (brought up and down by the bench): every
+/// row carries the counter that shows its mechanism — checkpoint bytes on the inter-host links
+/// (counted on the links) for the in-memory strategies, bytes written to the emulated storage
+/// for `async`, bytes over the second link for `capricorn-multilink` — and the replay of the
+/// measured run predicts every strategy beside its measured time.
+#[test]
+fn bench_ckpt_rows_carry_their_mechanism_and_replay() {
+    if !common::can_run_emulated() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ironweave-benchckpt-links-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let topo = dir.join("topo.toml");
+    std::fs::write(
+        &topo,
+        "name = \"iwckb\"\nhosts = 2\n[[links]]\nname = \"a\"\nrate = \"1gbit\"\nsubnet = \"10.233.21.0/24\"\n\
+         [[links]]\nname = \"b\"\nrate = \"300mbit\"\nsubnet = \"10.233.22.0/24\"\n",
+    )
+    .unwrap();
+    let out_dir = dir.join("out");
+    let json = dir.join("rows.json");
+    let out = iw(&[
+        "bench",
+        "ckpt",
+        "--config",
+        "configs/moe-tiny.toml",
+        "--topology",
+        topo.to_str().unwrap(),
+        "--ranks",
+        "4",
+        "--ranks-per-host",
+        "2",
+        "--strategies",
+        "none,async,capricorn,capricorn-multilink",
+        "--iters",
+        "4",
+        "--out",
+        out_dir.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let result = std::panic::catch_unwind(|| {
+        assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        let rows = v["rows"].as_array().unwrap();
+        let row = |s: &str| rows.iter().find(|r| r["strategy"] == s).unwrap_or_else(|| panic!("no {s} row: {v}"));
+        for s in ["none", "async", "capricorn", "capricorn-multilink"] {
+            let r = row(s);
+            assert!(r["iter_time_s"].as_f64().unwrap() > 0.0 && r["overhead_vs_none"].is_number(), "{r}");
+            assert!(r["speedup_vs"]["none"].is_number() || s == "none", "{r}");
+        }
+        let n = |s: &str, k: &str| row(s)[k].as_u64().unwrap_or(0);
+        // in-memory replicas cross the inter-host links, counted on the links themselves
+        assert!(n("capricorn", "ckpt_bytes_inter_host") > 0 && n("capricorn", "ckpt_bytes_inter_host_sent") > 0, "{v}");
+        assert_eq!(n("none", "ckpt_bytes_inter_host_sent"), 0);
+        // async writes to the (emulated, paced) persistent tier and sends nothing to peers
+        assert!(n("async", "ckpt_bytes_storage") > 0 && row("async")["storage_bytes_per_s_per_host"].as_f64().unwrap() > 0.0);
+        assert_eq!(n("async", "ckpt_bytes_inter_host_sent"), 0);
+        // the second link carries chunks only when Capricorn may route over it
+        let per_link = |s: &str| -> Vec<u64> {
+            row(s)["ckpt_bytes_per_link"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+        };
+        assert!(per_link("capricorn-multilink").len() == 2 && per_link("capricorn-multilink")[1] > 0, "{v}");
+        assert_eq!(per_link("capricorn").len(), 1);
+        // the measured run, replayed
+        let rj = dir.join("replay.json");
+        let rp = iw(&["simulate", "ckpt", "--from-report", out_dir.to_str().unwrap(), "--json", rj.to_str().unwrap()]);
+        assert!(rp.status.success(), "{}", String::from_utf8_lossy(&rp.stderr));
+        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&rj).unwrap()).unwrap();
+        for s in ["none", "async", "capricorn", "capricorn-multilink"] {
+            let p = r["rows"].as_array().unwrap().iter().find(|x| x["strategy"] == s).unwrap_or_else(|| panic!("{r}"));
+            assert!(
+                p["predicted_iter_time_s"].as_f64().unwrap() > 0.0 && p["measured_iter_time_s"].as_f64().unwrap() > 0.0,
+                "{p}"
+            );
+        }
+    });
+    // the bench took its cluster down again
+    let status = iw(&["cluster", "status", "--topology", topo.to_str().unwrap()]);
+    let _ = iw(&["cluster", "down", "--topology", topo.to_str().unwrap()]);
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+    assert!(String::from_utf8_lossy(&status.stdout).contains("down"), "{}", String::from_utf8_lossy(&status.stdout));
+}

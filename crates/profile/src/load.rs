@@ -168,6 +168,19 @@ impl SpeculativeActivation {
         profile
     }
 
+    /// Whether a load has been seen (by [`Self::decide`] or [`Self::prime`]).
+    pub fn primed(&self) -> bool {
+        self.reference.is_some()
+    }
+
+    /// Takes the load of an iteration that was profiled for another reason (the first one,
+    /// before any load was known) as the reference, without counting an activation.
+    pub fn prime(&mut self, load: &ExpertLoad) {
+        let now = shares(load);
+        self.reference = Some(now.clone());
+        self.smoothed = Some(now);
+    }
+
     /// How many times profiling ran.
     pub fn activations(&self) -> u64 {
         self.activations

@@ -19,51 +19,27 @@
 //!
 //! The in-memory strategies double-buffer the host copy: the copy of iteration `i` must finish
 //! before optimizer step `i + 1`, and the replication of `i - 1` before the copy of `i + 1`.
+//!
+//! The decisions are the engine's own, not copies: [`Strategy`] is `ironweave_ckpt`'s;
+//! speculative activation is `ironweave_profile::SpeculativeActivation` fed the *previous*
+//! iteration's load (what the engine knows when an iteration begins); Capricorn's chunks come
+//! from `ironweave_ckpt::schedule::capricorn` over `ironweave_profile::WindowPredictor`'s
+//! windows, Gemini's from `schedule::gemini` over the spans of its last profiled iteration;
+//! partition accuracy is `ironweave_ckpt::partition::partition_accuracy`.
 
 use serde::{Deserialize, Serialize};
 
+use ironweave_ckpt::engine::EngineConfig;
+use ironweave_ckpt::partition::{partition_accuracy, ChunkSpan};
+use ironweave_ckpt::schedule::{self, Scheduled, Trigger};
 use ironweave_plan::{desc::state_bytes_per_param, ClusterDesc, Coll, CostModel, ModelDesc};
+use ironweave_profile::{Anchor, ExpertLoad, SpeculativeActivation, Window as PWindow, WindowPredictor};
 
 use crate::engine::{run, Class, Dag, OpId, ResId, Trace};
 use crate::error::{Result, SimError};
-use crate::load::{drift, shares, LoadSource, SyntheticLoad};
+use crate::load::{shares, LoadSource, SyntheticLoad};
 
-/// The five strategies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Strategy {
-    /// No checkpoint.
-    None,
-    /// Stop and write to storage.
-    Blocking,
-    /// TorchSnapshot-like asynchronous write.
-    Async,
-    /// Gemini-like in-memory replication, profiled once.
-    Gemini,
-    /// Capricorn.
-    Capricorn,
-}
-
-impl Strategy {
-    /// All five, in table order.
-    pub const ALL: [Strategy; 5] = [Strategy::None, Strategy::Blocking, Strategy::Async, Strategy::Gemini, Strategy::Capricorn];
-    /// Name as on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Strategy::None => "none",
-            Strategy::Blocking => "blocking",
-            Strategy::Async => "async",
-            Strategy::Gemini => "gemini",
-            Strategy::Capricorn => "capricorn",
-        }
-    }
-    /// Parse a command-line name.
-    pub fn parse(s: &str) -> Result<Self> {
-        Strategy::ALL.into_iter().find(|x| x.name() == s).ok_or_else(|| {
-            SimError::Invalid(format!("unknown strategy `{s}` (expected none, blocking, async, gemini, capricorn)"))
-        })
-    }
-}
+pub use ironweave_ckpt::engine::Strategy;
 
 /// Scenario knobs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -73,11 +49,14 @@ pub struct CkptOptions {
     pub iterations: usize,
     /// Copies of each snapshot in host memory, including the local one (Gemini's m).
     pub replicas: u32,
-    /// Gemini's fixed chunk size, bytes.
+    /// Gemini's fixed chunk size, bytes (0: sized from the spans and the state, as the engine).
     pub gemini_chunk_bytes: f64,
+    /// Gemini profiles this many iterations at the start and uses the last one's spans.
+    pub gemini_profile_iters: usize,
     /// Capricorn fills this fraction of a predicted window (slack for misprediction).
     pub window_fill: f64,
-    /// Drift (total variation, worst layer) above which Capricorn re-profiles.
+    /// Drift of the smoothed load (total variation, worst layer) above which Capricorn
+    /// re-profiles (`SpeculativeActivation`).
     pub drift_threshold: f64,
     /// Cost of a profiling iteration, as a fraction of its compute.
     pub profile_overhead: f64,
@@ -92,9 +71,11 @@ impl Default for CkptOptions {
         CkptOptions {
             iterations: 20,
             replicas: 2,
-            gemini_chunk_bytes: 64.0 * 1024.0 * 1024.0,
-            window_fill: 0.9,
-            drift_threshold: 0.15,
+            // the engine's defaults
+            gemini_chunk_bytes: EngineConfig::default().gemini_chunk_bytes as f64,
+            gemini_profile_iters: EngineConfig::default().gemini_profile_iters as usize,
+            window_fill: EngineConfig::default().window_fill,
+            drift_threshold: EngineConfig::default().drift_threshold,
             profile_overhead: 0.02,
             priority: false,
             load: None,
@@ -357,6 +338,67 @@ fn windows(model: &ModelDesc, cluster: &ClusterDesc, c: &Costs, share: &[Vec<f64
     Ok(out)
 }
 
+/// The smallest chunk Capricorn cuts for a window (the engine's `chunk_bytes.min(1 MiB)`).
+const MIN_CHUNK: u64 = 1 << 20;
+
+/// The simulator's windows as the profiler reports them (ns; anchored by their order in the
+/// iteration, so the predictor matches them across profiles).
+fn as_profile(w: &[Window]) -> Vec<PWindow> {
+    w.iter()
+        .enumerate()
+        .map(|(k, w)| PWindow {
+            link: 0,
+            offset_ns: (w.offset * 1e9).round() as u64,
+            len_ns: (w.len * 1e9).round() as u64,
+            anchor: Anchor { at: None, ordinal: k as u32 },
+            after_comm: w.after.map(|a| a as u32),
+        })
+        .collect()
+}
+
+/// Token shares as the counts the engine's activation reads.
+fn to_load(share: &[Vec<f64>]) -> ExpertLoad {
+    ExpertLoad { tokens: share.iter().map(|l| l.iter().map(|x| (x * 1e6).round().max(0.0) as u64).collect()).collect() }
+}
+
+/// The events a plan's triggers map to in one iteration.
+struct Triggers<'a> {
+    start: OpId,
+    end: OpId,
+    snap: OpId,
+    nic_ops: &'a [OpId],
+}
+
+/// Adds a plan's chunks to the DAG, one after the other (the engine's sender sends in order);
+/// consecutive leftovers are one transfer. Returns (op, leftover) per transfer.
+fn add_chunks(dag: &mut Dag, nic: ResId, plan: &[Scheduled], t: Triggers<'_>, it: usize) -> Vec<(OpId, bool)> {
+    let mut out: Vec<(OpId, bool)> = Vec::new();
+    let mut k = 0;
+    while k < plan.len() {
+        let sc = plan[k];
+        let mut bytes = sc.chunk.len as f64;
+        let leftover = sc.trigger == Trigger::End;
+        if leftover {
+            while k + 1 < plan.len() && plan[k + 1].trigger == Trigger::End {
+                k += 1;
+                bytes += plan[k].chunk.len as f64;
+            }
+        }
+        let trigger = match sc.trigger {
+            Trigger::Start => t.start,
+            Trigger::AfterComm(c) => t.nic_ops.get(c as usize).or(t.nic_ops.last()).copied().unwrap_or(t.start),
+            Trigger::At(ns) => dag.delay(format!("it{it} gemini timer {k}"), ns as f64 * 1e-9, vec![t.start]),
+            Trigger::End => t.end,
+        };
+        let mut deps = vec![trigger, t.snap];
+        deps.extend(out.last().map(|c| c.0));
+        let name = if leftover { format!("it{it} ckpt leftover") } else { format!("it{it} ckpt chunk {k}") };
+        out.push((dag.transfer(name, "ckpt", nic, bytes, 0.0, Class::Checkpoint, deps), leftover));
+        k += 1;
+    }
+    out
+}
+
 /// Run the scenario for the given strategies.
 pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy], opts: &CkptOptions) -> Result<CkptReport> {
     model.validate()?;
@@ -367,9 +409,11 @@ pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy
     if opts.replicas < 1
         || !(opts.window_fill > 0.0 && opts.window_fill <= 1.0)
         || opts.gemini_chunk_bytes.is_nan()
-        || opts.gemini_chunk_bytes <= 0.0
+        || opts.gemini_chunk_bytes < 0.0
     {
-        return Err(SimError::Invalid("replicas ≥ 1, window_fill in (0, 1], gemini_chunk_bytes > 0".into()));
+        return Err(SimError::Invalid(
+            "replicas ≥ 1, window_fill in (0, 1], gemini_chunk_bytes ≥ 0 (0: sized from the spans)".into(),
+        ));
     }
     let c = costs(model, cluster)?;
     let moe = model.moe.as_ref().expect("checked in costs");
@@ -384,20 +428,26 @@ pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy
         win.push(windows(model, cluster, &c, l)?);
     }
     let compute_per_iter: f64 = (c.attn_s * 3.0 + c.mlp_s * 3.0) * model.layers as f64;
+    let repl = repl_bytes.round() as u64;
     let mut results = Vec::new();
     for &strat in strategies {
         let mut dag = Dag::default();
         let s = setup(&mut dag, cluster, opts.priority);
+        let nic_bw = dag.resources[s.nic].bytes_per_s.unwrap_or(1.0);
         let mut starts = Vec::new();
         let mut ends = Vec::new();
-        let mut chunk_ops: Vec<OpId> = Vec::new();
+        // per iteration: its chunk transfers and whether each is a leftover
+        let mut chunks: Vec<Vec<(OpId, bool)>> = Vec::new();
         let mut prev_end: Option<OpId> = None;
         let mut d2h: Vec<OpId> = Vec::new();
         let mut sends_done: Vec<OpId> = Vec::new();
         let mut writes: Vec<OpId> = Vec::new();
         let mut activations = 0usize;
-        let mut plan_src = 0usize; // iteration whose windows Capricorn's plan uses
-        let mut ref_load = 0usize;
+        // the engine's decisions: activation from the previous iteration's load, windows
+        // predicted from the profiled iterations, Gemini's spans from its last profiled one
+        let mut act = SpeculativeActivation::new(opts.drift_threshold);
+        let mut predictor = WindowPredictor::new(0.5);
+        let mut gemini_spans: Vec<PWindow> = Vec::new();
         for it in 0..opts.iterations {
             // what the next iteration's start waits for
             let mut start_deps: Vec<OpId> = prev_end.into_iter().collect();
@@ -408,86 +458,50 @@ pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy
             }
             let start = dag.mark(format!("it{it} start"), start_deps);
             starts.push(start);
-            // Capricorn: speculative activation of profiling
-            let mut extra = 0.0;
-            if strat == Strategy::Capricorn && it > 0 && drift(&loads[it], &loads[ref_load]) > opts.drift_threshold {
-                activations += 1;
-                extra = opts.profile_overhead * compute_per_iter;
-            }
-            if strat == Strategy::Capricorn && it == 0 {
-                activations += 1;
-                extra = opts.profile_overhead * compute_per_iter;
-            }
-            let activated = extra > 0.0;
+            let activated = match strat {
+                Strategy::Capricorn if it == 0 => true,
+                // as the engine: the first load seen (the profiled first iteration's) is the
+                // reference, later ones decide
+                Strategy::Capricorn if !act.primed() => {
+                    act.prime(&to_load(&loads[it - 1]));
+                    false
+                }
+                Strategy::Capricorn => act.decide(&to_load(&loads[it - 1])),
+                Strategy::Gemini => it < opts.gemini_profile_iters.max(1),
+                _ => false,
+            };
+            let extra = if activated { opts.profile_overhead * compute_per_iter } else { 0.0 };
+            activations += usize::from(activated);
             let opt_deps: Vec<OpId> = match strat {
                 Strategy::Gemini | Strategy::Capricorn => d2h.last().copied().into_iter().collect(),
                 _ => vec![],
             };
             let (end, nic_ops) = iteration(&mut dag, &s, model, &c, &loads[it], start, &opt_deps, extra, it);
-            // replicate the previous snapshot during this iteration
-            if matches!(strat, Strategy::Gemini | Strategy::Capricorn) && it > 0 {
+            // replicate the previous snapshot during this iteration, as the engine plans it
+            let mut mine = Vec::new();
+            if strat.in_memory() && it > 0 {
                 let snap = *d2h.last().expect("snapshot of the previous iteration");
-                let mut left = repl_bytes;
-                let mut prev_chunk: Option<OpId> = None;
-                let mut k = 0;
-                let nic_bw = dag.resources[s.nic].bytes_per_s.unwrap_or(1.0);
-                if strat == Strategy::Gemini {
-                    // spans profiled once (iteration 0), chunks of fixed size at their offsets
-                    for w in &win[0] {
-                        let mut cap = w.len * nic_bw;
-                        let mut at = w.offset;
-                        while cap >= opts.gemini_chunk_bytes * 0.5 && left > 0.0 {
-                            let b = opts.gemini_chunk_bytes.min(left);
-                            let timer = dag.delay(format!("it{it} gemini timer {k}"), at, vec![start]);
-                            let mut deps = vec![timer, snap];
-                            deps.extend(prev_chunk);
-                            let ch =
-                                dag.transfer(format!("it{it} ckpt chunk {k}"), "ckpt", s.nic, b, 0.0, Class::Checkpoint, deps);
-                            chunk_ops.push(ch);
-                            prev_chunk = Some(ch);
-                            left -= b;
-                            cap -= b;
-                            at += b / nic_bw;
-                            k += 1;
-                        }
+                let plan = if strat == Strategy::Capricorn {
+                    let w = predictor.predict(0);
+                    if w.is_empty() {
+                        schedule::capricorn(repl, &[], 1.0, 1.0, 1, u64::MAX)
+                    } else {
+                        schedule::capricorn(repl, &w, nic_bw, opts.window_fill, MIN_CHUNK, u64::MAX)
                     }
                 } else {
-                    // windows predicted from the last profiled iteration, tied to training events
-                    for w in &win[plan_src] {
-                        if left <= 0.0 {
-                            break;
-                        }
-                        let b = (w.len * nic_bw * opts.window_fill).min(left);
-                        if b < 1.0 {
-                            continue;
-                        }
-                        let trigger = match w.after {
-                            Some(k) => nic_ops[k.min(nic_ops.len() - 1)],
-                            None => start,
-                        };
-                        let mut deps = vec![trigger, snap];
-                        deps.extend(prev_chunk);
-                        let ch = dag.transfer(format!("it{it} ckpt chunk {k}"), "ckpt", s.nic, b, 0.0, Class::Checkpoint, deps);
-                        chunk_ops.push(ch);
-                        prev_chunk = Some(ch);
-                        left -= b;
-                        k += 1;
-                    }
-                }
-                if left > 0.0 {
-                    // what did not fit goes after the iteration's training traffic
-                    let mut deps = vec![end, snap];
-                    deps.extend(prev_chunk);
-                    let ch = dag.transfer(format!("it{it} ckpt leftover"), "ckpt", s.nic, left, 0.0, Class::Checkpoint, deps);
-                    chunk_ops.push(ch);
-                    prev_chunk = Some(ch);
-                }
-                let done = dag.mark(format!("it{it} replicated"), prev_chunk.into_iter().collect());
+                    schedule::gemini(repl, &gemini_spans, nic_bw, opts.gemini_chunk_bytes.round() as u64)
+                };
+                mine = add_chunks(&mut dag, s.nic, &plan, Triggers { start, end, snap, nic_ops: &nic_ops }, it);
+                let done = dag.mark(format!("it{it} replicated"), mine.last().map(|c| c.0).into_iter().collect());
                 sends_done.push(done);
             }
+            chunks.push(mine);
             if activated {
-                plan_src = it;
-                ref_load = it;
+                let w = as_profile(&win[it]);
+                match strat {
+                    Strategy::Capricorn => predictor.observe(&w),
+                    _ => gemini_spans = w,
+                }
             }
             // snapshot / write after the optimizer step
             match strat {
@@ -525,6 +539,7 @@ pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy
         let tr = run(&dag)?;
         // iteration time: from one start to the next (the last: to its end plus what blocks the next)
         let mut iter_s = Vec::new();
+        let mut bounds = Vec::new();
         for it in 1..opts.iterations {
             let next = if it + 1 < opts.iterations {
                 tr.ops[starts[it + 1]].end
@@ -538,22 +553,30 @@ pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy
                 e
             };
             iter_s.push(next - tr.ops[starts[it]].end);
+            bounds.push((tr.ops[starts[it]].end, next));
         }
         let mean = iter_s.iter().sum::<f64>() / iter_s.len() as f64;
-        let accuracy = if chunk_ops.is_empty() {
-            None
-        } else {
-            let inside = chunk_ops
-                .iter()
-                .filter(|&&ch| {
-                    let r = tr.ops[ch];
-                    !tr.spans
-                        .iter()
-                        .any(|sp| sp.res == s.nic && sp.training_flows > 0 && sp.t0 < r.end - 1e-12 && sp.t1 > r.start + 1e-12)
-                })
-                .count();
-            Some(inside as f64 / chunk_ops.len() as f64)
-        };
+        // the engine's accuracy per iteration (training on the NIC as the collisions the
+        // simulated flows saw), averaged
+        let ns = |t: f64| (t * 1e9).round().max(0.0) as u64;
+        let training: Vec<(u32, u64, u64)> =
+            tr.spans.iter().filter(|sp| sp.res == s.nic && sp.training_flows > 0).map(|sp| (0, ns(sp.t0), ns(sp.t1))).collect();
+        let per_iter: Vec<f64> = (1..opts.iterations)
+            .filter_map(|it| {
+                let spans: Vec<ChunkSpan> = chunks[it]
+                    .iter()
+                    .map(|&(op, leftover)| ChunkSpan {
+                        snapshot: it as u64,
+                        leftover,
+                        link: 0,
+                        start_ns: ns(tr.ops[op].start),
+                        end_ns: ns(tr.ops[op].end),
+                    })
+                    .collect();
+                partition_accuracy(&training, &spans, spans.len(), ns(bounds[it - 1].1))
+            })
+            .collect();
+        let accuracy = (!per_iter.is_empty()).then(|| per_iter.iter().sum::<f64>() / per_iter.len() as f64);
         let ckpt_bytes = match strat {
             Strategy::None => 0.0,
             Strategy::Blocking | Strategy::Async => state,
@@ -565,11 +588,7 @@ pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy
             mean_iter_s: mean,
             ckpt_bytes_per_iter: ckpt_bytes,
             partition_accuracy: accuracy,
-            profiling_activations: match strat {
-                Strategy::Capricorn => activations,
-                Strategy::Gemini => 1,
-                _ => 0,
-            },
+            profiling_activations: activations,
             trace: Some((dag, tr)),
         });
     }

@@ -31,6 +31,10 @@ pub struct Resource {
     pub bytes_per_s: Option<f64>,
     /// Links: whether training flows take the whole bandwidth while any is active.
     pub priority: bool,
+    /// Links: first come, first served — the flow that started first takes the whole bandwidth
+    /// until it ends (a host's egress queue with deep buffers), instead of equal shares.
+    #[serde(default)]
+    pub fifo: bool,
 }
 
 /// What an op does.
@@ -90,12 +94,19 @@ pub struct Dag {
 impl Dag {
     /// Add a compute stream.
     pub fn stream(&mut self, name: &str) -> ResId {
-        self.resources.push(Resource { name: name.into(), bytes_per_s: None, priority: false });
+        self.resources.push(Resource { name: name.into(), bytes_per_s: None, priority: false, fifo: false });
         self.resources.len() - 1
     }
+    /// A first-come-first-served link (see [`Resource::fifo`]).
+    pub fn fifo_link(&mut self, name: &str, bytes_per_s: f64) -> ResId {
+        let r = self.link(name, bytes_per_s, false);
+        self.resources[r].fifo = true;
+        r
+    }
+
     /// Add a link.
     pub fn link(&mut self, name: &str, bytes_per_s: f64, priority: bool) -> ResId {
-        self.resources.push(Resource { name: name.into(), bytes_per_s: Some(bytes_per_s), priority });
+        self.resources.push(Resource { name: name.into(), bytes_per_s: Some(bytes_per_s), priority, fifo: false });
         self.resources.len() - 1
     }
     /// Add an op.
@@ -331,8 +342,15 @@ pub fn run(dag: &Dag) -> Result<Trace> {
                 _ => Class::Training,
             };
             let tr = fl.iter().filter(|&&i| class_of(i) == Class::Training).count();
-            for &i in fl {
-                rate[i] = if res.priority && tr > 0 {
+            for (k, &i) in fl.iter().enumerate() {
+                rate[i] = if res.fifo {
+                    // flows are listed in the order they started
+                    if k == 0 {
+                        bw
+                    } else {
+                        0.0
+                    }
+                } else if res.priority && tr > 0 {
                     if class_of(i) == Class::Training {
                         bw / tr as f64
                     } else {

@@ -8,6 +8,8 @@
 //! - [`tp`]: tensor parallelism, Megatron's schedule vs the Oases plan.
 //! - [`sdp`]: sharded data parallelism, FSDP over one link vs the HSDP plan.
 //! - [`load`]: expert-load dynamics (seeded generator with temporal locality, or a trace).
+//! - [`replay`]: a measured checkpoint run on the emulated cluster, replayed under every
+//!   strategy (`ironweave simulate ckpt --from-report`).
 //! - [`svg`]: SVG timelines.
 //!
 //! Where it sits: above `ironweave-plan` (descriptions, cost model, planners), below the CLI
@@ -17,6 +19,7 @@ pub mod ckpt;
 pub mod engine;
 mod error;
 pub mod load;
+pub mod replay;
 pub mod sdp;
 pub mod svg;
 pub mod tp;

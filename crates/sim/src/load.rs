@@ -152,8 +152,3 @@ pub fn shares(src: &LoadSource, iterations: usize, moe_layers: usize, experts: u
         }
     }
 }
-
-/// Total-variation distance between two iterations' loads, worst layer: Capricorn's drift measure.
-pub fn drift(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| 0.5 * x.iter().zip(y).map(|(p, q)| (p - q).abs()).sum::<f64>()).fold(0.0, f64::max)
-}

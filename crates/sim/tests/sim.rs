@@ -4,7 +4,7 @@
 use ironweave_plan::{sdp as psdp, tmp, ClusterDesc, CostModel, ModelDesc};
 use ironweave_sim::ckpt::{self, CkptOptions, Strategy};
 use ironweave_sim::engine::{run, Class, Dag, Work};
-use ironweave_sim::load::{drift, LoadSource, LoadTrace, Rng, SyntheticLoad};
+use ironweave_sim::load::{LoadSource, LoadTrace, Rng, SyntheticLoad};
 use ironweave_sim::{sdp, tp, SimError};
 
 fn random_dag(seed: u64, priority: bool) -> Dag {
@@ -175,7 +175,7 @@ fn ckpt_scenario_is_deterministic_for_a_seed() {
 
 fn trace(iterations: usize, shift_at: Option<usize>, moe_layers: usize, experts: usize) -> LoadTrace {
     // popular experts in the first half, then (after the shift) in the second half
-    let base: Vec<f64> = (0..experts).map(|e| if e < experts / 2 { 100.0 + (e % 3) as f64 } else { 40.0 }).collect();
+    let base: Vec<f64> = (0..experts).map(|e| if e < experts / 2 { 100.0 + (e % 3) as f64 } else { 2.0 }).collect();
     let shifted: Vec<f64> = base.iter().rev().copied().collect();
     LoadTrace {
         experts: experts as u32,
@@ -199,15 +199,18 @@ fn speculative_activation_follows_expert_load() {
     };
     // stable load: only the initial profiling
     assert_eq!(run_with(trace(8, None, moe_layers, experts)), 1);
-    // a shift at iteration 4: profiling again at once, and only then
-    let t = trace(8, Some(4), moe_layers, experts);
-    let shares: Vec<Vec<Vec<f64>>> = t
-        .iterations
-        .iter()
-        .map(|it| it.iter().map(|l| l.iter().map(|v| v / l.iter().sum::<f64>()).collect()).collect())
-        .collect();
-    assert!(drift(&shares[4], &shares[3]) > CkptOptions::default().drift_threshold);
-    assert_eq!(run_with(t), 2);
+    // the router's preferred experts flip at iteration 4: the engine's smoothed drift (from
+    // the previous iteration's load, as the engine knows it) re-profiles within 2 iterations,
+    // and only then
+    let t = trace(10, Some(4), moe_layers, experts);
+    let load = |i: usize| ironweave_profile::ExpertLoad {
+        tokens: t.iterations[i].iter().map(|l| l.iter().map(|&v| v.round() as u64).collect()).collect(),
+    };
+    assert!(load(4).drift(&load(3)).unwrap() > CkptOptions::default().drift_threshold);
+    assert_eq!(run_with(t.clone()), 2);
+    let opts = CkptOptions { iterations: 7, load: Some(LoadSource::Trace(t)), ..Default::default() };
+    // iterations 5 and 6 see the shifted loads of 4 and 5: caught by iteration 6
+    assert_eq!(ckpt::simulate(&m, &c, &[Strategy::Capricorn], &opts).unwrap().results[0].profiling_activations, 2);
 }
 
 #[test]

@@ -1,0 +1,97 @@
+//! The commit protocol: iteration `i` of rank `r` is *replicated* when every holder of `r` has
+//! acknowledged a verified copy of it (or, for the storage strategies, when its write
+//! finished). `commit` takes, on every rank, the newest replicated iteration, and the minimum
+//! over all ranks (an all-reduce) is the newest *committed* iteration: every chunk of every
+//! rank's state has arrived and been verified on every replica. A torn iteration is never
+//! committed.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use ironweave_transport::ReduceOp;
+
+use super::replicate::{lock, Shared};
+use super::{Engine, Strategy};
+use crate::error::{CkptError, Result};
+
+/// The newest iteration every one of `holders` acknowledged as verified. Pure.
+pub fn newest_replicated(acks: &BTreeMap<u64, BTreeMap<usize, bool>>, holders: &[usize]) -> Option<u64> {
+    acks.iter().rev().find(|(_, a)| holders.iter().all(|h| a.get(h) == Some(&true))).map(|(&i, _)| i)
+}
+
+impl Engine {
+    fn replicated_upto(&self) -> Option<u64> {
+        match self.cfg.strategy {
+            Strategy::None => None,
+            Strategy::Blocking | Strategy::Async => self.durable,
+            _ if self.holders.is_empty() => self.last_sent,
+            _ => newest_replicated(&lock(&self.shared).acks, &self.holders),
+        }
+    }
+
+    pub(super) fn join_writer(&mut self) -> Result<()> {
+        if let Some(w) = self.writer.take() {
+            let done = w.join().map_err(|_| CkptError::Invalid("the background writer panicked".into()))??;
+            self.durable = Some(done);
+        }
+        Ok(())
+    }
+
+    /// Agree on the newest committed iteration (collective). With `wait`, first send whatever
+    /// is held back and wait (bounded) until this rank's newest snapshot is acknowledged by all
+    /// its holders (or written, for the storage strategies).
+    pub fn commit(&mut self, wait: bool) -> Result<Option<u64>> {
+        let t0 = self.now_ns();
+        let r = self.commit_inner(wait);
+        self.exposed_ns += self.now_ns().saturating_sub(t0);
+        r
+    }
+
+    fn commit_inner(&mut self, wait: bool) -> Result<Option<u64>> {
+        if wait {
+            if self.cfg.strategy == Strategy::Async {
+                self.join_writer()?;
+            }
+            self.flush_pending();
+            if let (true, Some(want)) = (self.cfg.strategy.in_memory(), self.last_sent) {
+                // half the timeout, so that peers already in the all-reduce below do not time out first
+                let deadline = Instant::now() + self.cfg.timeout / 2;
+                let answered = |sh: &Shared| sh.acks.get(&want).is_some_and(|a| self.holders.iter().all(|h| a.contains_key(h)));
+                while !answered(&lock(&self.shared)) && Instant::now() < deadline {
+                    if !lock(&self.shared).lost_holders.is_empty() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+        } else if self.cfg.strategy == Strategy::Async && self.writer.as_ref().is_some_and(|w| w.is_finished()) {
+            self.join_writer()?;
+        }
+        let mine: [i64; 1] = [self.replicated_upto().map(|i| i as i64).unwrap_or(-1)];
+        let mut v = mine;
+        self.comm.all_reduce(&mut v, ReduceOp::Min)?;
+        self.committed = (v[0] >= 0).then_some(v[0] as u64);
+        Ok(self.committed)
+    }
+
+    /// The last agreed committed iteration.
+    pub fn committed(&self) -> Option<u64> {
+        self.committed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_newest_iteration_every_holder_verified_is_replicated() {
+        let mut acks: BTreeMap<u64, BTreeMap<usize, bool>> = BTreeMap::new();
+        acks.entry(3).or_default().extend([(1, true), (2, true)]);
+        acks.entry(4).or_default().extend([(1, true), (2, false)]);
+        acks.entry(5).or_default().extend([(1, true)]);
+        assert_eq!(newest_replicated(&acks, &[1, 2]), Some(3));
+        assert_eq!(newest_replicated(&acks, &[1]), Some(5));
+        assert_eq!(newest_replicated(&acks, &[7]), None);
+    }
+}

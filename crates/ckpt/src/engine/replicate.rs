@@ -1,0 +1,414 @@
+//! Replication to peers' host memory: one sender thread per holder streams `Begin` (the
+//! manifest: layout and chunk checksums), the chunks and `End`; one receiver thread per source
+//! and link stores the chunks in the replica store, verifies every checksum once `End` and
+//! every byte have arrived (in either order: chunks may travel over several links) and
+//! acknowledges with the outcome.
+//!
+//! Wire format (tag [`TAG_DATA`], on the link view the chunk was routed to):
+//! `Begin`: `0 | manifest JSON` (sent on every link the engine uses, idempotent);
+//! `Chunk`: `1 | iter u64 | offset u64 | bytes`; `End`: `2 | iter u64` (on the first link).
+//! Acknowledgements (tag [`TAG_ACK`], first link): `iter u64 | ok u8`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ironweave_profile::{CommKind, MonotonicClock, Profiler};
+use ironweave_transport::Communicator;
+
+use crate::error::{CkptError, Result};
+use crate::partition::ChunkSpan;
+use crate::persist::Manifest;
+use crate::schedule::{Releaser, Scheduled};
+use crate::snapshot::Snapshot;
+
+pub(crate) const TAG_DATA: u32 = 0x4943_4b01;
+pub(crate) const TAG_ACK: u32 = 0x4943_4b02;
+const MSG_BEGIN: u8 = 0;
+const MSG_CHUNK: u8 = 1;
+const MSG_END: u8 = 2;
+
+/// A replica of another rank's snapshot.
+#[derive(Debug)]
+pub(crate) struct Replica {
+    pub(crate) manifest: Manifest,
+    pub(crate) data: Vec<u8>,
+    received: u64,
+    /// `End` arrived (the sender released every chunk).
+    ended: bool,
+    /// Verified and acknowledged (or failed and acknowledged as such).
+    done: bool,
+    pub(crate) verified: bool,
+}
+
+/// What the service threads share with the engine.
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    /// source rank → replicas (newest last, at most 2 complete + 1 in progress)
+    pub(crate) store: BTreeMap<usize, Vec<Replica>>,
+    /// iteration → holders that acknowledged it (true: verified)
+    pub(crate) acks: BTreeMap<u64, BTreeMap<usize, bool>>,
+    /// failures seen by service threads
+    pub(crate) failures: Vec<String>,
+    /// holders we can no longer send to or hear from
+    pub(crate) lost_holders: BTreeSet<usize>,
+    /// chunk transfers the sender threads finished, for the partition accuracy
+    pub(crate) chunk_log: Vec<ChunkSpan>,
+}
+
+pub(crate) fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Bytes the engine moved, by where they went (read by reports and benchmarks).
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Replica bytes sent to holders (chunk payloads, every holder counted).
+    pub replica_bytes: AtomicU64,
+    /// Of which to holders on another host.
+    pub replica_bytes_inter_host: AtomicU64,
+    /// Replica bytes sent per link slot (index in `EngineConfig::links` order; slot 0 is the
+    /// training link).
+    pub replica_bytes_per_link: [AtomicU64; 4],
+    /// Bytes written to the persistent tier.
+    pub storage_bytes: AtomicU64,
+}
+
+/// One job of a sender thread.
+pub(crate) enum Job {
+    Begin(Arc<Snapshot>),
+    /// Offset, length, and whether it is a leftover (released when the iteration ended).
+    Chunk {
+        off: u64,
+        len: u64,
+        leftover: bool,
+    },
+    End,
+}
+
+/// Chunk release state, shared with the profiler's communication hook and the timer thread.
+#[derive(Default)]
+pub(crate) struct Sched {
+    pub(crate) releaser: Option<Releaser>,
+    /// When the iteration began, on the profiler's clock.
+    pub(crate) iter_start_ns: Option<u64>,
+    pub(crate) comms: u32,
+    /// Sender threads: per holder, per link slot.
+    pub(crate) txs: Vec<Vec<Sender<Job>>>,
+    pub(crate) open: bool,
+    /// Chunks released for the snapshot being sent (each goes to every holder).
+    pub(crate) released: usize,
+    /// `flush` is releasing: what goes now is a leftover.
+    pub(crate) flushing: bool,
+}
+
+impl Sched {
+    /// A snapshot starts: every sender thread (each holder, each link) announces it.
+    pub(crate) fn begin(&mut self, snap: &Arc<Snapshot>) {
+        for tx in self.txs.iter().flatten() {
+            let _ = tx.send(Job::Begin(snap.clone()));
+        }
+        self.open = true;
+    }
+
+    pub(crate) fn dispatch(&mut self, released: Vec<Scheduled>) {
+        self.released += released.len();
+        for s in released {
+            for per_slot in &self.txs {
+                let tx = per_slot.get(s.link as usize).or(per_slot.first());
+                if let Some(tx) = tx {
+                    let _ = tx.send(Job::Chunk { off: s.chunk.offset, len: s.chunk.len, leftover: self.flushing });
+                }
+            }
+        }
+        if self.open && self.releaser.as_ref().is_some_and(|r| r.pending() == 0) {
+            // End goes on the first link; the holder acknowledges once it has every byte too
+            for tx in self.txs.iter().filter_map(|p| p.first()) {
+                let _ = tx.send(Job::End);
+            }
+            self.open = false;
+            self.releaser = None;
+        }
+    }
+    /// Release everything still held back (before the buffer is needed again, or on commit).
+    pub(crate) fn flush(&mut self) {
+        if let Some(r) = self.releaser.as_mut() {
+            let rel = r.end();
+            self.flushing = true;
+            self.dispatch(rel);
+            self.flushing = false;
+        }
+    }
+}
+
+pub(crate) fn lock_sched(m: &Mutex<Sched>) -> std::sync::MutexGuard<'_, Sched> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn encode_chunk(iter: u64, offset: u64, bytes: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(17 + bytes.len());
+    v.push(MSG_CHUNK);
+    v.extend_from_slice(&iter.to_le_bytes());
+    v.extend_from_slice(&offset.to_le_bytes());
+    v.extend_from_slice(bytes);
+    v
+}
+
+pub(crate) fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    b.get(at..at + 8).map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")))
+}
+
+pub(crate) fn spawn<T: Send + 'static>(name: String, f: impl FnOnce() -> T + Send + 'static) -> Result<JoinHandle<T>> {
+    std::thread::Builder::new().name(name).spawn(f).map_err(|e| CkptError::Invalid(format!("cannot start a thread: {e}")))
+}
+
+/// Everything one sender thread needs.
+pub(crate) struct SenderCtx {
+    /// Holder rank.
+    pub(crate) holder: usize,
+    /// Link slot this thread sends on (0: the training link).
+    pub(crate) slot: usize,
+    /// Whether the holder is on another host (counted as inter-host bytes).
+    pub(crate) remote: bool,
+    /// The communicator of this slot's link.
+    pub(crate) comm: Arc<Communicator>,
+    /// The first slot's communicator (where `End` goes).
+    pub(crate) first: Arc<Communicator>,
+    /// Profiler link index of this slot.
+    pub(crate) link_id: u32,
+    pub(crate) rank: u32,
+    pub(crate) world: u32,
+    pub(crate) chunk: usize,
+    pub(crate) shared: Arc<Mutex<Shared>>,
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) corrupt: Arc<AtomicU64>,
+    pub(crate) prof: Arc<Profiler<MonotonicClock>>,
+    /// (bytes, seconds) of finished transfers per slot: the measured rate of each link.
+    pub(crate) rate: Arc<Mutex<Vec<(f64, f64)>>>,
+}
+
+/// The body of a sender thread: runs jobs until the channel closes or a send fails.
+pub(crate) fn send_loop(cx: SenderCtx, rx: Receiver<Job>) {
+    let h = cx.holder;
+    let mut cur: Option<Arc<Snapshot>> = None;
+    while let Ok(job) = rx.recv() {
+        let r = (|| -> Result<()> {
+            match job {
+                Job::Begin(snap) => {
+                    let man = serde_json::to_vec(&Manifest::of(&snap, cx.rank, cx.world))
+                        .map_err(|e| CkptError::Invalid(e.to_string()))?;
+                    let mut begin = vec![MSG_BEGIN];
+                    begin.extend_from_slice(&man);
+                    // every link that may carry a chunk announces the replica first (a link
+                    // delivers in order; two links do not)
+                    cx.comm.send_bytes(h, TAG_DATA, &begin)?;
+                    cur = Some(snap);
+                }
+                Job::Chunk { off, len, leftover } => {
+                    let Some(snap) = &cur else { return Ok(()) };
+                    let _span = cx.prof.comm(cx.link_id, CommKind::Checkpoint, len);
+                    let start_ns = cx.prof.now_ns();
+                    for (k, piece) in snap.data[off as usize..(off + len) as usize].chunks(cx.chunk).enumerate() {
+                        let at = off + (k * cx.chunk) as u64;
+                        let mut msg = encode_chunk(snap.iter, at, piece);
+                        if at == 0 && cx.corrupt.load(Ordering::SeqCst) == snap.iter && msg.len() > 17 {
+                            msg[17] ^= 0x80; // test hook: a bit flipped on the wire
+                        }
+                        cx.comm.send_bytes(h, TAG_DATA, &msg)?;
+                    }
+                    let end_ns = cx.prof.now_ns();
+                    lock(&cx.shared).chunk_log.push(ChunkSpan {
+                        snapshot: snap.iter,
+                        leftover,
+                        link: cx.link_id,
+                        start_ns,
+                        end_ns,
+                    });
+                    cx.counters.replica_bytes.fetch_add(len, Ordering::Relaxed);
+                    if cx.remote {
+                        cx.counters.replica_bytes_inter_host.fetch_add(len, Ordering::Relaxed);
+                    }
+                    if let Some(c) = cx.counters.replica_bytes_per_link.get(cx.slot) {
+                        c.fetch_add(len, Ordering::Relaxed);
+                    }
+                    let mut r = cx.rate.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(x) = r.get_mut(cx.slot) {
+                        x.0 += len as f64;
+                        x.1 += end_ns.saturating_sub(start_ns) as f64 * 1e-9;
+                    }
+                }
+                Job::End => {
+                    let Some(snap) = cur.take() else { return Ok(()) };
+                    let mut end = vec![MSG_END];
+                    end.extend_from_slice(&snap.iter.to_le_bytes());
+                    cx.first.send_bytes(h, TAG_DATA, &end)?;
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            let mut sh = lock(&cx.shared);
+            sh.failures.push(format!("replicating to rank {h}: {e}"));
+            sh.lost_holders.insert(h);
+            return;
+        }
+    }
+}
+
+fn poll_loop(
+    comm: &Communicator,
+    peer: usize,
+    tag: u32,
+    stop: &AtomicBool,
+    mut on: impl FnMut(Vec<u8>) -> Result<()>,
+) -> Result<()> {
+    let mut h = comm.irecv_bytes(peer, tag)?;
+    loop {
+        match h.poll_until(Instant::now() + Duration::from_millis(50))? {
+            Some(buf) => {
+                on(buf.into_vec())?;
+                h = comm.irecv_bytes(peer, tag)?;
+            }
+            None if stop.load(Ordering::SeqCst) => return Ok(()),
+            None => {}
+        }
+    }
+}
+
+/// Verifies and acknowledges the replica of `src` for `iter` once `End` and every byte are
+/// in; `ack` is the first link's communicator.
+fn finish_if_complete(ack: &Communicator, src: usize, iter: u64, shared: &Mutex<Shared>) -> Result<()> {
+    let ok = {
+        let mut sh = lock(shared);
+        let Some(r) = sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter)) else {
+            return Ok(());
+        };
+        if r.done || !r.ended || r.received < r.data.len() as u64 {
+            return Ok(());
+        }
+        r.done = true;
+        r.verified = r.received == r.data.len() as u64
+            && Snapshot::verify(&r.data, &r.manifest.sums, &format!("replica of rank {src}")).is_ok();
+        let ok = r.verified;
+        if !ok {
+            sh.failures.push(format!("replica of rank {src} iteration {iter} failed verification"));
+        }
+        ok
+    };
+    let mut msg = iter.to_le_bytes().to_vec();
+    msg.push(u8::from(ok));
+    ack.send_bytes(src, TAG_ACK, &msg)?;
+    Ok(())
+}
+
+/// Receives what `src` sends on `comm` (one link); acknowledgements go on `ack`.
+pub(crate) fn receive_replicas(comm: &Communicator, ack: &Communicator, src: usize, shared: &Mutex<Shared>, stop: &AtomicBool) {
+    let r = poll_loop(comm, src, TAG_DATA, stop, |msg| {
+        match msg.first() {
+            Some(&MSG_BEGIN) => {
+                let man: Manifest = serde_json::from_slice(&msg[1..])
+                    .map_err(|e| CkptError::Corrupt { what: format!("manifest from rank {src}"), detail: e.to_string() })?;
+                let total = man.registry.total as usize;
+                let mut sh = lock(shared);
+                let reps = sh.store.entry(src).or_default();
+                // the same Begin arrives once per link
+                if reps.iter().any(|r| r.manifest.iter == man.iter) {
+                    return Ok(());
+                }
+                // keep the two newest complete replicas and those still arriving over a slower
+                // link (an older one's last chunks may follow a newer Begin); reuse the oldest
+                // complete buffer
+                reps.retain(|r| r.verified || !r.done);
+                // at most one older replica still arriving (a sender that died leaves one behind)
+                while reps.iter().filter(|r| !r.done).count() >= 2 {
+                    let k = reps.iter().position(|r| !r.done).expect("counted");
+                    reps.remove(k);
+                }
+                let complete = reps.iter().filter(|r| r.verified).count();
+                let mut data = match reps.iter().position(|r| r.verified) {
+                    Some(k) if complete >= 2 => reps.remove(k).data,
+                    _ => Vec::new(),
+                };
+                data.resize(total, 0);
+                reps.push(Replica { manifest: man, data, received: 0, ended: false, done: false, verified: false });
+            }
+            Some(&MSG_CHUNK) => {
+                let (Some(iter), Some(off)) = (u64_at(&msg, 1), u64_at(&msg, 9)) else {
+                    return Err(CkptError::Corrupt { what: format!("chunk from rank {src}"), detail: "short header".into() });
+                };
+                let bytes = &msg[17..];
+                {
+                    let mut sh = lock(shared);
+                    let r = sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter && !r.done));
+                    let Some(r) = r else {
+                        return Err(CkptError::Corrupt {
+                            what: format!("chunk from rank {src}"),
+                            detail: format!("iteration {iter} was not begun"),
+                        });
+                    };
+                    let end = off as usize + bytes.len();
+                    if end > r.data.len() {
+                        return Err(CkptError::Corrupt {
+                            what: format!("chunk from rank {src}"),
+                            detail: format!("bytes {off}..{end} beyond {}", r.data.len()),
+                        });
+                    }
+                    r.data[off as usize..end].copy_from_slice(bytes);
+                    r.received += bytes.len() as u64;
+                }
+                finish_if_complete(ack, src, iter, shared)?;
+            }
+            Some(&MSG_END) => {
+                let iter = u64_at(&msg, 1).unwrap_or(u64::MAX);
+                let known = {
+                    let mut sh = lock(shared);
+                    match sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter)) {
+                        Some(r) => {
+                            r.ended = true;
+                            true
+                        }
+                        None => false,
+                    }
+                };
+                if known {
+                    finish_if_complete(ack, src, iter, shared)?;
+                } else {
+                    // an End for nothing begun: say so, the sender's commit must not wait
+                    let mut msg = iter.to_le_bytes().to_vec();
+                    msg.push(0);
+                    ack.send_bytes(src, TAG_ACK, &msg)?;
+                }
+            }
+            _ => return Err(CkptError::Corrupt { what: format!("message from rank {src}"), detail: "unknown kind".into() }),
+        }
+        Ok(())
+    });
+    if let Err(e) = r {
+        lock(shared).failures.push(format!("receiving replicas from rank {src}: {e}"));
+    }
+}
+
+/// Receives `holder`'s acknowledgements.
+pub(crate) fn receive_acks(comm: &Communicator, holder: usize, shared: &Mutex<Shared>, stop: &AtomicBool) {
+    let r = poll_loop(comm, holder, TAG_ACK, stop, |msg| {
+        let (Some(iter), Some(&ok)) = (u64_at(&msg, 0), msg.get(8)) else {
+            return Err(CkptError::Corrupt { what: format!("acknowledgement from rank {holder}"), detail: "short".into() });
+        };
+        let mut sh = lock(shared);
+        sh.acks.entry(iter).or_default().insert(holder, ok == 1);
+        // keep the table small
+        while sh.acks.len() > 64 {
+            let first = *sh.acks.keys().next().expect("non-empty");
+            sh.acks.remove(&first);
+        }
+        Ok(())
+    });
+    if let Err(e) = r {
+        let mut sh = lock(shared);
+        sh.failures.push(format!("acknowledgements from rank {holder}: {e}"));
+        sh.lost_holders.insert(holder);
+    }
+}

@@ -1,0 +1,356 @@
+//! `ironweave bench ckpt`: every checkpoint strategy on the same training (same seed and
+//! data), one run after the other, in one invocation; with `--topology`, on the emulated
+//! cluster (brought up if needed), the inter-host links' own byte counters read around each
+//! run. Rows say what each strategy cost against `none` and against each other, and carry the
+//! counters that show the mechanism: checkpoint bytes on the inter-host links, bytes written to
+//! the (emulated remote) storage, partition accuracy, profiling activations.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::progress::{Mode, Progress};
+use crate::train::{parse_strategy, run, Report, TrainArgs};
+
+/// The five strategies of the paper's comparison.
+pub const FIVE: [&str; 5] = ["none", "blocking", "async", "gemini", "capricorn"];
+
+/// `ironweave bench ckpt`'s options.
+#[derive(Debug, Clone)]
+pub struct CkptBenchArgs {
+    pub config: PathBuf,
+    pub strategies: Vec<String>,
+    pub ranks: usize,
+    pub iters: u64,
+    pub topology: Option<PathBuf>,
+    pub ranks_per_host: usize,
+    pub out: PathBuf,
+    pub json: Option<PathBuf>,
+    pub storage_rate: String,
+    /// Each strategy runs this many times, the strategies interleaved (none, a, b, none, a,
+    /// b, ...); its row pools the steady iterations of every round.
+    pub rounds: usize,
+}
+
+/// One strategy's row.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Row {
+    pub strategy: String,
+    /// Median iteration time after two warm-up iterations (pooled over the rounds), seconds.
+    pub iter_time_s: f64,
+    /// The same per round (their spread is the run-to-run noise).
+    pub round_iter_time_s: Vec<f64>,
+    /// Mean of the same iterations.
+    pub mean_iter_s: f64,
+    /// `iter_time_s / none's - 1` (None without a `none` row).
+    pub overhead_vs_none: Option<f64>,
+    /// Other strategy → its iteration time over this one's (above 1: this one is faster).
+    pub speedup_vs: BTreeMap<String, f64>,
+    /// Checkpoint bytes that crossed the inter-host links, counted on the links: this run's
+    /// link bytes minus the `none` run's (same training traffic). None off the emulated cluster.
+    pub ckpt_bytes_inter_host: Option<u64>,
+    /// Every byte the inter-host links carried during the run, per link (training included).
+    pub link_bytes: BTreeMap<String, u64>,
+    /// Replica bytes the engine sent to holders on other hosts (its own count).
+    pub ckpt_bytes_inter_host_sent: u64,
+    /// Replica bytes per link the engine used (training link first).
+    pub ckpt_bytes_per_link: Vec<u64>,
+    /// Bytes written to the persistent tier (emulated remote storage).
+    pub ckpt_bytes_storage: u64,
+    /// The emulated storage's bandwidth per host, bytes/s (None: the local disk, unpaced).
+    pub storage_bytes_per_s_per_host: Option<f64>,
+    /// Mean time per steady iteration the training thread spent inside the engine, seconds.
+    pub exposed_ckpt_s: f64,
+    pub partition_accuracy: Option<f64>,
+    pub profiling_activations: u64,
+    pub iterations: u64,
+    pub state_bytes_per_rank: u64,
+    pub last_committed_iter: Option<u64>,
+}
+
+/// Median of `v` after `skip` warm-up entries (of all when too short).
+pub fn median_after(v: &[f64], skip: usize) -> f64 {
+    let mut s: Vec<f64> = if v.len() > skip { v[skip..].to_vec() } else { v.to_vec() };
+    if s.is_empty() {
+        return 0.0;
+    }
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+/// The strategies to run, `none` first (the others' baseline and the storage rate's).
+pub fn expand(strategies: &[String], links: usize) -> Result<Vec<String>> {
+    let mut out: Vec<String> = Vec::new();
+    for s in strategies {
+        let s = s.trim();
+        if s == "all" {
+            out.extend(FIVE.iter().map(|x| x.to_string()));
+            // the reference speculative activation is measured against
+            out.push("capricorn-always".into());
+            if links > 1 {
+                out.push("capricorn-multilink".into());
+            }
+        } else {
+            parse_strategy(s)?;
+            if s == "capricorn-multilink" && links < 2 {
+                bail!("capricorn-multilink needs a topology with two or more links (topologies/2host-2link.toml)");
+            }
+            out.push(s.to_string());
+        }
+    }
+    let mut seen = Vec::new();
+    out.retain(|s| {
+        let new = !seen.contains(s);
+        seen.push(s.clone());
+        new
+    });
+    out.sort_by_key(|s| s != "none");
+    if out.is_empty() {
+        bail!("--strategies is empty");
+    }
+    Ok(out)
+}
+
+/// Runs the benchmark; returns the rows.
+pub fn bench(a: &CkptBenchArgs) -> Result<Vec<Row>> {
+    if a.iters < 3 {
+        bail!("--iters must be at least 3 (two warm-up iterations are not counted)");
+    }
+    if a.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let topo = a.topology.as_deref().map(crate::cluster::Topology::load).transpose()?;
+    let links = topo.as_ref().map_or(1, |t| t.links.len());
+    let strategies = expand(&a.strategies, links)?;
+    let storage_fixed: Option<Option<f64>> = match a.storage_rate.as_str() {
+        "auto" => None,
+        "unlimited" => Some(None),
+        r => {
+            // bytes per second
+            let rate = ironweave_tcp::parse_rate(r).map_err(|e| anyhow::anyhow!("--storage-rate: {e} (or auto, unlimited)"))?;
+            if rate == 0 {
+                bail!("--storage-rate must be above 0");
+            }
+            Some(Some(rate as f64))
+        }
+    };
+    if storage_fixed.is_none() && strategies.first().map(String::as_str) != Some("none") {
+        bail!("--storage-rate auto derives the rate from the `none` run: add none to --strategies or give a rate");
+    }
+    let ranks_per_host = if topo.is_some() { a.ranks_per_host.max(1) } else { a.ranks.max(1) };
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let brought_up = match &topo {
+        Some(t) if !crate::cluster::status(t)? => {
+            crate::cluster::up(t).context("bringing up the emulated cluster")?;
+            true
+        }
+        _ => false,
+    };
+    let result = run_all(a, topo.as_ref(), &strategies, storage_fixed, ranks_per_host);
+    if brought_up {
+        if let Some(t) = &topo {
+            if let Err(e) = crate::cluster::down(t) {
+                eprintln!("bench ckpt: could not take the emulated cluster down: {e:#}");
+            }
+        }
+    }
+    result
+}
+
+/// One run's report and the inter-host links' byte counts during it, `[host][link]`.
+type RunOf = (Report, Option<Vec<Vec<u64>>>);
+
+fn run_all(
+    a: &CkptBenchArgs,
+    topo: Option<&crate::cluster::Topology>,
+    strategies: &[String],
+    storage_fixed: Option<Option<f64>>,
+    ranks_per_host: usize,
+) -> Result<Vec<Row>> {
+    let total = (strategies.len() * a.rounds) as u64;
+    let progress = Progress::new("bench ckpt: run", 0, total, Mode::detect());
+    // per strategy, per round: the report and the link counters' deltas [host][link]
+    let mut runs: Vec<(String, Vec<RunOf>, Option<f64>)> = strategies.iter().map(|s| (s.clone(), Vec::new(), None)).collect();
+    let mut storage_note = String::new();
+    let mut storage_per_host: Option<f64> = storage_fixed.flatten();
+    let mut done = 0u64;
+    for round in 0..a.rounds {
+        for (s, reps, storage) in runs.iter_mut() {
+            let dir = if a.rounds == 1 { a.out.join(&*s) } else { a.out.join(format!("{s}-r{}", round + 1)) };
+            let writes = matches!(s.as_str(), "blocking" | "async");
+            let args = TrainArgs {
+                ranks: a.ranks,
+                ckpt: s.clone(),
+                topology: a.topology.clone(),
+                ranks_per_host: a.ranks_per_host,
+                iters: Some(a.iters),
+                report_dir: dir.clone(),
+                persist_every: 0,
+                quiet: true,
+                storage_rate: storage_per_host.map(|r| format!("{}bit", (r * 8.0).round() as u64)),
+                ..TrainArgs::new(&a.config)
+            };
+            let before = topo.map(crate::cluster::link_tx_bytes).transpose()?;
+            let code = run(&args)?;
+            if code != 0 {
+                bail!("the {s} run failed (status {code}); see its output above");
+            }
+            let after = topo.map(crate::cluster::link_tx_bytes).transpose()?;
+            let delta = match (before, after) {
+                (Some(b), Some(x)) => Some(
+                    x.iter().zip(&b).map(|(xs, bs)| xs.iter().zip(bs).map(|(x, b)| x.saturating_sub(*b)).collect()).collect(),
+                ),
+                _ => None,
+            };
+            let rep: Report = serde_json::from_slice(&std::fs::read(dir.join("report.json"))?)
+                .with_context(|| format!("reading {}", dir.join("report.json").display()))?;
+            done += 1;
+            progress.step(
+                done,
+                &format!("{s} (round {}): median iteration {:.1} ms", round + 1, median_after(&rep.iter_time_s, 2) * 1e3),
+            );
+            if s == "none" && storage_fixed.is_none() && storage_per_host.is_none() {
+                // the paper's ratio of one checkpoint's write time to one iteration, on this bed
+                let root = crate::simulate::repo_root(&a.config);
+                let (ratio, how) = crate::simulate::paper_write_ratio(&root)?;
+                let t = median_after(&rep.iter_time_s, 2);
+                let host_state = rep.state_bytes_per_rank as f64 * ranks_per_host as f64;
+                let r = host_state / (ratio * t);
+                storage_note = format!(
+                    "emulated remote storage: {:.1} MB/s per host = {:.1} MB of state per host / ({ratio:.2} x the {:.0} ms none iteration); the ratio from {how}",
+                    r / 1e6,
+                    host_state / 1e6,
+                    t * 1e3
+                );
+                eprintln!("bench ckpt: {storage_note}");
+                storage_per_host = Some(r);
+            }
+            if writes {
+                *storage = storage_per_host;
+            }
+            reps.push((rep, delta));
+        }
+    }
+    progress.finish();
+    let names: Vec<String> = topo.map(|t| t.links.iter().map(|l| l.name.clone()).collect()).unwrap_or_default();
+    let link_sum = |d: &Option<Vec<Vec<u64>>>| -> Option<u64> { d.as_ref().map(|d| d.iter().flatten().sum()) };
+    // first round's counters (every round moves the same bytes); pooled iteration times
+    let none_links = runs.iter().find(|r| r.0 == "none").and_then(|r| link_sum(&r.1[0].1));
+    let pooled = |reps: &[RunOf]| -> f64 {
+        let all: Vec<f64> = reps.iter().flat_map(|(r, _)| r.iter_time_s.iter().skip(2).copied()).collect();
+        median_after(&all, 0)
+    };
+    let med: BTreeMap<String, f64> = runs.iter().map(|r| (r.0.clone(), pooled(&r.1))).collect();
+    let rows: Vec<Row> = runs
+        .iter()
+        .map(|(s, reps, storage)| {
+            let (r, d) = &reps[0];
+            let t = med[s];
+            Row {
+                strategy: s.clone(),
+                iter_time_s: t,
+                round_iter_time_s: reps.iter().map(|(r, _)| median_after(&r.iter_time_s, 2)).collect(),
+                mean_iter_s: r.mean_iter_s(),
+                overhead_vs_none: med.get("none").map(|n| t / n - 1.0),
+                speedup_vs: med.iter().filter(|(k, _)| *k != s).map(|(k, v)| (k.clone(), v / t)).collect(),
+                ckpt_bytes_inter_host: match (link_sum(d), none_links) {
+                    (Some(x), Some(n)) => Some(x.saturating_sub(n)),
+                    _ => None,
+                },
+                link_bytes: d
+                    .as_ref()
+                    .map(|d| names.iter().enumerate().map(|(l, n)| (n.clone(), d.iter().map(|h| h[l]).sum())).collect())
+                    .unwrap_or_default(),
+                ckpt_bytes_inter_host_sent: r.ckpt_bytes_inter_host_sent,
+                ckpt_bytes_per_link: r.ckpt_bytes_per_link.clone(),
+                ckpt_bytes_storage: r.ckpt_bytes_storage,
+                storage_bytes_per_s_per_host: *storage,
+                exposed_ckpt_s: reps.iter().map(|(r, _)| Report::steady(&r.ckpt_exposed_s, 2)).sum::<f64>() / reps.len() as f64,
+                partition_accuracy: {
+                    let a: Vec<f64> = reps.iter().filter_map(|(r, _)| r.partition_accuracy).collect();
+                    (!a.is_empty()).then(|| a.iter().sum::<f64>() / a.len() as f64)
+                },
+                profiling_activations: r.profiling_activations,
+                iterations: r.iterations,
+                state_bytes_per_rank: r.state_bytes_per_rank,
+                last_committed_iter: r.last_committed_iter,
+            }
+        })
+        .collect();
+    let md = table(&rows, &storage_note);
+    print!("{md}");
+    std::fs::write(a.out.join("ckpt.md"), &md)?;
+    let json = serde_json::json!({
+        "config": a.config.display().to_string(),
+        "rounds": a.rounds,
+        "topology": a.topology.as_ref().map(|t| t.display().to_string()),
+        "ranks": a.ranks,
+        "ranks_per_host": ranks_per_host,
+        "storage": storage_note,
+        "rows": rows,
+    });
+    std::fs::write(a.out.join("ckpt.json"), serde_json::to_vec_pretty(&json)?)?;
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&json)?).with_context(|| format!("writing {}", p.display()))?;
+    }
+    eprintln!("wrote {} and {}", a.out.join("ckpt.md").display(), a.out.join("ckpt.json").display());
+    Ok(rows)
+}
+
+fn mb(b: u64) -> String {
+    format!("{:.1} MB", b as f64 / 1e6)
+}
+
+/// The Markdown table of the rows (pasteable into docs/BENCHMARKS.md).
+pub fn table(rows: &[Row], storage_note: &str) -> String {
+    let mut md = String::from(
+        "| strategy | median iteration | overhead vs none | capricorn's speedup over it | exposed checkpoint | ckpt bytes on inter-host links | sent to other hosts (engine) | written to storage (emulated remote) | partition accuracy | profiling activations | committed |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    let cap = rows.iter().find(|r| r.strategy == "capricorn").map(|r| r.iter_time_s);
+    for r in rows {
+        md.push_str(&format!(
+            "| {} | {:.1} ms | {} | {} | {:.1} ms | {} | {} | {} | {} | {} | {} |\n",
+            r.strategy,
+            r.iter_time_s * 1e3,
+            r.overhead_vs_none.map(|o| format!("{:+.1}%", o * 100.0)).unwrap_or_else(|| "-".into()),
+            cap.map(|c| format!("{:.2}x", r.iter_time_s / c)).unwrap_or_else(|| "-".into()),
+            r.exposed_ckpt_s * 1e3,
+            r.ckpt_bytes_inter_host.map(mb).unwrap_or_else(|| "-".into()),
+            mb(r.ckpt_bytes_inter_host_sent),
+            mb(r.ckpt_bytes_storage),
+            r.partition_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into()),
+            r.profiling_activations,
+            r.last_committed_iter.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
+        ));
+    }
+    if !storage_note.is_empty() {
+        md.push_str(&format!("\n{storage_note}\n"));
+    }
+    md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn none_runs_first_and_all_adds_multilink_only_with_two_links() {
+        let v = |x: &[&str]| x.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(expand(&v(&["capricorn", "none"]), 1).unwrap(), v(&["none", "capricorn"]));
+        let mut five_and_always = v(&FIVE);
+        five_and_always.push("capricorn-always".into());
+        assert_eq!(expand(&v(&["all"]), 1).unwrap(), five_and_always);
+        assert_eq!(expand(&v(&["all"]), 2).unwrap().last().unwrap(), "capricorn-multilink");
+        assert!(expand(&v(&["capricorn-multilink"]), 1).unwrap_err().to_string().contains("two or more links"));
+        assert!(expand(&v(&["zip"]), 1).is_err());
+        assert_eq!(median_after(&[9.0, 9.0, 3.0, 1.0, 2.0], 2), 2.0);
+        assert_eq!(median_after(&[9.0, 9.0, 4.0, 1.0, 2.0, 3.0], 2), 2.5);
+    }
+}

@@ -1,0 +1,349 @@
+//! `ironweave simulate ckpt --from-report DIR`: replay a measured checkpoint run in the
+//! simulator (`ironweave_sim::replay`) and put each strategy's predicted iteration time beside
+//! the measured one.
+//!
+//! Inputs, all measured: the `none` run's profile (rank 0's `trace.json`: its iterations'
+//! training communications and the compute between them), the bytes the inter-host links
+//! carried during it (the bench's link counters), the link rates of the topology the run used,
+//! the state's size, the storage's bandwidth; and two probes run here on this machine: the
+//! time of one snapshot of that size (the engine's own copy-and-checksum) and the CPU one byte
+//! costs to move through a socket into a replica buffer.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use ironweave_sim::ckpt::Strategy;
+use ironweave_sim::replay::{replay, Bed, Predicted, Step};
+use serde_json::Value;
+
+/// (a training communication?, seconds, rank 0's bytes).
+pub type TraceStep = (bool, f64, f64);
+
+/// One measured iteration from a `trace.json`: steps in time order and rank 0's bytes per
+/// training communication (merged where they overlap).
+pub fn steps_from_trace(trace: &Value) -> Result<(Vec<TraceStep>, f64)> {
+    let ev = trace.get("traceEvents").and_then(Value::as_array).or_else(|| trace.as_array()).context("no trace events")?;
+    let f = |e: &Value, k: &str| e.get(k).and_then(Value::as_f64);
+    let iters: Vec<(f64, f64)> = ev
+        .iter()
+        .filter(|e| e.get("cat").and_then(Value::as_str) == Some("iteration"))
+        .filter_map(|e| Some((f(e, "ts")?, f(e, "dur")?)))
+        .collect();
+    if iters.is_empty() {
+        bail!("the trace has no iterations");
+    }
+    // the iteration of median length among the steady ones (the trace keeps the last few)
+    let mut steady: Vec<(f64, f64)> = if iters.len() > 3 { iters[1..].to_vec() } else { iters.clone() };
+    steady.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let (ts, dur) = steady[steady.len() / 2];
+    let mut comms: Vec<(f64, f64, f64)> = ev
+        .iter()
+        .filter(|e| e.get("cat").and_then(Value::as_str) == Some("training"))
+        .filter_map(|e| {
+            let (s, d) = (f(e, "ts")?, f(e, "dur")?);
+            let bytes: f64 = e.get("name")?.as_str()?.split_whitespace().nth(1)?.parse().ok()?;
+            (s >= ts && s < ts + dur).then_some((s, (s + d).min(ts + dur), bytes))
+        })
+        .collect();
+    comms.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut merged: Vec<(f64, f64, f64)> = Vec::new();
+    for c in comms {
+        match merged.last_mut() {
+            Some(m) if c.0 <= m.1 => {
+                m.1 = m.1.max(c.1);
+                m.2 += c.2;
+            }
+            _ => merged.push(c),
+        }
+    }
+    // (is a communication, seconds, rank 0's bytes)
+    let mut out = Vec::new();
+    let mut t = ts;
+    for (a, b, bytes) in merged {
+        if a > t {
+            out.push((false, (a - t) * 1e-6, 0.0));
+        }
+        out.push((true, (b - a) * 1e-6, bytes));
+        t = b;
+    }
+    if ts + dur > t {
+        out.push((false, (ts + dur - t) * 1e-6, 0.0));
+    }
+    Ok((out, dur * 1e-6))
+}
+
+/// Training-thread seconds of one snapshot of `bytes` (the engine's copy and checksums, all
+/// copy threads), best of three.
+fn snapshot_probe(bytes: u64) -> Result<f64> {
+    use ironweave_ckpt::{Dtype, Registry, SnapshotBuffers, TensorSpec};
+    let reg = std::sync::Arc::new(Registry::new(&[TensorSpec::new("state", Dtype::U8, &[bytes])])?);
+    let src = vec![7u8; bytes as usize];
+    let mut snaps = SnapshotBuffers::new(0, 256 << 10);
+    let mut best = f64::INFINITY;
+    for it in 1..=4u64 {
+        let t = Instant::now();
+        snaps.take(it, &reg, &[&src])?;
+        if it > 1 {
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(best)
+}
+
+/// CPU seconds (user + system, this process) per byte sent through a loopback TCP socket in
+/// 256 KiB messages and copied into a replica buffer that is then checksummed: what moving a
+/// checkpoint byte from one rank's memory to another's costs the machine.
+fn socket_cpu_probe() -> Result<f64> {
+    const TOTAL: usize = 128 << 20;
+    const MSG: usize = 256 << 10;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("socket probe: bind")?;
+    let addr = l.local_addr()?;
+    let rx = std::thread::spawn(move || -> std::io::Result<u64> {
+        let (mut s, _) = l.accept()?;
+        let mut replica = vec![0u8; TOTAL];
+        let mut buf = vec![0u8; MSG];
+        let mut at = 0;
+        while at < TOTAL {
+            let n = s.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            replica[at..at + n].copy_from_slice(&buf[..n]);
+            at += n;
+        }
+        Ok(xxhash_rust::xxh3::xxh3_64(&replica))
+    });
+    let cpu0 = cpu_s();
+    // segments of an Ethernet MTU, as on the emulated links (loopback's 64 KiB segments would
+    // hide the per-packet cost)
+    let mut s = connect_with_mss(addr, 1448).context("socket probe: connect")?;
+    let msg = vec![3u8; MSG];
+    for _ in 0..TOTAL / MSG {
+        s.write_all(&msg)?;
+    }
+    drop(s);
+    rx.join().map_err(|_| anyhow::anyhow!("socket probe: the receiver panicked"))??;
+    Ok((cpu_s() - cpu0) / TOTAL as f64)
+}
+
+/// A TCP connection to `addr` whose segments carry at most `mss` bytes.
+fn connect_with_mss(addr: std::net::SocketAddr, mss: i32) -> std::io::Result<std::net::TcpStream> {
+    use std::os::fd::FromRawFd;
+    let std::net::SocketAddr::V4(v4) = addr else {
+        return Err(std::io::Error::other("the probe listens on IPv4 loopback"));
+    };
+    // SAFETY: socket(2) with constant arguments; the descriptor is checked before use.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a socket we own; from here the TcpStream closes it.
+    let stream = unsafe { std::net::TcpStream::from_raw_fd(fd) };
+    // SAFETY: setsockopt on our socket with a pointer to an i32 and its size.
+    let rc = unsafe {
+        libc::setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_MAXSEG, (&mss as *const i32).cast(), std::mem::size_of::<i32>() as u32)
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let sa = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: v4.port().to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(v4.ip().octets()) },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: connect(2) on our socket with a valid sockaddr_in and its size.
+    let rc =
+        unsafe { libc::connect(fd, (&sa as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as u32) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(stream)
+}
+
+fn cpu_s() -> f64 {
+    // SAFETY: getrusage fills the struct we own; RUSAGE_SELF is a valid target.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+/// What the replay needs from a measured directory.
+struct Measured {
+    /// (strategy, measured median iteration seconds).
+    rows: Vec<(String, f64)>,
+    /// Directory of the run whose profile is replayed.
+    profile_dir: PathBuf,
+    topology: PathBuf,
+    ranks_per_host: usize,
+    state_bytes_per_rank: f64,
+    storage_per_host: Option<f64>,
+    /// Inter-host link bytes per iteration per host of the profiled run, if counted.
+    link_bytes_per_iter_per_host: Option<f64>,
+}
+
+fn read_json(p: &Path) -> Result<Value> {
+    serde_json::from_slice(&std::fs::read(p).with_context(|| format!("reading {}", p.display()))?)
+        .with_context(|| format!("parsing {}", p.display()))
+}
+
+fn measured(dir: &Path) -> Result<Measured> {
+    if dir.join("ckpt.json").exists() {
+        let v = read_json(&dir.join("ckpt.json"))?;
+        let rows = v["rows"].as_array().context("ckpt.json has no rows (written by an older ironweave? rerun bench ckpt)")?;
+        let topology =
+            v["topology"].as_str().context("the bench ran without --topology: a replay needs the emulated cluster's links")?;
+        let none =
+            rows.iter().find(|r| r["strategy"] == "none").context("the bench has no `none` run to take the profile from")?;
+        let hosts = crate::cluster::Topology::load(Path::new(topology))?.hosts as f64;
+        let iters = none["iterations"].as_f64().unwrap_or(1.0).max(1.0);
+        let link: f64 = none["link_bytes"].as_object().map(|m| m.values().filter_map(Value::as_f64).sum()).unwrap_or(0.0);
+        Ok(Measured {
+            rows: rows.iter().filter_map(|r| Some((r["strategy"].as_str()?.to_string(), r["iter_time_s"].as_f64()?))).collect(),
+            profile_dir: [dir.join("none"), dir.join("none-r1")]
+                .into_iter()
+                .find(|d| d.exists())
+                .unwrap_or_else(|| dir.join("none")),
+            topology: PathBuf::from(topology),
+            ranks_per_host: v["ranks_per_host"].as_u64().unwrap_or(1) as usize,
+            state_bytes_per_rank: none["state_bytes_per_rank"].as_f64().unwrap_or(0.0),
+            storage_per_host: rows.iter().find_map(|r| r["storage_bytes_per_s_per_host"].as_f64()),
+            link_bytes_per_iter_per_host: (link > 0.0).then(|| link / hosts / iters),
+        })
+    } else if dir.join("report.json").exists() {
+        let r: crate::train::Report = serde_json::from_value(read_json(&dir.join("report.json"))?)?;
+        let topology =
+            r.topology.clone().context("the run was not on the emulated cluster (no --topology): a replay needs its links")?;
+        let t = crate::ckpt_bench::median_after(&r.iter_time_s, 2);
+        Ok(Measured {
+            rows: vec![(r.strategy.clone(), t)],
+            profile_dir: dir.to_path_buf(),
+            topology,
+            ranks_per_host: r.ranks_per_host.max(1),
+            state_bytes_per_rank: r.state_bytes_per_rank as f64,
+            storage_per_host: r.storage_bytes_per_s_per_rank.map(|x| x * r.ranks_per_host.max(1) as f64),
+            link_bytes_per_iter_per_host: None,
+        })
+    } else {
+        bail!(
+            "{} holds neither ckpt.json (`ironweave bench ckpt --out`) nor report.json (`ironweave train --report-dir`)",
+            dir.display()
+        )
+    }
+}
+
+/// Runs the replay; prints predicted vs measured; writes JSON.
+pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
+    let m = measured(dir)?;
+    if m.state_bytes_per_rank <= 0.0 {
+        bail!("the run's report has no state size (state_bytes_per_rank): rerun it with this ironweave");
+    }
+    let topo = crate::cluster::Topology::load(&m.topology)?;
+    let rate = |i: usize| -> Result<f64> {
+        Ok(topo.links.get(i).map(|l| ironweave_tcp::parse_rate(&l.rate)).transpose()?.unwrap_or(0) as f64)
+    };
+    let (steps, _) = steps_from_trace(&read_json(&m.profile_dir.join("trace.json"))?)?;
+    eprintln!("replaying the profile of {}", m.profile_dir.display());
+    // rank 0's bytes per communication, scaled to what the host's link carried
+    let rank0: f64 = steps.iter().map(|s| s.2).sum();
+    let hosts = topo.hosts as f64;
+    let per_host = m.link_bytes_per_iter_per_host.unwrap_or(rank0 * m.ranks_per_host as f64 * (hosts - 1.0) / hosts);
+    let scale = if rank0 > 0.0 { per_host / rank0 } else { 0.0 };
+    // the profiled iteration is one sample; its compute is scaled so the replayed `none`
+    // iteration takes the measured (pooled) median: `none` is the calibration row
+    let comm_s: f64 = steps.iter().filter(|s| s.0).map(|s| s.1).sum();
+    let comp_s: f64 = steps.iter().filter(|s| !s.0).map(|s| s.1).sum();
+    let calib = match m.rows.iter().find(|r| r.0 == "none") {
+        Some(&(_, t)) if comp_s > 0.0 && t > comm_s => (t - comm_s) / comp_s,
+        _ => 1.0,
+    };
+    let bed_steps: Vec<Step> = steps
+        .iter()
+        .map(|&(comm, s, b)| if comm { Step::Comm { bytes: b * scale, seconds: s } } else { Step::Compute(s * calib) })
+        .collect();
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as u32;
+    let ranks = topo.hosts * m.ranks_per_host;
+    eprintln!("probing this machine: one snapshot of {:.1} MB, and the CPU of a socket byte ...", m.state_bytes_per_rank / 1e6);
+    // every rank snapshots at the same moment on the shared cores
+    let snapshot_s = snapshot_probe(m.state_bytes_per_rank as u64)? * (ranks as f64 / cores as f64).max(1.0);
+    let cpu = socket_cpu_probe()?;
+    let bed = Bed {
+        steps: bed_steps,
+        link_bytes_per_s: rate(0)?,
+        hosts: topo.hosts as u32,
+        ranks_per_host: m.ranks_per_host as u32,
+        state_bytes_per_rank: m.state_bytes_per_rank,
+        storage_bytes_per_s_per_host: m.storage_per_host.unwrap_or(f64::INFINITY).min(1e15),
+        snapshot_s,
+        cpu_s_per_byte: cpu,
+        cores,
+    };
+    let strategies = Strategy::ALL;
+    let fill = ironweave_ckpt::EngineConfig::default().window_fill;
+    let pred: Vec<Predicted> = replay(&bed, &strategies, fill, if topo.links.len() > 1 { rate(1)? } else { 0.0 })?;
+    println!(
+        "Replay of {} on {} ({} hosts x {} ranks, link {:.0} MB/s per host, {:.1} MB of state per rank, storage {}), probes: snapshot {:.1} ms, {:.2} ns of CPU per checkpoint byte",
+        dir.display(),
+        m.topology.display(),
+        topo.hosts,
+        m.ranks_per_host,
+        bed.link_bytes_per_s / 1e6,
+        m.state_bytes_per_rank / 1e6,
+        m.storage_per_host.map(|s| format!("{:.1} MB/s per host", s / 1e6)).unwrap_or_else(|| "unpaced".into()),
+        snapshot_s * 1e3,
+        cpu * 1e9
+    );
+    println!("(none is the calibration row: the profile's compute is scaled by {calib:.3} to its measured median)");
+    println!("| strategy | predicted | measured | error | predicted accuracy |\n|---|---:|---:|---:|---:|");
+    let mut out = Vec::new();
+    for p in &pred {
+        let meas = m.rows.iter().find(|r| r.0 == p.strategy).map(|r| r.1);
+        let err = meas.map(|x| p.iter_time_s / x - 1.0);
+        println!(
+            "| {} | {:.1} ms | {} | {} | {} |",
+            p.strategy,
+            p.iter_time_s * 1e3,
+            meas.map(|x| format!("{:.1} ms", x * 1e3)).unwrap_or_else(|| "-".into()),
+            err.map(|e| format!("{:+.1}%", e * 100.0)).unwrap_or_else(|| "-".into()),
+            p.partition_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into())
+        );
+        out.push(serde_json::json!({
+            "strategy": p.strategy,
+            "predicted_iter_time_s": p.iter_time_s,
+            "measured_iter_time_s": meas,
+            "error": err,
+            "predicted_partition_accuracy": p.partition_accuracy,
+        }));
+    }
+    if let Some(p) = json {
+        let v = serde_json::json!({ "from": dir.display().to_string(), "bed": bed, "rows": out });
+        std::fs::write(p, serde_json::to_vec_pretty(&v)?).with_context(|| format!("writing {}", p.display()))?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trace_becomes_compute_and_merged_communications() {
+        let t = serde_json::json!({"traceEvents": [
+            {"cat": "iteration", "name": "iteration 1", "ts": 0.0, "dur": 1000.0},
+            {"cat": "iteration", "name": "iteration 2", "ts": 1000.0, "dur": 1000.0},
+            {"cat": "training", "name": "training 100 B", "ts": 1100.0, "dur": 100.0},
+            {"cat": "training", "name": "training 50 B", "ts": 1150.0, "dur": 100.0},
+            {"cat": "training", "name": "training 10 B", "ts": 1500.0, "dur": 100.0},
+        ]});
+        let (s, dur) = steps_from_trace(&t).unwrap();
+        assert!((dur - 1e-3).abs() < 1e-12);
+        let kinds: Vec<(bool, i64, f64)> = s.iter().map(|x| (x.0, (x.1 * 1e6).round() as i64, x.2)).collect();
+        assert_eq!(kinds, vec![(false, 100, 0.0), (true, 150, 150.0), (false, 250, 0.0), (true, 100, 10.0), (false, 400, 0.0)]);
+        assert!(steps_from_trace(&serde_json::json!({"traceEvents": []})).is_err());
+    }
+}

@@ -1,0 +1,341 @@
+//! Replaying a measured checkpoint run: one host of the emulated cluster, its iteration as
+//! the profiler measured it without checkpoints (compute stretches and training
+//! communications on the inter-host link), the link's rate, the state's size and the storage's
+//! bandwidth; each strategy's checkpoint traffic is added as the engine would plan it (the same
+//! pure functions as [`crate::ckpt`]). The link is a first-come-first-served queue (a host's
+//! egress with deep socket and shaper buffers): a training message behind a checkpoint chunk
+//! waits for it — the collision that sizing chunks to the windows avoids.
+//!
+//! What the emulation adds and the model keeps: every emulated host runs on the same machine's
+//! cores, fully busy with training, so the CPU that moves checkpoint bytes (socket copies on
+//! both ends, the receiver's copy and checksum) is taken from training: `cpu_s_per_byte`
+//! (measured by the caller) times the bytes every host moves, spread over the cores, stretches
+//! the compute. Pure: no clock, no IO.
+
+use serde::{Deserialize, Serialize};
+
+use ironweave_ckpt::partition::{partition_accuracy, ChunkSpan};
+use ironweave_ckpt::schedule;
+use ironweave_profile::{Anchor, Window as PWindow};
+
+use crate::ckpt::Strategy;
+use crate::engine::{run, Class, Dag, OpId};
+use crate::error::{Result, SimError};
+
+/// One step of the measured iteration, in time order.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum Step {
+    /// Compute (and everything else that is not a training communication), seconds.
+    Compute(f64),
+    /// A training communication: bytes this host sends over the inter-host link, and its
+    /// measured duration (the part the bytes do not explain is latency and waiting for peers).
+    Comm {
+        /// Bytes on the link.
+        bytes: f64,
+        /// Measured seconds.
+        seconds: f64,
+    },
+}
+
+/// The measured bed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Bed {
+    /// One iteration without checkpoints.
+    pub steps: Vec<Step>,
+    /// One host's egress rate on the inter-host link, bytes/s.
+    pub link_bytes_per_s: f64,
+    /// Hosts of the cluster.
+    pub hosts: u32,
+    /// Ranks per host (they share the host's link and storage).
+    pub ranks_per_host: u32,
+    /// Checkpoint state of one rank, bytes.
+    pub state_bytes_per_rank: f64,
+    /// The emulated storage's bandwidth per host, bytes/s.
+    pub storage_bytes_per_s_per_host: f64,
+    /// Training-thread time of one snapshot (copy and checksum), seconds.
+    pub snapshot_s: f64,
+    /// Host CPU seconds per checkpoint byte moved between two ranks (both ends).
+    pub cpu_s_per_byte: f64,
+    /// Cores of the machine the emulated hosts share.
+    pub cores: u32,
+}
+
+/// One strategy's prediction.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Predicted {
+    /// Strategy.
+    pub strategy: String,
+    /// Mean iteration time after the warm-up, seconds.
+    pub iter_time_s: f64,
+    /// Partition accuracy (in-memory strategies).
+    pub partition_accuracy: Option<f64>,
+}
+
+/// Iterations replayed; the first three are warm-up (no previous snapshot, no profile yet,
+/// then the unplanned first replication's tail) and not averaged.
+pub const ITERATIONS: usize = 10;
+const WARM: usize = 3;
+
+/// Predicts each strategy's iteration time on the bed. `multilink`: Capricorn may also use a
+/// second link of `second_link_bytes_per_s` with no training traffic (0: one link).
+pub fn replay(bed: &Bed, strategies: &[Strategy], window_fill: f64, second_link_bytes_per_s: f64) -> Result<Vec<Predicted>> {
+    let positive = bed.link_bytes_per_s.is_finite() && bed.link_bytes_per_s > 0.0;
+    if bed.steps.is_empty() || !positive || bed.ranks_per_host == 0 || bed.hosts < 2 {
+        return Err(SimError::Invalid(
+            "a replay needs the measured iteration's steps, a link rate above 0, 2 or more hosts and ranks on each".into(),
+        ));
+    }
+    let mut out = Vec::new();
+    for &s in strategies {
+        out.push(one(bed, s, window_fill, 0.0)?);
+    }
+    if second_link_bytes_per_s > 0.0 {
+        let mut p = one(bed, Strategy::Capricorn, window_fill, second_link_bytes_per_s)?;
+        p.strategy = "capricorn-multilink".into();
+        out.push(p);
+    }
+    Ok(out)
+}
+
+fn one(bed: &Bed, strat: Strategy, fill: f64, second: f64) -> Result<Predicted> {
+    let host_state = bed.state_bytes_per_rank * bed.ranks_per_host as f64;
+    // CPU every host spends moving its replicas, all taken from the shared cores
+    let moved = if strat.in_memory() { host_state * bed.hosts as f64 } else { 0.0 };
+    let cpu_stretch = moved * bed.cpu_s_per_byte / bed.cores.max(1) as f64;
+    let compute_total: f64 = bed.steps.iter().map(|s| if let Step::Compute(c) = s { *c } else { 0.0 }).sum();
+    let scale = if compute_total > 0.0 { 1.0 + cpu_stretch / compute_total } else { 1.0 };
+    let windows = windows_of(bed)?;
+    let mut dag = Dag::default();
+    let cpu = dag.stream("host");
+    // a host's egress: one queue with deep buffers (socket buffers, the shaper's backlog), so a
+    // training message that arrives behind a checkpoint chunk waits for it
+    let link = dag.fifo_link("link", bed.link_bytes_per_s);
+    let link2 = dag.fifo_link("link b", second.max(1.0));
+    let storage = dag.link("storage", bed.storage_bytes_per_s_per_host.max(1.0), false);
+    let mut starts = Vec::new();
+    let mut prev_end: Option<OpId> = None;
+    let mut snaps: Vec<OpId> = Vec::new();
+    let mut writes: Vec<OpId> = Vec::new();
+    let mut sent: Vec<OpId> = Vec::new();
+    let mut chunks: Vec<Vec<(OpId, bool, bool)>> = Vec::new();
+    let predicted: Vec<PWindow> = as_profile(&windows, 0);
+    for it in 0..ITERATIONS {
+        let mut deps: Vec<OpId> = prev_end.into_iter().collect();
+        match strat {
+            Strategy::Blocking => deps.extend(writes.last()),
+            Strategy::Async => deps.extend(snaps.last()),
+            _ => {}
+        }
+        let start = dag.mark(format!("it{it} start"), deps);
+        starts.push(start);
+        let mut prev = start;
+        let mut comms = Vec::new();
+        for (k, st) in bed.steps.iter().enumerate() {
+            prev = match *st {
+                Step::Compute(c) => dag.compute(format!("it{it} compute {k}"), "compute", cpu, c * scale, vec![prev]),
+                Step::Comm { bytes, seconds } => {
+                    let wait = (seconds - bytes / bed.link_bytes_per_s).max(0.0);
+                    let x = dag.transfer(format!("it{it} comm {k}"), "train", link, bytes, wait, Class::Training, vec![prev]);
+                    comms.push(x);
+                    x
+                }
+            };
+        }
+        let end = prev;
+        let mut mine = Vec::new();
+        if strat.in_memory() && it > 0 {
+            let snap = *snaps.last().expect("the previous snapshot");
+            let total = host_state.round() as u64;
+            let plan = match (strat, second > 0.0) {
+                (Strategy::Capricorn, false) if it > 1 => {
+                    schedule::capricorn(total, &predicted, bed.link_bytes_per_s, fill, 1 << 20, u64::MAX)
+                }
+                (Strategy::Capricorn, true) if it > 1 => {
+                    let b = [PWindow {
+                        link: 1,
+                        offset_ns: 0,
+                        len_ns: ns(iteration_s(bed)),
+                        anchor: Anchor { at: None, ordinal: 0 },
+                        after_comm: None,
+                    }];
+                    schedule::capricorn_links(total, &[(&predicted, bed.link_bytes_per_s), (&b, second)], fill, 1 << 20, u64::MAX)
+                }
+                (Strategy::Gemini, _) if it > 1 => schedule::gemini(total, &predicted, bed.link_bytes_per_s, 0),
+                // nothing profiled yet: everything after the iteration's traffic
+                _ => schedule::capricorn(total, &[], 1.0, 1.0, 1, u64::MAX),
+            };
+            let mut last: [Option<OpId>; 2] = [None, None];
+            for (k, sc) in plan.iter().enumerate() {
+                let trigger = match sc.trigger {
+                    schedule::Trigger::Start => start,
+                    schedule::Trigger::AfterComm(c) => comms.get(c as usize).or(comms.last()).copied().unwrap_or(start),
+                    schedule::Trigger::At(t) => dag.delay(format!("it{it} timer {k}"), t as f64 * 1e-9, vec![start]),
+                    schedule::Trigger::End => end,
+                };
+                let slot = sc.link as usize;
+                let mut deps = vec![trigger, snap];
+                // one sender per link, in order
+                deps.extend(last[slot.min(1)]);
+                let res = if slot == 1 { link2 } else { link };
+                let x = dag.transfer(format!("it{it} chunk {k}"), "ckpt", res, sc.chunk.len as f64, 0.0, Class::Checkpoint, deps);
+                last[slot.min(1)] = Some(x);
+                mine.push((x, sc.trigger == schedule::Trigger::End, slot == 1));
+            }
+            let done: Vec<OpId> = last.iter().flatten().copied().collect();
+            sent.push(dag.mark(format!("it{it} sent"), done));
+        }
+        chunks.push(mine);
+        // after the optimizer step: the snapshot (training waits for it) and the writes
+        let snap_s = if strat == Strategy::None { 0.0 } else { bed.snapshot_s };
+        let mut sdeps = vec![end];
+        match strat {
+            // one host buffer: the next snapshot waits for the previous write
+            Strategy::Async => sdeps.extend(writes.last()),
+            // double buffer: the one being filled was sent two iterations ago
+            Strategy::Gemini | Strategy::Capricorn if sent.len() >= 2 => sdeps.push(sent[sent.len() - 2]),
+            _ => {}
+        }
+        let snap = dag.compute(format!("it{it} snapshot"), "ckpt", cpu, snap_s, sdeps);
+        snaps.push(snap);
+        if matches!(strat, Strategy::Blocking | Strategy::Async) {
+            writes.push(dag.transfer(format!("it{it} write"), "ckpt", storage, host_state, 0.0, Class::Checkpoint, vec![snap]));
+        }
+        prev_end = Some(match strat {
+            Strategy::Blocking => *writes.last().expect("written"),
+            _ => snap,
+        });
+    }
+    let tr = run(&dag)?;
+    let t = |o: OpId| tr.ops[o].end;
+    let mut iters = Vec::new();
+    for it in WARM..ITERATIONS - 1 {
+        iters.push(t(starts[it + 1]) - t(starts[it]));
+    }
+    let iter_time_s = iters.iter().sum::<f64>() / iters.len() as f64;
+    let training: Vec<(u32, u64, u64)> =
+        tr.spans.iter().filter(|sp| sp.res == link && sp.training_flows > 0).map(|sp| (0, ns(sp.t0), ns(sp.t1))).collect();
+    let acc: Vec<f64> = (WARM..ITERATIONS - 1)
+        .filter_map(|it| {
+            let spans: Vec<ChunkSpan> = chunks[it]
+                .iter()
+                .map(|&(op, leftover, other)| ChunkSpan {
+                    snapshot: it as u64,
+                    leftover,
+                    link: u32::from(other),
+                    start_ns: ns(tr.ops[op].start),
+                    end_ns: ns(tr.ops[op].end),
+                })
+                .collect();
+            partition_accuracy(&training, &spans, spans.len(), ns(t(starts[it + 1])))
+        })
+        .collect();
+    Ok(Predicted {
+        strategy: strat.name().into(),
+        iter_time_s,
+        partition_accuracy: (!acc.is_empty()).then(|| acc.iter().sum::<f64>() / acc.len() as f64),
+    })
+}
+
+fn ns(s: f64) -> u64 {
+    (s * 1e9).round().max(0.0) as u64
+}
+
+fn iteration_s(bed: &Bed) -> f64 {
+    bed.steps
+        .iter()
+        .map(|s| match s {
+            Step::Compute(c) => *c,
+            Step::Comm { seconds, .. } => *seconds,
+        })
+        .sum()
+}
+
+/// The link's idle windows in the measured iteration, as (after the k-th communication or
+/// the start, offset, length) in seconds: what the profiler would report.
+fn windows_of(bed: &Bed) -> Result<Vec<(Option<usize>, f64, f64)>> {
+    let mut out = Vec::new();
+    let (mut t, mut k) = (0.0, None);
+    let mut open = 0.0;
+    let mut comm_no = 0usize;
+    for st in &bed.steps {
+        match *st {
+            Step::Compute(c) => t += c,
+            Step::Comm { seconds, .. } => {
+                if t > open {
+                    out.push((k, open, t - open));
+                }
+                t += seconds;
+                open = t;
+                k = Some(comm_no);
+                comm_no += 1;
+            }
+        }
+    }
+    if t > open {
+        out.push((k, open, t - open));
+    }
+    Ok(out)
+}
+
+fn as_profile(w: &[(Option<usize>, f64, f64)], link: u32) -> Vec<PWindow> {
+    w.iter()
+        .enumerate()
+        .map(|(i, &(after, offset, len))| PWindow {
+            link,
+            offset_ns: ns(offset),
+            len_ns: ns(len),
+            anchor: Anchor { at: None, ordinal: i as u32 },
+            after_comm: after.map(|a| a as u32),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bed() -> Bed {
+        // 100 ms compute, a 10 ms communication of 1 MB, 100 ms compute, again: 420 ms
+        let steps = vec![
+            Step::Compute(0.1),
+            Step::Comm { bytes: 1e6, seconds: 0.01 },
+            Step::Compute(0.1),
+            Step::Comm { bytes: 1e6, seconds: 0.01 },
+            Step::Compute(0.2),
+        ];
+        Bed {
+            steps,
+            link_bytes_per_s: 1e8,
+            hosts: 2,
+            ranks_per_host: 2,
+            state_bytes_per_rank: 5e6,
+            storage_bytes_per_s_per_host: 1e7,
+            snapshot_s: 0.005,
+            cpu_s_per_byte: 0.0,
+            cores: 2,
+        }
+    }
+
+    #[test]
+    fn replayed_strategies_cost_what_their_mechanism_says() {
+        let p = replay(&bed(), &Strategy::ALL, 0.9, 0.0).unwrap();
+        let t = |s: &str| p.iter().find(|x| x.strategy == s).unwrap().iter_time_s;
+        assert!((t("none") - 0.42).abs() < 1e-6, "{}", t("none"));
+        // blocking: snapshot, then 10 MB at 10 MB/s
+        assert!((t("blocking") - (0.42 + 0.005 + 1.0)).abs() < 1e-6, "{}", t("blocking"));
+        // async: the write (1 s) paces the iterations
+        assert!((t("async") - 1.0).abs() < 0.01, "{}", t("async"));
+        // capricorn: 10 MB at 100 MB/s fits the windows: only the snapshot is exposed
+        assert!((t("capricorn") - 0.425).abs() < 1e-3, "{}", t("capricorn"));
+        assert_eq!(p.iter().find(|x| x.strategy == "capricorn").unwrap().partition_accuracy, Some(1.0));
+        // the CPU the emulated hosts spend on replicas stretches the compute
+        let b = Bed { cpu_s_per_byte: 1e-9, ..bed() };
+        let c = replay(&b, &[Strategy::Capricorn], 0.9, 0.0).unwrap()[0].iter_time_s;
+        // 2 hosts x 10 MB x 1 ns / 2 cores = 10 ms
+        assert!((c - 0.435).abs() < 2e-3, "{c}");
+        // a second idle link takes chunks too
+        let m = replay(&bed(), &[], 0.9, 1e8).unwrap();
+        assert_eq!(m[0].strategy, "capricorn-multilink");
+        assert!(replay(&Bed { steps: vec![], ..bed() }, &Strategy::ALL, 0.9, 0.0).is_err());
+    }
+}
