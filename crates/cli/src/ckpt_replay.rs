@@ -92,6 +92,105 @@ fn snapshot_probe(bytes: u64) -> Result<f64> {
     Ok(best)
 }
 
+/// `socket-probe`'s options: `--listen ADDR` (receive one connection into a replica buffer and
+/// checksum it) or `--connect ADDR --bytes N` (send N bytes in 256 KiB messages).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProbeArgs {
+    #[arg(long)]
+    pub listen: Option<std::net::SocketAddr>,
+    #[arg(long)]
+    pub connect: Option<std::net::SocketAddr>,
+    #[arg(long, default_value_t = 0)]
+    pub bytes: u64,
+}
+
+const PROBE_MSG: usize = 256 << 10;
+
+/// One end of the probe (what the replication path does with a checkpoint byte: the sender
+/// writes messages, the receiver copies them into a replica buffer and checksums it).
+pub fn probe_end(a: &ProbeArgs) -> Result<()> {
+    if let Some(addr) = a.listen {
+        let l = std::net::TcpListener::bind(addr).with_context(|| format!("socket probe: binding {addr}"))?;
+        let (mut s, _) = l.accept()?;
+        let mut replica: Vec<u8> = Vec::new();
+        let mut buf = vec![0u8; PROBE_MSG];
+        loop {
+            let n = s.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            replica.extend_from_slice(&buf[..n]);
+        }
+        std::hint::black_box(xxhash_rust::xxh3::xxh3_64(&replica));
+        return Ok(());
+    }
+    let Some(addr) = a.connect else { bail!("socket-probe: give --listen ADDR or --connect ADDR") };
+    // the listener may still be starting in its namespace
+    let deadline = Instant::now() + std::time::Duration::from_secs(10);
+    let mut s = loop {
+        match std::net::TcpStream::connect(addr) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(e) => return Err(e).with_context(|| format!("socket probe: connecting to {addr}")),
+        }
+    };
+    let msg = vec![3u8; PROBE_MSG];
+    let mut left = a.bytes as usize;
+    while left > 0 {
+        let n = left.min(PROBE_MSG);
+        s.write_all(&msg[..n])?;
+        left -= n;
+    }
+    Ok(())
+}
+
+/// CPU seconds per byte moved from host 0 to host 1 of the emulated cluster (both ends'
+/// processes, the kernel's work in their contexts included: veth, bridge, shaper), less the
+/// same probe moving nothing. None when the cluster is not up.
+fn emulated_socket_cpu(t: &crate::cluster::Topology) -> Result<Option<f64>> {
+    if !crate::cluster::status(t)? {
+        return Ok(None);
+    }
+    let exe = std::env::current_exe()?;
+    let run = |bytes: u64, port: u16| -> Result<f64> {
+        let addr = format!("{}:{port}", t.addr(1, 0));
+        let c0 = children_cpu_s();
+        let mut sink = std::process::Command::new("ip")
+            .args(["netns", "exec", &t.host_ns(1)])
+            .arg(&exe)
+            .args(["socket-probe", "--listen", &addr])
+            .spawn()
+            .context("starting the probe's receiver")?;
+        let src = std::process::Command::new("ip")
+            .args(["netns", "exec", &t.host_ns(0)])
+            .arg(&exe)
+            .args(["socket-probe", "--connect", &addr, "--bytes", &bytes.to_string()])
+            .status()
+            .context("running the probe's sender")?;
+        let rx = sink.wait()?;
+        if !src.success() || !rx.success() {
+            bail!("the socket probe across the emulated link failed ({src}, {rx})");
+        }
+        Ok(children_cpu_s() - c0)
+    };
+    const BYTES: u64 = 128 << 20;
+    let idle = run(0, 47_311)?;
+    let busy = run(BYTES, 47_312)?;
+    Ok(Some(((busy - idle) / BYTES as f64).max(0.0)))
+}
+
+fn children_cpu_s() -> f64 {
+    // SAFETY: getrusage fills the struct we own; RUSAGE_CHILDREN is a valid target.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut u) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
 /// CPU seconds (user + system, this process) per byte sent through a loopback TCP socket in
 /// 256 KiB messages and copied into a replica buffer that is then checksummed: what moving a
 /// checkpoint byte from one rank's memory to another's costs the machine.
@@ -270,7 +369,18 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
     eprintln!("probing this machine: one snapshot of {:.1} MB, and the CPU of a socket byte ...", m.state_bytes_per_rank / 1e6);
     // every rank snapshots at the same moment on the shared cores
     let snapshot_s = snapshot_probe(m.state_bytes_per_rank as u64)? * (ranks as f64 / cores as f64).max(1.0);
-    let cpu = socket_cpu_probe()?;
+    // the CPU a checkpoint byte costs: across the emulated link when its cluster is up (the
+    // path the run took), else over loopback (which misses the veth, bridge and shaper work)
+    let (cpu, path) = match emulated_socket_cpu(&topo)? {
+        Some(c) => (c, "across the emulated link"),
+        None => {
+            eprintln!(
+                "simulate ckpt: the emulated cluster of {} is down: probing over loopback, which misses the veth/bridge/shaper work (bring it up for the run's path)",
+                m.topology.display()
+            );
+            (socket_cpu_probe()?, "over loopback")
+        }
+    };
     let bed = Bed {
         steps: bed_steps,
         link_bytes_per_s: rate(0)?,
@@ -286,7 +396,7 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
     let fill = ironweave_ckpt::EngineConfig::default().window_fill;
     let pred: Vec<Predicted> = replay(&bed, &strategies, fill, if topo.links.len() > 1 { rate(1)? } else { 0.0 })?;
     println!(
-        "Replay of {} on {} ({} hosts x {} ranks, link {:.0} MB/s per host, {:.1} MB of state per rank, storage {}), probes: snapshot {:.1} ms, {:.2} ns of CPU per checkpoint byte",
+        "Replay of {} on {} ({} hosts x {} ranks, link {:.0} MB/s per host, {:.1} MB of state per rank, storage {}), probes: snapshot {:.1} ms, {:.2} ns of CPU per checkpoint byte {path}",
         dir.display(),
         m.topology.display(),
         topo.hosts,

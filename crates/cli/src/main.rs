@@ -97,6 +97,10 @@ enum Cmd {
     /// Per-rank body of `train --tp` (started by it).
     #[command(hide = true)]
     TpWorker(overlap::TpWorkerArgs),
+    /// One end of the socket probe `simulate ckpt --from-report` runs across the emulated link
+    /// (started by it inside a host's namespace).
+    #[command(hide = true)]
+    SocketProbe(ckpt_replay::ProbeArgs),
     /// Plan a parallel layout with a cost model and HiGHS.
     Plan {
         #[command(subcommand)]
@@ -475,6 +479,10 @@ fn run(cli: Cli) -> Result<i32> {
         Cmd::Bench { what: BenchCmd::Overlap(a), .. } => {
             launch::install_signal_handlers();
             overlap::bench(&a)?;
+            Ok(0)
+        }
+        Cmd::SocketProbe(a) => {
+            ckpt_replay::probe_end(&a)?;
             Ok(0)
         }
         Cmd::TpWorker(a) => {

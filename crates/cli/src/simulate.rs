@@ -46,6 +46,9 @@ pub struct SimArgs {
     /// Give training traffic priority over checkpoint traffic on every link.
     #[arg(long)]
     priority: bool,
+    /// ckpt: fraction of a predicted window Capricorn fills (default: the engine's, 0.9).
+    #[arg(long)]
+    window_fill: Option<f64>,
     /// Override the model's global batch (sequences per iteration), e.g. to scale it with the cluster.
     #[arg(long)]
     global_batch: Option<u32>,
@@ -197,7 +200,10 @@ fn run_ckpt(a: &SimArgs) -> Result<()> {
         }
         None => LoadSource::Synthetic(SyntheticLoad { seed: a.seed, ..Default::default() }),
     };
-    let opts = CkptOptions { iterations: a.iterations, priority: a.priority, load: Some(load), ..Default::default() };
+    let mut opts = CkptOptions { iterations: a.iterations, priority: a.priority, load: Some(load), ..Default::default() };
+    if let Some(f) = a.window_fill {
+        opts.window_fill = f;
+    }
     eprintln!("simulating {} iterations x {} strategies ...", opts.iterations, strategies.len());
     let rep = ckpt::simulate(&m, &c, &strategies, &opts)?;
     println!(

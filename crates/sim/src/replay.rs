@@ -87,17 +87,38 @@ pub fn replay(bed: &Bed, strategies: &[Strategy], window_fill: f64, second_link_
     }
     let mut out = Vec::new();
     for &s in strategies {
-        out.push(one(bed, s, window_fill, 0.0)?);
+        let p = if s == Strategy::Gemini {
+            // Gemini's spans are those of its last profiled start-up iteration, with its own
+            // replication running (the engine profiles iterations 1-3 and keeps the third's):
+            // replay once to see them, then again with them
+            let (_, seen) = one(bed, s, window_fill, 0.0, None)?;
+            one(bed, s, window_fill, 0.0, seen.get(GEMINI_PROFILED).map(Vec::as_slice))?.0
+        } else {
+            one(bed, s, window_fill, 0.0, None)?.0
+        };
+        out.push(p);
     }
     if second_link_bytes_per_s > 0.0 {
-        let mut p = one(bed, Strategy::Capricorn, window_fill, second_link_bytes_per_s)?;
+        let mut p = one(bed, Strategy::Capricorn, window_fill, second_link_bytes_per_s, None)?.0;
         p.strategy = "capricorn-multilink".into();
         out.push(p);
     }
     Ok(out)
 }
 
-fn one(bed: &Bed, strat: Strategy, fill: f64, second: f64) -> Result<Predicted> {
+/// Index of the iteration whose spans Gemini keeps (the engine's third, `gemini_profile_iters`).
+const GEMINI_PROFILED: usize = 2;
+
+/// One strategy replayed; also returns the training link's idle windows each replayed
+/// iteration showed (what a profiler would have seen). `gemini_spans`: Gemini's spans
+/// (default: the measured iteration's windows).
+fn one(
+    bed: &Bed,
+    strat: Strategy,
+    fill: f64,
+    second: f64,
+    gemini_spans: Option<&[PWindow]>,
+) -> Result<(Predicted, Vec<Vec<PWindow>>)> {
     let host_state = bed.state_bytes_per_rank * bed.ranks_per_host as f64;
     // CPU every host spends moving its replicas, all taken from the shared cores
     let moved = if strat.in_memory() { host_state * bed.hosts as f64 } else { 0.0 };
@@ -119,6 +140,8 @@ fn one(bed: &Bed, strat: Strategy, fill: f64, second: f64) -> Result<Predicted> 
     let mut sent: Vec<OpId> = Vec::new();
     let mut chunks: Vec<Vec<(OpId, bool, bool)>> = Vec::new();
     let predicted: Vec<PWindow> = as_profile(&windows, 0);
+    let spans: Vec<PWindow> = gemini_spans.map(<[PWindow]>::to_vec).unwrap_or_else(|| predicted.clone());
+    let mut comms_of: Vec<Vec<OpId>> = Vec::new();
     for it in 0..ITERATIONS {
         let mut deps: Vec<OpId> = prev_end.into_iter().collect();
         match strat {
@@ -142,6 +165,7 @@ fn one(bed: &Bed, strat: Strategy, fill: f64, second: f64) -> Result<Predicted> 
             };
         }
         let end = prev;
+        comms_of.push(comms.clone());
         let mut mine = Vec::new();
         if strat.in_memory() && it > 0 {
             let snap = *snaps.last().expect("the previous snapshot");
@@ -160,7 +184,7 @@ fn one(bed: &Bed, strat: Strategy, fill: f64, second: f64) -> Result<Predicted> 
                     }];
                     schedule::capricorn_links(total, &[(&predicted, bed.link_bytes_per_s), (&b, second)], fill, 1 << 20, u64::MAX)
                 }
-                (Strategy::Gemini, _) if it > 1 => schedule::gemini(total, &predicted, bed.link_bytes_per_s, 0),
+                (Strategy::Gemini, _) if it > 1 => schedule::gemini(total, &spans, bed.link_bytes_per_s, 0),
                 // nothing profiled yet: everything after the iteration's traffic
                 _ => schedule::capricorn(total, &[], 1.0, 1.0, 1, u64::MAX),
             };
@@ -229,11 +253,30 @@ fn one(bed: &Bed, strat: Strategy, fill: f64, second: f64) -> Result<Predicted> 
             partition_accuracy(&training, &spans, spans.len(), ns(t(starts[it + 1])))
         })
         .collect();
-    Ok(Predicted {
-        strategy: strat.name().into(),
-        iter_time_s,
-        partition_accuracy: (!acc.is_empty()).then(|| acc.iter().sum::<f64>() / acc.len() as f64),
-    })
+    // the idle windows of every iteration but the last, as the profiler would report them
+    let seen: Vec<Vec<PWindow>> = (0..ITERATIONS - 1)
+        .map(|it| {
+            let (t0, t1) = (t(starts[it]), t(starts[it + 1]));
+            let mut steps = Vec::new();
+            let mut cursor = t0;
+            for &c in &comms_of[it] {
+                let (a, b) = (tr.ops[c].start.max(cursor), tr.ops[c].end);
+                steps.push(Step::Compute(a - cursor));
+                steps.push(Step::Comm { bytes: 0.0, seconds: (b - a).max(0.0) });
+                cursor = b.max(cursor);
+            }
+            steps.push(Step::Compute((t1 - cursor).max(0.0)));
+            as_profile(&windows_of(&Bed { steps, ..bed.clone() }).unwrap_or_default(), 0)
+        })
+        .collect();
+    Ok((
+        Predicted {
+            strategy: strat.name().into(),
+            iter_time_s,
+            partition_accuracy: (!acc.is_empty()).then(|| acc.iter().sum::<f64>() / acc.len() as f64),
+        },
+        seen,
+    ))
 }
 
 fn ns(s: f64) -> u64 {

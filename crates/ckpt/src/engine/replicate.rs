@@ -125,8 +125,9 @@ impl Sched {
             }
         }
         if self.open && self.releaser.as_ref().is_some_and(|r| r.pending() == 0) {
-            // End goes on the first link; the holder acknowledges once it has every byte too
-            for tx in self.txs.iter().filter_map(|p| p.first()) {
+            // End goes on the first link (the holder acknowledges once it has every byte too);
+            // the other links' threads let go of the snapshot, so its buffer can be reused
+            for tx in self.txs.iter().flatten() {
                 let _ = tx.send(Job::End);
             }
             self.open = false;
@@ -242,6 +243,9 @@ pub(crate) fn send_loop(cx: SenderCtx, rx: Receiver<Job>) {
                 }
                 Job::End => {
                     let Some(snap) = cur.take() else { return Ok(()) };
+                    if cx.slot != 0 {
+                        return Ok(());
+                    }
                     let mut end = vec![MSG_END];
                     end.extend_from_slice(&snap.iter.to_le_bytes());
                     cx.first.send_bytes(h, TAG_DATA, &end)?;
