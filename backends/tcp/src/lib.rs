@@ -275,6 +275,7 @@ fn accept_all(
 ) -> Result<Vec<(usize, usize, TcpStream)>> {
     let mut got: Vec<(usize, usize, TcpStream)> = Vec::new();
     let mut dropped = 0usize;
+    let start = Instant::now();
     listener.set_nonblocking(true).map_err(|e| Error::io("listener", &e))?;
     while got.len() < expected {
         if stop.load(Ordering::SeqCst) {
@@ -286,7 +287,8 @@ fn accept_all(
                     "waiting for {} of {expected} peer connections on link {link} ({dropped} garbage connections dropped)",
                     expected - got.len()
                 ),
-                after: Duration::ZERO,
+                // zero when the deadline had passed before the wait began: the message says so
+                after: start.elapsed().min(deadline.saturating_duration_since(start)),
             });
         }
         match listener.accept() {

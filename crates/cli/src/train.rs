@@ -189,7 +189,8 @@ pub struct Report {
     #[serde(default)]
     pub dp_hidden_s: Vec<f64>,
     /// Where each rank's state came from in the last recovery: "own memory", "peer",
-    /// "persistent" ("" when it never restored).
+    /// "persistent", "initial state" (nothing was committed: started over), "" when it never
+    /// restored.
     #[serde(default)]
     pub restore_sources: Vec<String>,
     /// The ranks holding a replica of each rank's snapshots.
@@ -363,6 +364,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
     let mut engine: Option<Engine> = None;
     let mut rep = Report { config: cfg.name.clone(), strategy: a.ckpt.clone(), iterations: iters, ..Default::default() };
     let mut need_restore = gen > 0;
+    let mut initial: Option<ironweave_train::model::Params> = None;
     // where this rank's state came from in its last recovery (0: none, 1: own memory, 2: a
     // peer's replica, 3: the persistent tier)
     let mut last_source = 0u8;
@@ -389,8 +391,11 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         // a fresh trainer per generation (its communicator is new); parameters come back from
         // the restore, or from the seed at generation 0
         let mut tr = Trainer::distributed(cfg.clone(), corpus.clone(), dist)?;
-        if let Some(old) = trainer.take() {
-            tr.params = old.params;
+        match trainer.take() {
+            Some(old) => tr.params = old.params,
+            // this process's first trainer: the seed's initial state, kept to start over from
+            // when a failure comes before anything was committed
+            None => initial = Some(tr.params.clone()),
         }
         match engine.as_mut() {
             Some(e) => e.rebind(comm.clone())?,
@@ -415,19 +420,42 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         let r = (|| -> Result<()> {
             let mut start = 1;
             if need_restore {
-                let r = e.restore_latest()?;
-                last_source = match r.source {
-                    ironweave_ckpt::Source::Local => 1,
-                    ironweave_ckpt::Source::Peer(_) => 2,
-                    ironweave_ckpt::Source::Persistent => 3,
-                };
-                tr.load_state(|name| r.snapshot.tensor(name).map(<[u8]>::to_vec))?;
-                rep.recoveries += 1;
-                if rank == 0 {
-                    // said even with --quiet: a recovery is news
-                    println!("recovered: every rank restored iteration {} (rank 0 from {:?})", r.iter, r.source);
+                match e.restore_latest() {
+                    Ok(r) => {
+                        last_source = match r.source {
+                            ironweave_ckpt::Source::Local => 1,
+                            ironweave_ckpt::Source::Peer(_) => 2,
+                            ironweave_ckpt::Source::Persistent => 3,
+                        };
+                        tr.load_state(|name| r.snapshot.tensor(name).map(<[u8]>::to_vec))?;
+                        rep.recoveries += 1;
+                        if rank == 0 {
+                            // said even with --quiet: a recovery is news
+                            println!("recovered: every rank restored iteration {} (rank 0 from {:?})", r.iter, r.source);
+                        }
+                        start = r.iter + 1;
+                    }
+                    Err(err @ ironweave_ckpt::CkptError::NothingToRestore { .. }) => {
+                        // every rank got the same answer (the choice is collective); was
+                        // anything ever committed? (a restarted rank remembers nothing)
+                        let mut c = [e.committed().map_or(-1, |i| i as i64)];
+                        e.comm().all_reduce(&mut c, ironweave_transport::ReduceOp::Max)?;
+                        if c[0] >= 0 {
+                            return Err(anyhow::Error::new(err)
+                                .context(format!("iteration {} was committed and every copy of it is gone", c[0])));
+                        }
+                        // nothing was committed, so nothing is lost: every rank starts over
+                        // from the seed's initial state (training is deterministic)
+                        tr.params = initial.clone().context("the initial state was not kept")?;
+                        e.start_over();
+                        last_source = 4;
+                        rep.recoveries += 1;
+                        if rank == 0 {
+                            println!("recovered: nothing was committed yet; every rank starts over from the initial state");
+                        }
+                    }
+                    Err(other) => return Err(other.into()),
                 }
-                start = r.iter + 1;
             }
             let progress = (rank == 0).then(|| Progress::new("iter", start - 1, iters, Mode::detect()));
             let mut last_load: Option<ExpertLoad> = None;
@@ -503,7 +531,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         rep.ckpt_bytes_replicated = v[0];
         rep.ckpt_bytes_inter_host_sent = v[1];
         rep.ckpt_bytes_storage = v[2];
-        rep.ckpt_bytes_per_link = v[3..3 + e.link_ids().len()].to_vec();
+        rep.ckpt_bytes_per_link = v[3..].to_vec();
         rep.state_bytes_per_rank = e.registry().total;
         rep.storage_bytes_per_s_per_rank = a.storage_bytes_per_s;
     }
@@ -516,6 +544,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
             1 => "own memory",
             2 => "peer",
             3 => "persistent",
+            4 => "initial state",
             _ => "",
         })
         .map(String::from)

@@ -107,8 +107,10 @@ fn bench_ckpt_rows_carry_their_mechanism_and_replay() {
     let topo = dir.join("topo.toml");
     std::fs::write(
         &topo,
-        "name = \"iwckb\"\nhosts = 2\n[[links]]\nname = \"a\"\nrate = \"1gbit\"\nsubnet = \"10.233.21.0/24\"\n\
-         [[links]]\nname = \"b\"\nrate = \"300mbit\"\nsubnet = \"10.233.22.0/24\"\n",
+        // the training link slow enough that its short windows hold less than a chunk (so the
+        // idle second link is where chunks must go, whatever the timing)
+        "name = \"iwckb\"\nhosts = 2\n[[links]]\nname = \"a\"\nrate = \"100mbit\"\nsubnet = \"10.233.21.0/24\"\n\
+         [[links]]\nname = \"b\"\nrate = \"1gbit\"\nsubnet = \"10.233.22.0/24\"\n",
     )
     .unwrap();
     let out_dir = dir.join("out");

@@ -49,6 +49,12 @@ fn kill_9_mid_backward_recovers_to_the_same_final_state() {
     assert!(both["recoveries"].as_u64().unwrap() >= 1, "{both}");
     assert_eq!(clean["final_state_sha256"], both["final_state_sha256"]);
     assert_eq!(clean["loss"], both["loss"], "the restarted rank 0 still reports every iteration");
+    // a kill before anything was committed (issue 17's report: it used to give up after
+    // re-forming eight times): nothing is lost, every rank starts over from the initial state
+    let early = train(&base.join("early"), Some("rank=2,iter=1"));
+    assert_eq!(clean["final_state_sha256"], early["final_state_sha256"], "{early}");
+    let sources: Vec<&str> = early["restore_sources"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
+    assert_eq!(sources, ["initial state"; 4], "{early}");
     let loss = clean["loss"].as_array().unwrap();
     assert!(loss.last().unwrap().as_f64().unwrap() < loss[0].as_f64().unwrap() - 1.0, "{loss:?}");
     assert_eq!(clean["last_committed_iter"], 30);

@@ -21,7 +21,7 @@ pub enum Error {
     #[error("the link was aborted earlier: {reason}")]
     Aborted { reason: String },
     /// A blocking call passed its deadline.
-    #[error("{what} did not complete within {after:?}: a peer is stuck, dead or runs a different sequence of operations (raise IRONWEAVE_TIMEOUT_S if it is just slow)")]
+    #[error("{}", timeout_message(what, after))]
     Timeout { what: String, after: Duration },
     /// Sizes disagree between ranks (or with the counts the caller gave).
     #[error("length mismatch in {op}: expected {expected} bytes from rank {peer}, got {got}: every rank must pass buffers of matching size")]
@@ -66,3 +66,30 @@ impl Error {
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A timeout said as it happened: after how long, or that the deadline had passed before the
+/// wait began (an earlier step of the same operation used up the time).
+fn timeout_message(what: &str, after: &Duration) -> String {
+    if after.is_zero() {
+        format!(
+            "{what} did not complete: its deadline had already passed when it began (an earlier step used up the time: a peer is stuck, dead or runs a different sequence of operations; raise IRONWEAVE_TIMEOUT_S if it is just slow)"
+        )
+    } else {
+        format!(
+            "{what} did not complete within {after:?}: a peer is stuck, dead or runs a different sequence of operations (raise IRONWEAVE_TIMEOUT_S if it is just slow)"
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_deadline_passed_before_the_wait_says_so() {
+        let late = Error::Timeout { what: "connecting to 10.0.0.1:5".into(), after: Duration::ZERO }.to_string();
+        assert!(late.contains("deadline had already passed") && !late.contains("0ns"), "{late}");
+        let slow = Error::Timeout { what: "receive from rank 1".into(), after: Duration::from_secs(3) }.to_string();
+        assert!(slow.contains("did not complete within 3s"), "{slow}");
+    }
+}

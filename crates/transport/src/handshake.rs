@@ -155,6 +155,7 @@ pub fn connect(
 /// Connects to `addr`, retrying refused connections until `deadline` (the server may not be
 /// listening yet).
 pub fn connect_retry(addr: std::net::SocketAddr, deadline: Instant) -> Result<TcpStream> {
+    let start = Instant::now();
     let mut last = None;
     while Instant::now() < deadline {
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
@@ -171,6 +172,7 @@ pub fn connect_retry(addr: std::net::SocketAddr, deadline: Instant) -> Result<Tc
     }
     Err(Error::Timeout {
         what: format!("connecting to {addr} (last error: {})", last.map(|e| e.to_string()).unwrap_or_else(|| "none".into())),
-        after: Duration::ZERO,
+        // zero when the deadline had passed before the first attempt: the message says so
+        after: start.elapsed().min(deadline.saturating_duration_since(start)),
     })
 }

@@ -341,8 +341,8 @@ impl Engine {
             durable: None,
             rate: Arc::new(Mutex::new(vec![(0.0, 0.0); link_ids.len()])),
             declared: vec![0.0; link_ids.len()],
+            counters: Arc::new(Counters::new(link_ids.len())),
             link_ids,
-            counters: Arc::new(Counters::default()),
             storage,
             exposed_ns: 0,
             cfg,
@@ -810,6 +810,16 @@ impl Engine {
     /// Problems the background threads met (a holder that died, a corrupt transfer).
     pub fn failures(&self) -> Vec<String> {
         lock(&self.shared).failures.clone()
+    }
+
+    /// Forget every snapshot, replica and acknowledgement (collectively, on every rank): the
+    /// job starts over from its initial state because nothing was ever committed.
+    pub fn start_over(&mut self) {
+        self.forget_memory_for_test();
+        lock_sched(&self.sched).releaser = None;
+        self.committed = None;
+        self.durable = None;
+        self.sending = None;
     }
 
     /// Test hook: forget everything held in memory (as a restarted process would).

@@ -70,11 +70,18 @@ pub struct Counters {
     pub replica_bytes: AtomicU64,
     /// Of which to holders on another host.
     pub replica_bytes_inter_host: AtomicU64,
-    /// Replica bytes sent per link slot (index in `EngineConfig::links` order; slot 0 is the
-    /// training link).
-    pub replica_bytes_per_link: [AtomicU64; 4],
+    /// Replica bytes sent per link slot (slot 0: the training link, then
+    /// `EngineConfig::extra_links` in order).
+    pub replica_bytes_per_link: Vec<AtomicU64>,
     /// Bytes written to the persistent tier.
     pub storage_bytes: AtomicU64,
+}
+
+impl Counters {
+    /// Zeroed counters for `links` link slots.
+    pub fn new(links: usize) -> Self {
+        Counters { replica_bytes_per_link: (0..links).map(|_| AtomicU64::new(0)).collect(), ..Default::default() }
+    }
 }
 
 /// One job of a sender thread.
