@@ -1,0 +1,382 @@
+//! ironweave-shard: sharded data parallelism, framework-light (like the checkpoint engine, it
+//! owns flat per-layer buffers and their shards; the model supplies the compute).
+//!
+//! Per layer, the parameters, their gradients and both Adam moments are held as shards. Before
+//! a layer's forward (and again before its backward) its parameters are all-gathered —
+//! [`ShardEngine::start_gather`] returns a handle, so the next layer's gather can be in flight
+//! while the current one computes; after its backward its gradients are reduce-scattered
+//! ([`ShardEngine::start_reduce`]); [`ShardEngine::step`] runs Adam on the local shards only.
+//! Gathered parameters belong to the caller and are dropped after use.
+//!
+//! Strategies ([`Strategy`]):
+//! - `replicated`: plain data parallelism (every rank holds everything; gradients all-reduced);
+//! - `full` (FSDP FULL_SHARD): one group of all ranks;
+//! - `hybrid` (HYBRID_SHARD): sharded within the host, each shard's gradients all-reduced
+//!   across hosts;
+//! - `hsdp`: each layer's parameters split by a fraction into a part sharded over all ranks
+//!   and a part sharded within the host (its shard gradients all-reduced across hosts); the
+//!   groups' collectives run **at the same time on different links** — each group is a
+//!   communicator on its own link (`on_link` + `split`), with its own collective thread.
+//!
+//! Where it sits: above `ironweave-transport` (groups, non-blocking collectives), below the
+//! trainer and the CLI. No IO besides the collectives; no clock.
+
+use std::sync::Arc;
+
+use ironweave_transport::{CollHandle, Communicator, ReduceOp};
+use serde::{Deserialize, Serialize};
+
+/// Errors of the sharded engine.
+#[derive(Debug, thiserror::Error)]
+pub enum ShardError {
+    /// A collective failed.
+    #[error(transparent)]
+    Transport(#[from] ironweave_transport::Error),
+    /// Arguments that cannot work.
+    #[error("invalid: {0}")]
+    Invalid(String),
+}
+
+/// Result of this crate.
+pub type Result<T> = std::result::Result<T, ShardError>;
+
+/// How model states are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Every rank holds everything; gradients all-reduced over all ranks.
+    Replicated,
+    /// FSDP FULL_SHARD: sharded over all ranks.
+    Full,
+    /// HYBRID_SHARD: sharded within the host, shard gradients all-reduced across hosts.
+    Hybrid,
+    /// Each layer split between a `full` part and a `hybrid` part by the plan's fraction.
+    Hsdp,
+}
+
+impl Strategy {
+    /// Name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Replicated => "replicated",
+            Strategy::Full => "full",
+            Strategy::Hybrid => "hybrid",
+            Strategy::Hsdp => "hsdp",
+        }
+    }
+    /// Parse a name.
+    pub fn parse(s: &str) -> Result<Self> {
+        [Strategy::Replicated, Strategy::Full, Strategy::Hybrid, Strategy::Hsdp]
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| ShardError::Invalid(format!("unknown sharding strategy `{s}` (replicated, full, hybrid, hsdp)")))
+    }
+}
+
+/// The communicators a rank's shards travel over.
+#[derive(Debug, Clone)]
+pub struct Groups {
+    /// All ranks (the `full` part; `replicated`'s all-reduce), on its link.
+    pub world: Arc<Communicator>,
+    /// The ranks of this rank's host (the `hybrid` part's shards).
+    pub intra: Arc<Communicator>,
+    /// The ranks with this rank's place on every host (the `hybrid` part's all-reduce of shard
+    /// gradients), on its link.
+    pub inter: Arc<Communicator>,
+}
+
+impl Groups {
+    /// Groups of `world` with `ranks_per_host` consecutive ranks per host: the all-rank group
+    /// on link `full_link`, the cross-host group on link `inter_link` (different links: their
+    /// collectives run at once), the host group on the world's first link. Collective: every
+    /// rank calls it.
+    pub fn new(world: &Communicator, ranks_per_host: usize, full_link: usize, inter_link: usize) -> Result<Self> {
+        let (n, r) = (world.size(), world.rank());
+        let k = ranks_per_host.max(1);
+        if n % k != 0 {
+            return Err(ShardError::Invalid(format!("{n} ranks do not make hosts of {k}")));
+        }
+        let full = world.on_link(full_link)?.split(0, r as u32)?;
+        let intra = world.on_link(0)?.split((r / k) as u32, r as u32)?;
+        let inter = world.on_link(inter_link)?.split((r % k) as u32, r as u32)?;
+        Ok(Groups { world: Arc::new(full), intra: Arc::new(intra), inter: Arc::new(inter) })
+    }
+}
+
+/// Adam's settings (the same update as the replicated trainer's, element by element, so a
+/// sharded step equals a replicated one).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct Adam {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+}
+
+impl Default for Adam {
+    fn default() -> Self {
+        Adam { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+    }
+}
+
+/// AdamW on one block: parameters, moments and the averaged gradient, step `t` (from 1).
+pub fn adam_update(a: &Adam, t: u64, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+    let (b1t, b2t) = (1.0 - a.beta1.powi(t as i32), 1.0 - a.beta2.powi(t as i32));
+    for i in 0..p.len() {
+        m[i] = a.beta1 * m[i] + (1.0 - a.beta1) * g[i];
+        v[i] = a.beta2 * v[i] + (1.0 - a.beta2) * g[i] * g[i];
+        let upd = (m[i] / b1t) / ((v[i] / b2t).sqrt() + a.eps);
+        p[i] -= a.lr * (upd + a.weight_decay * p[i]);
+    }
+}
+
+/// One part of a layer: a contiguous range of its parameters, sharded over a group of `n`
+/// (padded to a multiple of `n`); this rank holds block `me`.
+#[derive(Debug, Clone)]
+struct Part {
+    /// Elements of the layer in this part.
+    len: usize,
+    /// Padded block size.
+    block: usize,
+    p: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    /// The averaged gradient of this rank's block, when reduced.
+    g: Option<Vec<f32>>,
+}
+
+impl Part {
+    fn new(values: &[f32], n: usize, me: usize) -> Part {
+        let block = values.len().div_ceil(n.max(1));
+        let mut p = vec![0.0; block];
+        let lo = (me * block).min(values.len());
+        let hi = ((me + 1) * block).min(values.len());
+        p[..hi - lo].copy_from_slice(&values[lo..hi]);
+        Part { len: values.len(), block, m: vec![0.0; block], v: vec![0.0; block], p, g: None }
+    }
+}
+
+/// Which group a part's shards live on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Over {
+    /// Every rank holds all of it (replicated).
+    Nobody,
+    /// Sharded over all ranks.
+    World,
+    /// Sharded within the host, gradients all-reduced across hosts.
+    Host,
+}
+
+#[derive(Debug, Clone)]
+struct Layer {
+    /// (group, part): the first part is elements `[0, parts[0].len)`, the second the rest.
+    parts: Vec<(Over, Part)>,
+}
+
+/// A gather in flight: the layer's full parameters once waited.
+pub struct Gather {
+    parts: Vec<GatherPart>,
+}
+
+/// One part of a gather: in flight on its group, or this rank's own copy (replicated).
+struct GatherPart {
+    handle: Option<CollHandle<Vec<f32>>>,
+    len: usize,
+    local: Vec<f32>,
+}
+
+impl std::fmt::Debug for Gather {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gather").field("parts", &self.parts.len()).finish()
+    }
+}
+
+impl Gather {
+    /// The layer's full parameters.
+    pub fn wait(self) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        for p in self.parts {
+            let mut all = match p.handle {
+                Some(h) => h.wait()?,
+                None => p.local,
+            };
+            all.truncate(p.len);
+            out.extend_from_slice(&all);
+        }
+        Ok(out)
+    }
+}
+
+/// Gradient reductions in flight for one layer.
+pub struct Reduce {
+    layer: usize,
+    handles: Vec<(usize, CollHandle<Vec<f32>>)>,
+}
+
+impl std::fmt::Debug for Reduce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reduce").field("layer", &self.layer).field("parts", &self.handles.len()).finish()
+    }
+}
+
+/// The sharded engine of one rank.
+pub struct ShardEngine {
+    groups: Groups,
+    strategy: Strategy,
+    layers: Vec<Layer>,
+    adam: Adam,
+    t: u64,
+}
+
+impl std::fmt::Debug for ShardEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardEngine").field("strategy", &self.strategy).field("layers", &self.layers.len()).finish()
+    }
+}
+
+impl ShardEngine {
+    /// Shard `layers` (each layer's full initial parameters, the same on every rank) under
+    /// `strategy`; `fractions[l]` is the share of layer `l` sharded over all ranks under `hsdp`
+    /// (ignored otherwise; the plan's `x`).
+    pub fn new(groups: Groups, strategy: Strategy, layers: &[Vec<f32>], fractions: &[f64], adam: Adam) -> Result<Self> {
+        if strategy == Strategy::Hsdp && fractions.len() != layers.len() {
+            return Err(ShardError::Invalid(format!(
+                "hsdp needs one fraction per layer: {} layers, {} fractions",
+                layers.len(),
+                fractions.len()
+            )));
+        }
+        if let Some(f) = fractions.iter().find(|f| !(0.0..=1.0).contains(*f)) {
+            return Err(ShardError::Invalid(format!("fraction {f} is outside [0, 1]")));
+        }
+        let (wn, wr) = (groups.world.size(), groups.world.rank());
+        let (hn, hr) = (groups.intra.size(), groups.intra.rank());
+        let layers = layers
+            .iter()
+            .enumerate()
+            .map(|(l, w)| {
+                let split = match strategy {
+                    Strategy::Replicated | Strategy::Full | Strategy::Hybrid => w.len(),
+                    Strategy::Hsdp => (w.len() as f64 * fractions[l]).round() as usize,
+                };
+                let (a, b) = w.split_at(split.min(w.len()));
+                let mut parts = Vec::new();
+                if !a.is_empty() {
+                    parts.push(match strategy {
+                        Strategy::Replicated => (Over::Nobody, Part::new(a, 1, 0)),
+                        Strategy::Hybrid => (Over::Host, Part::new(a, hn, hr)),
+                        _ => (Over::World, Part::new(a, wn, wr)),
+                    });
+                }
+                if !b.is_empty() {
+                    parts.push((Over::Host, Part::new(b, hn, hr)));
+                }
+                Layer { parts }
+            })
+            .collect();
+        Ok(ShardEngine { groups, strategy, layers, adam, t: 0 })
+    }
+
+    /// The strategy.
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    /// Layers.
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn group(&self, over: Over) -> &Communicator {
+        match over {
+            Over::World | Over::Nobody => &self.groups.world,
+            Over::Host => &self.groups.intra,
+        }
+    }
+
+    /// Starts gathering layer `l`'s parameters (each part on its group, at once).
+    pub fn start_gather(&self, l: usize) -> Result<Gather> {
+        let layer = self.layers.get(l).ok_or_else(|| ShardError::Invalid(format!("no layer {l}")))?;
+        let mut parts = Vec::new();
+        for (over, part) in &layer.parts {
+            parts.push(match over {
+                Over::Nobody => GatherPart { handle: None, len: part.len, local: part.p.clone() },
+                _ => {
+                    GatherPart { handle: Some(self.group(*over).iall_gather(part.p.clone())?), len: part.len, local: Vec::new() }
+                }
+            });
+        }
+        Ok(Gather { parts })
+    }
+
+    /// Starts reducing layer `l`'s full gradient (this rank's batch): each part reduce-scattered
+    /// over its group (the host part then all-reduced across hosts when the reduce-scatter
+    /// ends, in [`Self::finish_reduce`]); `replicated` all-reduces the whole.
+    pub fn start_reduce(&self, l: usize, grad: &[f32]) -> Result<Reduce> {
+        let layer = self.layers.get(l).ok_or_else(|| ShardError::Invalid(format!("no layer {l}")))?;
+        let total: usize = layer.parts.iter().map(|p| p.1.len).sum();
+        if grad.len() != total {
+            return Err(ShardError::Invalid(format!("layer {l} has {total} parameters, the gradient {}", grad.len())));
+        }
+        let mut handles = Vec::new();
+        let mut at = 0;
+        for (k, (over, part)) in layer.parts.iter().enumerate() {
+            let g = &grad[at..at + part.len];
+            at += part.len;
+            let h = match over {
+                Over::Nobody => self.groups.world.iall_reduce(g.to_vec(), ReduceOp::Sum)?,
+                _ => {
+                    let n = self.group(*over).size();
+                    let mut padded = g.to_vec();
+                    padded.resize(part.block * n, 0.0);
+                    self.group(*over).ireduce_scatter(padded, ReduceOp::Sum)?
+                }
+            };
+            handles.push((k, h));
+        }
+        Ok(Reduce { layer: l, handles })
+    }
+
+    /// Waits for a layer's reductions and keeps this rank's averaged gradient blocks.
+    pub fn finish_reduce(&mut self, r: Reduce) -> Result<()> {
+        let world = self.groups.world.size() as f32;
+        // the host parts' cross-host all-reduces start as soon as their reduce-scatters end,
+        // all before any is waited
+        let mut stage2 = Vec::new();
+        for (k, h) in r.handles {
+            let over = self.layers[r.layer].parts[k].0;
+            let g = h.wait()?;
+            if over == Over::Host && self.groups.inter.size() > 1 {
+                stage2.push((k, self.groups.inter.iall_reduce(g, ReduceOp::Sum)?));
+            } else {
+                self.layers[r.layer].parts[k].1.g = Some(g.into_iter().map(|x| x / world).collect());
+            }
+        }
+        for (k, h) in stage2 {
+            self.layers[r.layer].parts[k].1.g = Some(h.wait()?.into_iter().map(|x| x / world).collect());
+        }
+        Ok(())
+    }
+
+    /// One Adam step on every local shard (each layer's gradients must have been reduced).
+    pub fn step(&mut self) -> Result<()> {
+        self.t += 1;
+        let (a, t) = (self.adam, self.t);
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            for (_, part) in layer.parts.iter_mut() {
+                let g = part
+                    .g
+                    .take()
+                    .ok_or_else(|| ShardError::Invalid(format!("layer {l}: step before its gradients were reduced")))?;
+                adam_update(&a, t, &mut part.p, &mut part.m, &mut part.v, &g);
+            }
+        }
+        Ok(())
+    }
+
+    /// Parameters, gradients and both Adam moments this rank holds between iterations, bytes.
+    pub fn state_bytes(&self) -> u64 {
+        self.layers.iter().flat_map(|l| l.parts.iter()).map(|(_, p)| (p.p.len() * 4 * 4) as u64).sum()
+    }
+}
