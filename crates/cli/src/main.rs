@@ -17,6 +17,7 @@ mod plan;
 mod progress;
 mod report;
 mod scaling;
+mod sdp;
 mod selftest;
 mod simulate;
 mod snapbench;
@@ -97,6 +98,9 @@ enum Cmd {
     /// Per-rank body of `train --tp` (started by it).
     #[command(hide = true)]
     TpWorker(overlap::TpWorkerArgs),
+    /// Per-rank body of `train --sdp` (started by it).
+    #[command(hide = true)]
+    SdpWorker(sdp::SdpWorkerArgs),
     /// One end of the socket probe `simulate ckpt --from-report` runs across the emulated link
     /// (started by it inside a host's namespace).
     #[command(hide = true)]
@@ -479,6 +483,10 @@ fn run(cli: Cli) -> Result<i32> {
         Cmd::Bench { what: BenchCmd::Overlap(a), .. } => {
             launch::install_signal_handlers();
             overlap::bench(&a)?;
+            Ok(0)
+        }
+        Cmd::SdpWorker(a) => {
+            sdp::worker(&a)?;
             Ok(0)
         }
         Cmd::SocketProbe(a) => {

@@ -126,6 +126,17 @@ pub struct TrainArgs {
     /// Sequences per data-parallel replica per iteration (default: the config's `batch`).
     #[arg(long)]
     pub batch: Option<usize>,
+    /// Sharded data parallelism of a dense config (configs/gpt-sdp.toml): replicated, full
+    /// (FULL_SHARD), hybrid (HYBRID_SHARD) or hsdp (with --sdp-plan). No checkpoints yet.
+    #[arg(long)]
+    pub sdp: Option<String>,
+    /// hsdp's per-layer split from `ironweave plan sdp --json plan.json`.
+    #[arg(long)]
+    pub sdp_plan: Option<PathBuf>,
+    /// Links of the all-rank part and of the cross-host all-reduce: full=LINK,inter=LINK
+    /// (default: the job's first and last link).
+    #[arg(long)]
+    pub sdp_links: Option<String>,
     /// Bandwidth of the persistent tier per host, as `tc` writes rates (`200mbit`, `1gbit`):
     /// emulated remote storage, enforced by a token bucket in each rank's writer (the host's
     /// ranks share it equally). Default: the local disk, unpaced.
@@ -156,6 +167,9 @@ impl TrainArgs {
             tp_plan: None,
             batch: None,
             storage_rate: None,
+            sdp: None,
+            sdp_plan: None,
+            sdp_links: None,
         }
     }
 }
@@ -634,6 +648,12 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
 
 /// `ironweave train`: launches the ranks, prints the summary; returns the exit status.
 pub fn run(a: &TrainArgs) -> Result<i32> {
+    if a.sdp.is_some() || a.sdp_plan.is_some() {
+        if a.tp.is_some() || a.tp_plan.is_some() {
+            bail!("--sdp and --tp do not combine yet: choose one");
+        }
+        return crate::sdp::run(a);
+    }
     if a.tp.is_some() || a.schedule.is_some() || a.sub_batches.is_some() || a.tp_plan.is_some() {
         return crate::overlap::run(a);
     }

@@ -139,3 +139,37 @@ fn bench_ckpt_prints_a_row_per_strategy() {
     assert!(html.contains("id=\"ckpt\"") && html.contains("<rect"), "no strategy bars in the report");
     std::fs::remove_dir_all(&out_dir).ok();
 }
+
+#[test]
+fn train_sdp_full_holds_a_quarter_of_the_state_and_trains_the_same() {
+    let base = std::env::temp_dir().join(format!("ironweave-train-sdp-{}", std::process::id()));
+    let run = |strategy: &str| -> serde_json::Value {
+        let dir = base.join(strategy);
+        let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+            .args(["train", "--config", "configs/gpt-sdp.toml", "--ranks", "4", "--sdp", strategy, "--iters", "2", "--quiet"])
+            .arg("--report-dir")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap()
+    };
+    let (rep, full) = (run("replicated"), run("full"));
+    let bytes = |v: &serde_json::Value| v["state_bytes_per_rank"].as_f64().unwrap();
+    let share = bytes(&full) / bytes(&rep);
+    assert!((0.25..0.26).contains(&share), "full holds {share} of the replicated state");
+    let (a, b) = (rep["loss"].as_array().unwrap(), full["loss"].as_array().unwrap());
+    for (x, y) in a.iter().zip(b) {
+        let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+        assert!((x - y).abs() <= 1e-4 * x.abs(), "loss {x} vs {y}");
+    }
+    // hsdp without its plan is refused, naming what to run
+    let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .args(["train", "--config", "configs/gpt-sdp.toml", "--sdp", "hsdp"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("plan sdp --json"));
+    std::fs::remove_dir_all(&base).ok();
+}

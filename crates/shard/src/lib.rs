@@ -96,38 +96,55 @@ impl Groups {
         if n % k != 0 {
             return Err(ShardError::Invalid(format!("{n} ranks do not make hosts of {k}")));
         }
-        let full = world.on_link(full_link)?.split(0, r as u32)?;
-        let intra = world.on_link(0)?.split((r / k) as u32, r as u32)?;
-        let inter = world.on_link(inter_link)?.split((r % k) as u32, r as u32)?;
+        // one view per link, every split made on it: two views of one link share a tag space,
+        // so splits of different views would too
+        let mut views: Vec<(usize, Communicator)> = Vec::new();
+        let mut split_on = |link: usize, color: u32| -> Result<Communicator> {
+            if !views.iter().any(|(l, _)| *l == link) {
+                views.push((link, world.on_link(link)?));
+            }
+            let (_, v) = views.iter().find(|(l, _)| *l == link).expect("just added");
+            Ok(v.split(color, r as u32)?)
+        };
+        let full = split_on(full_link, 0)?;
+        let intra = split_on(0, (r / k) as u32)?;
+        let inter = split_on(inter_link, (r % k) as u32)?;
         Ok(Groups { world: Arc::new(full), intra: Arc::new(intra), inter: Arc::new(inter) })
     }
 }
 
-/// Adam's settings (the same update as the replicated trainer's, element by element, so a
-/// sharded step equals a replicated one).
+/// AdamW's settings — the same update as `ironweave-train`'s `adamw`, element by element and
+/// in the same precision, so a sharded step equals a replicated one.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct Adam {
-    pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Decoupled weight decay (on the layers marked to decay).
+    pub weight_decay: f64,
 }
 
 impl Default for Adam {
     fn default() -> Self {
-        Adam { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+        Adam { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 }
     }
 }
 
-/// AdamW on one block: parameters, moments and the averaged gradient, step `t` (from 1).
-pub fn adam_update(a: &Adam, t: u64, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
-    let (b1t, b2t) = (1.0 - a.beta1.powi(t as i32), 1.0 - a.beta2.powi(t as i32));
+/// AdamW on one block: parameters, moments and the averaged gradient, step `t` (from 1);
+/// `decay`: whether weight decay applies (matrices, not norms or biases).
+pub fn adam_update(a: &Adam, t: u64, decay: bool, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+    let t = t.min(i32::MAX as u64) as i32;
+    let (c1, c2) = (1.0 - a.beta1.powi(t), 1.0 - a.beta2.powi(t));
+    let wd = if decay { a.weight_decay } else { 0.0 };
     for i in 0..p.len() {
-        m[i] = a.beta1 * m[i] + (1.0 - a.beta1) * g[i];
-        v[i] = a.beta2 * v[i] + (1.0 - a.beta2) * g[i] * g[i];
-        let upd = (m[i] / b1t) / ((v[i] / b2t).sqrt() + a.eps);
-        p[i] -= a.lr * (upd + a.weight_decay * p[i]);
+        let gi = g[i] as f64;
+        let mn = a.beta1 * m[i] as f64 + (1.0 - a.beta1) * gi;
+        let vn = a.beta2 * v[i] as f64 + (1.0 - a.beta2) * gi * gi;
+        m[i] = mn as f32;
+        v[i] = vn as f32;
+        let upd = (mn / c1) / ((vn / c2).sqrt() + a.eps);
+        p[i] = (p[i] as f64 * (1.0 - a.lr * wd) - a.lr * upd) as f32;
     }
 }
 
@@ -172,6 +189,8 @@ enum Over {
 struct Layer {
     /// (group, part): the first part is elements `[0, parts[0].len)`, the second the rest.
     parts: Vec<(Over, Part)>,
+    /// Weight decay applies.
+    decay: bool,
 }
 
 /// A gather in flight: the layer's full parameters once waited.
@@ -272,10 +291,21 @@ impl ShardEngine {
                 if !b.is_empty() {
                     parts.push((Over::Host, Part::new(b, hn, hr)));
                 }
-                Layer { parts }
+                Layer { parts, decay: true }
             })
             .collect();
         Ok(ShardEngine { groups, strategy, layers, adam, t: 0 })
+    }
+
+    /// Which layers weight decay applies to (default: all).
+    pub fn with_decay(mut self, mask: &[bool]) -> Result<Self> {
+        if mask.len() != self.layers.len() {
+            return Err(ShardError::Invalid(format!("{} decay flags for {} layers", mask.len(), self.layers.len())));
+        }
+        for (l, &d) in self.layers.iter_mut().zip(mask) {
+            l.decay = d;
+        }
+        Ok(self)
     }
 
     /// The strategy.
@@ -363,13 +393,16 @@ impl ShardEngine {
     pub fn step(&mut self) -> Result<()> {
         self.t += 1;
         let (a, t) = (self.adam, self.t);
-        for (l, layer) in self.layers.iter_mut().enumerate() {
+        // every layer's gradients first: a step never applies to some layers only
+        if let Some(l) = self.layers.iter().position(|l| l.parts.iter().any(|(_, p)| p.g.is_none())) {
+            self.t -= 1;
+            return Err(ShardError::Invalid(format!("layer {l}: step before its gradients were reduced")));
+        }
+        for layer in self.layers.iter_mut() {
+            let decay = layer.decay;
             for (_, part) in layer.parts.iter_mut() {
-                let g = part
-                    .g
-                    .take()
-                    .ok_or_else(|| ShardError::Invalid(format!("layer {l}: step before its gradients were reduced")))?;
-                adam_update(&a, t, &mut part.p, &mut part.m, &mut part.v, &g);
+                let g = part.g.take().unwrap_or_default();
+                adam_update(&a, t, decay, &mut part.p, &mut part.m, &mut part.v, &g);
             }
         }
         Ok(())

@@ -22,6 +22,9 @@ pub enum TrainError {
     /// Checkpointing failed.
     #[error(transparent)]
     Ckpt(#[from] ironweave_ckpt::CkptError),
+    /// Sharding failed.
+    #[error(transparent)]
+    Shard(#[from] ironweave_shard::ShardError),
 }
 
 /// Result alias.

@@ -14,6 +14,7 @@ pub mod dist;
 mod error;
 mod gelu;
 pub mod model;
+pub mod sdp;
 pub mod tp;
 pub mod trainer;
 
