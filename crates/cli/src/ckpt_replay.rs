@@ -182,15 +182,6 @@ fn emulated_socket_cpu(t: &crate::cluster::Topology) -> Result<Option<f64>> {
     Ok(Some(((busy - idle) / BYTES as f64).max(0.0)))
 }
 
-fn children_cpu_s() -> f64 {
-    // SAFETY: getrusage fills the struct we own; RUSAGE_CHILDREN is a valid target.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut u) };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    tv(u.ru_utime) + tv(u.ru_stime)
-}
-
 /// CPU seconds (user + system, this process) per byte sent through a loopback TCP socket in
 /// 256 KiB messages and copied into a replica buffer that is then checksummed: what moving a
 /// checkpoint byte from one rank's memory to another's costs the machine.
@@ -262,13 +253,22 @@ fn connect_with_mss(addr: std::net::SocketAddr, mss: i32) -> std::io::Result<std
     Ok(stream)
 }
 
-fn cpu_s() -> f64 {
-    // SAFETY: getrusage fills the struct we own; RUSAGE_SELF is a valid target.
+/// CPU seconds (user + system) of `who`: `RUSAGE_SELF` or `RUSAGE_CHILDREN` (waited-for children).
+fn cpu_s_of(who: libc::c_int) -> f64 {
+    // SAFETY: getrusage fills the struct we own; `who` is one of the two valid targets.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    unsafe { libc::getrusage(who, &mut u) };
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
     tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+fn cpu_s() -> f64 {
+    cpu_s_of(libc::RUSAGE_SELF)
+}
+
+fn children_cpu_s() -> f64 {
+    cpu_s_of(libc::RUSAGE_CHILDREN)
 }
 
 /// What the replay needs from a measured directory.

@@ -210,6 +210,16 @@ pub fn down(t: &Topology) -> Result<()> {
     Ok(())
 }
 
+/// The topology at `path`, whose emulated cluster must already be up (runs do not bring it up:
+/// it needs root and outlives them).
+pub fn load_up(path: &Path) -> Result<Topology> {
+    let t = Topology::load(path)?;
+    if !status(&t)? {
+        bail!("cluster {:?} is not up: run `ironweave cluster up --topology {}`", t.name, path.display());
+    }
+    Ok(t)
+}
+
 /// Prints the hosts, their addresses and link rates.
 pub fn status(t: &Topology) -> Result<bool> {
     let have = existing_namespaces()?;

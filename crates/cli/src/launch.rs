@@ -85,6 +85,19 @@ pub enum Outcome {
     TimedOut,
 }
 
+impl Outcome {
+    /// The exit status a command that launched the ranks should end with: 0 on success, the
+    /// failed rank's code (at least 1), 128 + the signal that interrupted, 124 on timeout.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Outcome::Success => 0,
+            Outcome::RankFailed { code } => (*code).max(1),
+            Outcome::Interrupted { signal } => 128 + signal,
+            Outcome::TimedOut => 124,
+        }
+    }
+}
+
 fn describe(st: ExitStatus) -> (String, i32) {
     use std::os::unix::process::ExitStatusExt;
     if let Some(c) = st.code() {

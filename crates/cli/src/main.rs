@@ -453,12 +453,7 @@ fn run(cli: Cli) -> Result<i32> {
                 max_restarts,
                 threads_per_rank,
             };
-            Ok(match launch::run(&spec)? {
-                launch::Outcome::Success => 0,
-                launch::Outcome::RankFailed { code, .. } => code.max(1),
-                launch::Outcome::Interrupted { signal } => 128 + signal,
-                launch::Outcome::TimedOut => 124,
-            })
+            Ok(launch::run(&spec)?.exit_code())
         }
         Cmd::Bench {
             what: BenchCmd::Ckpt { config, strategies, ranks, iters, topology, ranks_per_host, out, json, storage_rate, rounds },

@@ -292,13 +292,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         args.extend(["--global-batch".into(), b.to_string()]);
     }
     let topology = match &a.topology {
-        Some(p) => {
-            let t = crate::cluster::Topology::load(p)?;
-            if !crate::cluster::status(&t)? {
-                bail!("cluster {:?} is not up: run `ironweave cluster up --topology {}`", t.name, p.display());
-            }
-            Some((t, a.ranks_per_host.max(1)))
-        }
+        Some(p) => Some((crate::cluster::load_up(p)?, a.ranks_per_host.max(1))),
         None => None,
     };
     eprintln!(
@@ -325,11 +319,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         threads_per_rank: a.threads_per_rank,
     };
     crate::launch::install_signal_handlers();
-    match crate::launch::run(&spec)? {
-        crate::launch::Outcome::Success => {}
-        crate::launch::Outcome::RankFailed { code } => return Ok(code.max(1)),
-        crate::launch::Outcome::Interrupted { signal } => return Ok(128 + signal),
-        crate::launch::Outcome::TimedOut => return Ok(124),
+    let code = crate::launch::run(&spec)?.exit_code();
+    if code != 0 {
+        return Ok(code);
     }
     let rep: TpReport = serde_json::from_slice(&std::fs::read(a.report_dir.join("report.json")).context("reading report.json")?)?;
     println!(

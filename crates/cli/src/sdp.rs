@@ -197,13 +197,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         args.extend(["--iters".into(), i.to_string()]);
     }
     let topology = match &a.topology {
-        Some(p) => {
-            let t = crate::cluster::Topology::load(p)?;
-            if !crate::cluster::status(&t)? {
-                bail!("cluster {:?} is not up: run `ironweave cluster up --topology {}`", t.name, p.display());
-            }
-            Some((t, rph))
-        }
+        Some(p) => Some((crate::cluster::load_up(p)?, rph)),
         None => None,
     };
     eprintln!(
@@ -229,11 +223,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         threads_per_rank: a.threads_per_rank,
     };
     crate::launch::install_signal_handlers();
-    match crate::launch::run(&spec)? {
-        crate::launch::Outcome::Success => {}
-        crate::launch::Outcome::RankFailed { code } => return Ok(code.max(1)),
-        crate::launch::Outcome::Interrupted { signal } => return Ok(128 + signal),
-        crate::launch::Outcome::TimedOut => return Ok(124),
+    let code = crate::launch::run(&spec)?.exit_code();
+    if code != 0 {
+        return Ok(code);
     }
     let rep: SdpReport =
         serde_json::from_slice(&std::fs::read(a.report_dir.join("report.json")).context("reading report.json")?)?;

@@ -744,12 +744,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         threads_per_rank: a.threads_per_rank,
     };
     crate::launch::install_signal_handlers();
-    let outcome = crate::launch::run(&spec)?;
-    match outcome {
-        crate::launch::Outcome::Success => {}
-        crate::launch::Outcome::RankFailed { code } => return Ok(code.max(1)),
-        crate::launch::Outcome::Interrupted { signal } => return Ok(128 + signal),
-        crate::launch::Outcome::TimedOut => return Ok(124),
+    let code = crate::launch::run(&spec)?.exit_code();
+    if code != 0 {
+        return Ok(code);
     }
     let mut rep: Report = serde_json::from_slice(&std::fs::read(report_dir.join("report.json")).context("reading report.json")?)?;
     // where it ran, for replays (`ironweave simulate ckpt --from-report`)
