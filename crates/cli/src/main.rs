@@ -18,6 +18,7 @@ mod progress;
 mod report;
 mod scaling;
 mod sdp;
+mod sdp_bench;
 mod selftest;
 mod simulate;
 mod snapbench;
@@ -147,6 +148,8 @@ enum Cmd {
         seconds: f64,
         #[arg(long)]
         out: String,
+        #[arg(long, default_value_t = 1)]
+        ranks_per_host: usize,
     },
     /// Which backends this build has, which work on this machine (and why not), and the
     /// links each one finds.
@@ -225,6 +228,10 @@ enum ClusterCmd {
         /// Write the measurements as JSON here.
         #[arg(long)]
         json: Option<String>,
+        /// Ranks per host: with 2 or more, the path between two ranks of host 0 is measured
+        /// too (reported as link `host`, the intra-node link of a planner's cluster).
+        #[arg(long, default_value_t = 1)]
+        ranks_per_host: usize,
     },
 }
 
@@ -238,6 +245,10 @@ enum BenchCmd {
     /// (sub-batches overlapping collectives with compute), on a slow and a fast link; each
     /// row with the share of communication hidden and the overlap model's prediction.
     Overlap(overlap::OverlapArgs),
+    /// Sharded data parallelism on the emulated 2-host, 2-link cluster: replicated, FULL_SHARD
+    /// on each link, HYBRID_SHARD and HSDP with the planner's plan, in one run; each row with
+    /// the planner's prediction, bytes per link and link utilization.
+    Sdp(sdp_bench::SdpBenchArgs),
     /// Collectives over local processes, nccl-tests style, each row verified.
     Collectives {
         /// Number of ranks (processes).
@@ -378,7 +389,8 @@ fn cluster_cmd(what: ClusterCmd) -> Result<i32> {
             let t = cluster::Topology::load(&topology)?;
             Ok(if cluster::status(&t)? { 0 } else { 3 })
         }
-        ClusterCmd::Probe { topology, seconds, json } => {
+        ClusterCmd::Probe { topology, seconds, json, ranks_per_host } => {
+            let rph = ranks_per_host.max(1);
             let t = cluster::Topology::load(&topology)?;
             if t.hosts < 2 {
                 bail!("probing needs at least two hosts");
@@ -388,9 +400,13 @@ fn cluster_cmd(what: ClusterCmd) -> Result<i32> {
             }
             let exe = std::env::current_exe().context("locating the ironweave binary")?;
             let out = std::env::temp_dir().join(format!("ironweave-probe-{}.json", std::process::id()));
-            eprintln!("probing {} links between host 0 and host 1, {seconds} s of streaming each", t.links.len());
+            eprintln!(
+                "probing {} links between host 0 and host 1{}, {seconds} s of streaming each",
+                t.links.len(),
+                if rph > 1 { " and the path between two ranks of host 0" } else { "" }
+            );
             let spec = launch::LaunchSpec {
-                ranks: t.hosts,
+                ranks: t.hosts * rph,
                 program: exe.to_string_lossy().into_owned(),
                 args: vec![
                     "probe-worker".into(),
@@ -398,11 +414,13 @@ fn cluster_cmd(what: ClusterCmd) -> Result<i32> {
                     seconds.to_string(),
                     "--out".into(),
                     out.to_string_lossy().into_owned(),
+                    "--ranks-per-host".into(),
+                    rph.to_string(),
                 ],
                 prefix: true,
                 env: vec![],
                 timeout: None,
-                topology: Some((t.clone(), 1)),
+                topology: Some((t.clone(), rph)),
                 max_restarts: 0,
                 threads_per_rank: None,
             };
@@ -416,9 +434,12 @@ fn cluster_cmd(what: ClusterCmd) -> Result<i32> {
             let probes: Vec<ironweave_transport::probe::LinkProbe> = serde_json::from_slice(&text)?;
             println!("| link | declared (Mbit/s) | measured (Mbit/s) | measured / declared | latency (us) |\n|---|---:|---:|---:|---:|");
             for p in &probes {
-                let d = p.declared_bytes_per_s.map_or(f64::NAN, |d| d * 8.0 / 1e6);
                 let m = p.bandwidth_bytes_per_s * 8.0 / 1e6;
-                println!("| {} | {d:.0} | {m:.0} | {:.3} | {:.1} |", p.name, m / d, p.latency_s * 1e6);
+                let (d, ratio) = match p.declared_bytes_per_s {
+                    Some(d) => (format!("{:.0}", d * 8.0 / 1e6), format!("{:.3}", m / (d * 8.0 / 1e6))),
+                    None => ("-".into(), "-".into()),
+                };
+                println!("| {} | {d} | {m:.0} | {ratio} | {:.1} |", p.name, p.latency_s * 1e6);
             }
             if let Some(path) = json {
                 std::fs::write(&path, serde_json::to_vec_pretty(&probes)?).with_context(|| format!("writing {path}"))?;
@@ -473,6 +494,11 @@ fn run(cli: Cli) -> Result<i32> {
                 rounds,
             };
             ckpt_bench::bench(&a)?;
+            Ok(0)
+        }
+        Cmd::Bench { what: BenchCmd::Sdp(a), .. } => {
+            launch::install_signal_handlers();
+            sdp_bench::bench(&a)?;
             Ok(0)
         }
         Cmd::Bench { what: BenchCmd::Overlap(a), .. } => {
@@ -575,12 +601,23 @@ fn run(cli: Cli) -> Result<i32> {
             bench::worker(&backend, &link, &ops, &sizes, &dtype, min_time, out.as_deref())?;
             Ok(0)
         }
-        Cmd::ProbeWorker { seconds, out } => {
+        Cmd::ProbeWorker { seconds, out, ranks_per_host } => {
             let comm = backend::connect("tcp")?;
             let mut probes = Vec::new();
+            let (rph, stream) = (ranks_per_host.max(1), Duration::from_secs_f64(seconds));
             for i in 0..comm.links().len() {
-                let p = ironweave_transport::probe::probe_link(&comm, i, 0, 1, Duration::from_secs_f64(seconds))?;
-                probes.extend(p);
+                // host 0's first rank and host 1's first rank
+                let p = ironweave_transport::probe::probe_link(&comm, i, 0, rph, stream)?;
+                probes.extend(p.filter(|_| comm.rank() == 0));
+            }
+            if rph > 1 {
+                // two ranks of host 0: the path between them never leaves the host
+                let p = ironweave_transport::probe::probe_link(&comm, 0, 0, 1, stream)?;
+                probes.extend(p.filter(|_| comm.rank() == 0).map(|p| ironweave_transport::probe::LinkProbe {
+                    name: "host".into(),
+                    declared_bytes_per_s: None,
+                    ..p
+                }));
             }
             if comm.rank() == 0 {
                 std::fs::write(&out, serde_json::to_vec_pretty(&probes)?).with_context(|| format!("writing {out}"))?;

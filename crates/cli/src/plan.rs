@@ -250,7 +250,10 @@ pub fn sdp(
         m.total_params() / 1e9,
         solve_s
     );
-    println!("  part gathered over {} (node-sharded) and over {} (sharded over all devices)", plan.links.0, plan.links.1);
+    println!(
+        "  part gathered over {} (node-sharded; its shards' gradients all-reduced across nodes over {}) and over {} (sharded over all devices)",
+        plan.links.0, plan.rail_link, plan.links.1
+    );
     let names: Vec<String> = plan.layers.iter().map(|l| l.name.clone()).collect();
     let keys: Vec<u64> = plan.layers.iter().map(|l| (l.node_fraction * 1e4).round() as u64).collect();
     println!("  layers            node-sharded  all-sharded");

@@ -4,11 +4,15 @@
 //! fractions. The all-rank part runs on one link and the cross-host all-reduce on another
 //! (`--sdp-links full=a,inter=b`; default: the first and the last link of the job).
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use ironweave_ckpt::engine::Strategy as CkptStrategy;
+use ironweave_ckpt::{Engine, EngineConfig, Registry};
+use ironweave_overlap::trace::{chrome_trace, svg_lanes, to_records, SpanRec};
 use ironweave_shard::{Groups, Strategy};
 use ironweave_train::sdp::SdpTrainer;
 use ironweave_transport::rendezvous::JobEnv;
@@ -39,6 +43,13 @@ pub struct SdpWorkerArgs {
     pub iters: Option<u64>,
     #[arg(long)]
     pub report_dir: PathBuf,
+    /// Checkpoint strategy of the shards (as `train --ckpt`).
+    #[arg(long, default_value = "none")]
+    pub ckpt: String,
+    #[arg(long)]
+    pub fail: Option<String>,
+    #[arg(long, default_value_t = 10)]
+    pub persist_every: u64,
 }
 
 /// What a sharded run's `report.json` holds (rank 0's view).
@@ -57,7 +68,35 @@ pub struct SdpReport {
     /// The links the two parts' groups used: (all-rank part, cross-host all-reduce).
     pub links: (String, String),
     pub fractions: Vec<f64>,
+    /// Rank 0's compute per iteration (forward, backward, optimizer), seconds.
+    #[serde(default)]
+    pub compute_s: Vec<f64>,
+    /// Seconds rank 0's compute waited for collectives, per iteration.
+    #[serde(default)]
+    pub wait_s: Vec<f64>,
+    /// Seconds per iteration during which at least one of rank 0's collectives was on the wire.
+    #[serde(default)]
+    pub comm_busy_s: Vec<f64>,
+    /// Seconds per iteration each of rank 0's lanes was busy: [all-rank group, host group,
+    /// cross-host group].
+    #[serde(default)]
+    pub lane_busy_s: Vec<[f64; 3]>,
+    /// The checkpoint strategy of the shards.
+    #[serde(default)]
+    pub ckpt: String,
+    /// Recoveries (re-formations after a failure).
+    #[serde(default)]
+    pub recoveries: u64,
+    /// The last iteration committed by the checkpoint engine.
+    #[serde(default)]
+    pub last_committed_iter: Option<u64>,
+    /// SHA-256 over every rank's state digest (its shards and step), in rank order.
+    #[serde(default)]
+    pub final_state_sha256: String,
 }
+
+/// Lanes of the trace: compute, then one per group (each on its own link).
+pub const LANES: [&str; 3] = ["all-rank group", "host group", "cross-host group"];
 
 fn link_index(comm: &ironweave_transport::Communicator, name: &str, default: usize) -> Result<usize> {
     if name.is_empty() {
@@ -69,60 +108,223 @@ fn link_index(comm: &ironweave_transport::Communicator, name: &str, default: usi
     })
 }
 
-/// The per-rank program.
+const SPANS_TAG: u32 = 0x5D95;
+
+/// The per-rank program: a generation loop like `train`'s worker (a failed collective re-forms
+/// the job; the shards come back from the checkpoint engine, registered like any rank's state).
 pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
-    let env = JobEnv::from_env()?;
-    if let Some(choice) = ironweave_transport::threads::apply_to_process(env.local_world_size)? {
-        if env.rank == 0 {
+    let base = JobEnv::from_env()?;
+    if let Some(choice) = ironweave_transport::threads::apply_to_process(base.local_world_size)? {
+        if base.rank == 0 {
             eprintln!("ironweave train: {choice}");
         }
     }
     let (cfg, corpus) = load_config(&a.config)?;
     let iters = a.iters.unwrap_or(cfg.train.iters);
     let strategy = Strategy::parse(&a.strategy)?;
+    let choice = crate::train::parse_strategy(&a.ckpt)?;
+    if choice.multilink {
+        bail!("sharded runs checkpoint over the first link (their groups keep the others busy): use --ckpt capricorn");
+    }
+    let fail = a.fail.as_deref().map(crate::train::parse_fail).transpose()?;
     let backend = ironweave::Backend::from_env()?;
-    let comm =
-        Arc::new(ironweave::connect(backend, &env, CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() })?);
-    let last = comm.links().len().saturating_sub(1);
-    let (fl, il) = (link_index(&comm, &a.full_link, 0)?, link_index(&comm, &a.inter_link, last)?);
-    let names = comm.links();
-    let groups = Groups::new(&comm, a.ranks_per_host, fl, il)?;
-    let mut tr = SdpTrainer::new(cfg.clone(), corpus, &comm, groups, strategy, &a.fractions)?;
-    let rank = comm.rank();
+    let mut gen: u16 = std::env::var("IRONWEAVE_GENERATION").ok().and_then(|g| g.parse().ok()).unwrap_or(0);
+    let start_gen = gen;
+    let rank = base.rank;
+    let dir = &a.report_dir;
+    std::fs::create_dir_all(dir)?;
+    let ecfg = EngineConfig {
+        strategy: choice.strategy,
+        chunk_bytes: 256 << 10,
+        persist_dir: (choice.strategy != CkptStrategy::None).then(|| dir.join("persist")),
+        persist_every: if matches!(choice.strategy, CkptStrategy::Gemini | CkptStrategy::Capricorn) {
+            a.persist_every
+        } else {
+            0
+        },
+        timeout: Duration::from_secs(60),
+        host: ironweave_transport::rendezvous::host_name(),
+        drift_threshold: if choice.always_profile { 0.0 } else { EngineConfig::default().drift_threshold },
+        ..EngineConfig::default()
+    };
+    let mut engine: Option<Engine> = None;
+    let mut need_restore = gen > 0;
     let mut rep = SdpReport {
         config: cfg.name.clone(),
         sdp: strategy.name().into(),
-        ranks: comm.size(),
         ranks_per_host: a.ranks_per_host,
         iterations: iters,
-        state_bytes_per_rank: tr.state_bytes_per_rank(),
-        links: (names[fl].name.clone(), names[il].name.clone()),
         fractions: a.fractions.clone(),
+        ckpt: a.ckpt.clone(),
         ..Default::default()
     };
-    let progress = (rank == 0).then(|| Progress::new("iter", 0, iters, Mode::detect()));
-    for it in 1..=iters {
-        let t0 = Instant::now();
-        let loss = tr.step()?;
-        rep.iter_time_s.push(t0.elapsed().as_secs_f64());
-        rep.loss.push(loss);
-        if let Some(p) = &progress {
-            p.step(it, &format!("loss {loss:.4}"));
+    let (tr, comm, last_spans) = loop {
+        if gen > start_gen + 8 {
+            bail!("gave up after 8 re-formations");
         }
-    }
-    if let Some(p) = &progress {
-        p.finish();
-    }
-    if rank == 0 {
-        std::fs::create_dir_all(&a.report_dir)?;
-        std::fs::write(a.report_dir.join("report.json"), serde_json::to_vec_pretty(&rep)?)?;
+        let mut env = base.clone();
+        env.master.set_port(base.master.port() + gen);
+        env.job_id = format!("{}-g{gen}", base.job_id);
+        let comm = Arc::new(ironweave::connect(
+            backend,
+            &env,
+            CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() },
+        )?);
+        let last = comm.links().len().saturating_sub(1);
+        let (fl, il) = (link_index(&comm, &a.full_link, 0)?, link_index(&comm, &a.inter_link, last)?);
+        let names = comm.links();
+        rep.links = (names[fl].name.clone(), names[il].name.clone());
+        let groups = Groups::new(&comm, a.ranks_per_host, fl, il)?;
+        // a fresh trainer per generation (its groups are new): the seed's initial shards, then
+        // the restored ones
+        let mut tr = SdpTrainer::new(cfg.clone(), corpus.clone(), &comm, groups, strategy, &a.fractions)?;
+        match engine.as_mut() {
+            Some(e) => e.rebind(comm.clone())?,
+            None => engine = Some(Engine::new(comm.clone(), Registry::new(&tr.state_specs())?, ecfg.clone())?),
+        }
+        let e = engine.as_mut().expect("set");
+        if let Some((frs, fi)) = fail.clone() {
+            let mid = cfg.model.layers / 2;
+            let armed = gen == 0 && frs.contains(&rank);
+            tr.set_backward_hook(Box::new(move |it, layer| {
+                if armed && it == fi && layer == mid {
+                    eprintln!("rank {rank}: --fail: killing myself with SIGKILL in the backward of iteration {fi}, layer {mid}");
+                    // SAFETY: kill(2) on our own pid with a valid signal number.
+                    unsafe {
+                        libc::kill(libc::getpid(), libc::SIGKILL);
+                    }
+                }
+            }));
+        }
+        let r = (|| -> Result<Vec<SpanRec>> {
+            let mut start = 1;
+            if need_restore {
+                match e.restore_latest() {
+                    Ok(r) => {
+                        tr.load_state(|name| r.snapshot.tensor(name).map(<[u8]>::to_vec))?;
+                        rep.recoveries += 1;
+                        if rank == 0 {
+                            println!("recovered: every rank restored iteration {} (rank 0 from {:?})", r.iter, r.source);
+                        }
+                        start = r.iter + 1;
+                    }
+                    Err(err @ ironweave_ckpt::CkptError::NothingToRestore { .. }) => {
+                        let mut c = [e.committed().map_or(-1, |i| i as i64)];
+                        e.comm().all_reduce(&mut c, ironweave_transport::ReduceOp::Max)?;
+                        if c[0] >= 0 {
+                            return Err(anyhow::Error::new(err)
+                                .context(format!("iteration {} was committed and every copy of it is gone", c[0])));
+                        }
+                        // nothing committed, nothing lost: the fresh trainer holds the initial state
+                        e.start_over();
+                        rep.recoveries += 1;
+                        if rank == 0 {
+                            println!("recovered: nothing was committed yet; every rank starts over from the initial state");
+                        }
+                    }
+                    Err(other) => return Err(other.into()),
+                }
+            }
+            let progress = (rank == 0).then(|| Progress::new("iter", start - 1, iters, Mode::detect()));
+            let mut spans = Vec::new();
+            for it in start..=iters {
+                let t0 = Instant::now();
+                e.begin_iteration(it, None);
+                let s = tr.step_timed()?;
+                e.end_iteration();
+                let (mut bufs, step, seed) = tr.state_bufs();
+                bufs.push(&step);
+                bufs.push(&seed);
+                e.checkpoint(it, &bufs)?;
+                let committed = e.commit(false)?;
+                let dt = t0.elapsed().as_secs_f64();
+                if rank == 0 {
+                    let lanes: Vec<f64> = (0..3).map(|l| s.lane_busy_s(l)).collect();
+                    let line = serde_json::json!({"iter": it, "time": dt, "loss": s.loss, "compute": s.compute_s(),
+                        "wait": s.wait_s(), "busy": s.comm_busy_s(), "lanes": lanes});
+                    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("iterations.jsonl"))?;
+                    writeln!(f, "{line}")?;
+                }
+                if let Some(p) = &progress {
+                    p.step(
+                        it,
+                        &format!(
+                            "loss {:.4}  comm {:>6.1} ms busy, compute waited {:>6.1} ms  committed {}",
+                            s.loss,
+                            s.comm_busy_s() * 1e3,
+                            s.wait_s() * 1e3,
+                            committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
+                        ),
+                    );
+                }
+                if it == iters {
+                    spans = to_records(&s.spans);
+                }
+            }
+            if let Some(p) = &progress {
+                p.finish();
+            }
+            Ok(spans)
+        })();
+        match r {
+            Ok(spans) => break (tr, comm, spans),
+            Err(err) => {
+                eprintln!("rank {rank}: generation {gen} failed: {err:#}; re-forming the job");
+                gen += 1;
+                need_restore = true;
+            }
+        }
+    };
+    let e = engine.as_mut().expect("ran");
+    rep.last_committed_iter = e.commit(true)?;
+    rep.ranks = comm.size();
+    rep.state_bytes_per_rank = tr.state_bytes_per_rank();
+    rep.final_state_sha256 = crate::train::job_state_sha256(&comm, &tr.state_digest())?;
+    // every rank's lanes of the last iteration to rank 0 (empty if it ran before a restart)
+    let bytes = serde_json::to_vec(&last_spans)?;
+    if rank != 0 {
+        comm.send_bytes(0, SPANS_TAG, &bytes)?;
+    } else {
+        let mut lanes: Vec<(usize, Vec<SpanRec>)> = vec![(0, last_spans)];
+        for r in 1..comm.size() {
+            let b = comm.recv_bytes(r, SPANS_TAG)?;
+            lanes.push((r, serde_json::from_slice(&b).with_context(|| format!("rank {r}'s spans"))?));
+        }
+        // the whole run from the per-iteration lines (a re-run iteration's last line wins)
+        let text = std::fs::read_to_string(dir.join("iterations.jsonl")).unwrap_or_default();
+        let mut by_iter: std::collections::BTreeMap<u64, serde_json::Value> = Default::default();
+        for l in text.lines() {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(l) {
+                if let Some(it) = v["iter"].as_u64() {
+                    by_iter.insert(it, v);
+                }
+            }
+        }
+        for v in by_iter.values() {
+            let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+            rep.iter_time_s.push(f("time"));
+            rep.loss.push(f("loss") as f32);
+            rep.compute_s.push(f("compute"));
+            rep.wait_s.push(f("wait"));
+            rep.comm_busy_s.push(f("busy"));
+            let l = |i: usize| v["lanes"][i].as_f64().unwrap_or(0.0);
+            rep.lane_busy_s.push([l(0), l(1), l(2)]);
+        }
+        std::fs::write(dir.join("report.json"), serde_json::to_vec_pretty(&rep)?)?;
+        let groups = [format!("{} ({})", LANES[0], rep.links.0), LANES[1].to_string(), format!("{} ({})", LANES[2], rep.links.1)];
+        let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
+        std::fs::write(dir.join("trace.json"), serde_json::to_vec(&chrome_trace(&lanes, &groups))?)?;
+        let title = format!("{} sharded `{}`: every rank's lanes in iteration {iters}", cfg.name, strategy.name());
+        std::fs::write(dir.join("timeline.svg"), svg_lanes(&lanes, &groups, &title))?;
     }
     comm.barrier()?;
+    engine.take().expect("ran").shutdown()?;
     Ok(())
 }
 
 /// Fractions of the all-rank part per transformer layer from `ironweave plan sdp --json`
-/// (`plan.layers[i].node_fraction` is the within-host share of layer `Li`).
+/// (`plan.layers[i].node_fraction` is the within-host share of layer `Li`; the plan's `head`
+/// entry, if any, is the embeddings' and the head's, returned last).
 pub fn plan_fractions(path: &std::path::Path, layers: usize) -> Result<Vec<f64>> {
     let v: serde_json::Value =
         serde_json::from_slice(&std::fs::read(path).with_context(|| format!("reading {}", path.display()))?)
@@ -136,6 +338,10 @@ pub fn plan_fractions(path: &std::path::Path, layers: usize) -> Result<Vec<f64>>
         let node = l["node_fraction"].as_f64().context("a plan layer without node_fraction")?;
         out.push((1.0 - node).clamp(0.0, 1.0));
     }
+    // the embeddings and the head, when the plan has them
+    if let Some(node) = ls.iter().find(|l| l["name"] == "head").and_then(|l| l["node_fraction"].as_f64()) {
+        out.push((1.0 - node).clamp(0.0, 1.0));
+    }
     Ok(out)
 }
 
@@ -145,8 +351,12 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     let chosen = ironweave::Backend::pick(&a.backend)?;
     chosen.usable().with_context(|| format!("--backend {chosen} cannot run here (`ironweave doctor` says more)"))?;
     let (cfg, _) = load_config(&a.config)?;
-    if a.fail.is_some() {
-        bail!("--fail is not supported with --sdp yet: sharded runs do not checkpoint yet");
+    let choice = crate::train::parse_strategy(&a.ckpt)?;
+    if let Some(f) = &a.fail {
+        crate::train::parse_fail(f)?;
+        if choice.strategy == CkptStrategy::None {
+            bail!("--fail needs a checkpoint to recover from: drop --ckpt none (capricorn is the default)");
+        }
     }
     let fractions = match (&a.sdp_plan, strategy) {
         (Some(p), Strategy::Hsdp) => plan_fractions(p, cfg.model.layers)?,
@@ -154,7 +364,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         (None, Strategy::Hsdp) => bail!("--sdp hsdp needs --sdp-plan plan.json (`ironweave plan sdp --json plan.json`)"),
         (None, _) => Vec::new(),
     };
-    let rph = if a.topology.is_some() { a.ranks_per_host.max(1) } else { a.ranks.max(1) };
+    // on one machine without a topology, --ranks-per-host still groups the ranks into
+    // (logical) hosts; by default they all form one
+    let rph = if a.topology.is_some() || a.ranks_per_host > 1 { a.ranks_per_host.max(1) } else { a.ranks.max(1) };
     if a.ranks % rph != 0 {
         bail!("--ranks {} is not a multiple of --ranks-per-host {rph}", a.ranks);
     }
@@ -173,7 +385,10 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         }
     };
     std::fs::create_dir_all(&a.report_dir).with_context(|| format!("creating {}", a.report_dir.display()))?;
-    let _ = std::fs::remove_file(a.report_dir.join("report.json"));
+    for f in ["report.json", "iterations.jsonl"] {
+        let _ = std::fs::remove_file(a.report_dir.join(f));
+    }
+    let _ = std::fs::remove_dir_all(a.report_dir.join("persist"));
     let exe = std::env::current_exe().context("locating the ironweave binary")?;
     let mut args = vec![
         "sdp-worker".to_string(),
@@ -189,7 +404,14 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         inter_link,
         "--report-dir".into(),
         a.report_dir.display().to_string(),
+        "--ckpt".into(),
+        a.ckpt.clone(),
+        "--persist-every".into(),
+        a.persist_every.to_string(),
     ];
+    if let Some(f) = &a.fail {
+        args.extend(["--fail".into(), f.clone()]);
+    }
     if !fractions.is_empty() {
         args.extend(["--fractions".into(), fractions.iter().map(|f| format!("{f}")).collect::<Vec<_>>().join(",")]);
     }
@@ -201,10 +423,11 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         None => None,
     };
     eprintln!(
-        "ironweave train: {} on {} ranks over {chosen}, sharded data parallelism `{}`, report in {}",
+        "ironweave train: {} on {} ranks over {chosen}, sharded data parallelism `{}`, checkpoints `{}`, report in {}",
         cfg.name,
         a.ranks,
         strategy.name(),
+        a.ckpt,
         a.report_dir.display()
     );
     let spec = crate::launch::LaunchSpec {
@@ -219,7 +442,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
             .collect(),
         timeout: None,
         topology,
-        max_restarts: 0,
+        max_restarts: if a.fail.is_some() { 4 } else { 0 },
         threads_per_rank: a.threads_per_rank,
     };
     crate::launch::install_signal_handlers();
@@ -230,6 +453,10 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     let rep: SdpReport =
         serde_json::from_slice(&std::fs::read(a.report_dir.join("report.json")).context("reading report.json")?)?;
     let steady = crate::ckpt_bench::median_after(&rep.iter_time_s, 2);
+    if rep.recoveries > 0 {
+        println!("recoveries: {}", rep.recoveries);
+    }
+    println!("final state sha256 {}", rep.final_state_sha256);
     println!(
         "done: {} iterations on {} ranks, sharded `{}` (all-rank part on {}, cross-host on {}), loss {:.4} -> {:.4}, median iteration {:.1} ms, {:.1} MB of state per rank",
         rep.iterations,

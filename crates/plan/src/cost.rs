@@ -122,6 +122,12 @@ impl<'a> CostModel<'a> {
     /// data/tensor parallelism), so a node's NICs are shared by `devices_per_node /
     /// members_per_node` groups.
     pub fn group(&self, size: u32, members_per_node: u32) -> GroupPath {
+        self.group_via(size, members_per_node, self.cluster.inter_link())
+    }
+
+    /// [`Self::group`] with its inter-node traffic on `inter` (a cluster with several
+    /// independent inter-node links can give different groups different links).
+    pub fn group_via(&self, size: u32, members_per_node: u32, inter: Option<&crate::desc::LinkDesc>) -> GroupPath {
         let c = self.cluster;
         let dpn = c.devices_per_node;
         let m = members_per_node.clamp(1, dpn).min(size.max(1));
@@ -143,7 +149,7 @@ impl<'a> CostModel<'a> {
                 None => GroupPath { size, members_per_node: m, bytes_per_s: f64::INFINITY, latency_s: 0.0, links: vec![] },
             };
         }
-        let Some(inter) = c.inter_link() else {
+        let Some(inter) = inter else {
             return GroupPath { size, members_per_node: m, bytes_per_s: f64::INFINITY, latency_s: 0.0, links: vec![] };
         };
         let nics = inter.instances.unwrap_or(1) as f64;
@@ -188,6 +194,14 @@ impl<'a> CostModel<'a> {
     /// One device per node (a rail).
     pub fn rail_group(&self) -> GroupPath {
         self.group(self.cluster.nodes, 1)
+    }
+
+    /// One device per node on the second-fastest inter-node link when the cluster has several
+    /// (HSDP keeps both busy: the all-device part on the fastest, the rails on the next), else
+    /// on the only one.
+    pub fn second_rail_group(&self) -> GroupPath {
+        let links = self.cluster.inter_links();
+        self.group_via(self.cluster.nodes, 1, links.get(1).or(links.first()).copied())
     }
 }
 

@@ -137,6 +137,13 @@ impl ClusterDesc {
             .max_by(|a, b| a.bandwidth_gbyte_s.total_cmp(&b.bandwidth_gbyte_s))
     }
 
+    /// The inter-node links, fastest first.
+    pub fn inter_links(&self) -> Vec<&LinkDesc> {
+        let mut v: Vec<&LinkDesc> = self.links.iter().filter(|l| l.scope == Scope::InterNode).collect();
+        v.sort_by(|a, b| b.bandwidth_gbyte_s.total_cmp(&a.bandwidth_gbyte_s));
+        v
+    }
+
     /// Check the description for values no real cluster has.
     pub fn validate(&self) -> Result<()> {
         let what = format!("cluster `{}`", self.name);

@@ -21,6 +21,6 @@ mod error;
 pub mod sdp;
 pub mod tmp;
 
-pub use cost::{Coll, CostModel, GroupPath, ProfileTable};
+pub use cost::{Coll, CostModel, GroupPath, MeasuredOp, ProfileTable};
 pub use desc::{ClusterDesc, Dtype, LinkDesc, ModelDesc, MoeDesc, Scope};
 pub use error::{PlanError, Result};

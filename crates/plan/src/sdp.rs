@@ -10,8 +10,12 @@
 //!   across nodes shard by shard (each device over its own rail, `1/d` of the bytes).
 //!
 //! Each part's all-gather (forward and backward) and reduce-scatter keep the links busy for a
-//! time linear in the fractions; a layer takes the longest of its compute and each link's busy
-//! time (prefetching hides gathers behind compute). The node part costs `N/d` times more
+//! time linear in the fractions. A layer's forward takes the longest of its forward compute and
+//! each link's busy time for one gather per part; its backward the longest of its backward
+//! compute and the links' busy time for a gather and a reduce-scatter per part plus the node
+//! part's cross-node all-reduce (prefetching hides gathers behind compute; the node part's
+//! cross-node traffic has only the backward to hide behind). With a second inter-node link the
+//! all-reduce takes it, beside the global part's traffic on the first. The node part costs `N/d` times more
 //! memory per parameter, so the memory budget decides how much traffic can move off the
 //! inter-node link. The fractions are continuous, and a binary per (layer, part) pays the
 //! collectives' latency only when the part is used: a small MILP for HiGHS.
@@ -52,6 +56,10 @@ pub struct SdpLayer {
     pub params: f64,
     /// Forward + backward compute, seconds.
     pub compute_s: f64,
+    /// The forward's share of it (1/4 with activation recompute: a backward is twice a
+    /// forward, plus the recomputed forward).
+    #[serde(default)]
+    pub fwd_share: f64,
     /// Intra-node busy time if the whole layer were global-sharded (its ring's intra hops), seconds.
     pub global_intra_s: f64,
     /// Inter-node busy time if the whole layer were global-sharded, seconds.
@@ -64,6 +72,10 @@ pub struct SdpLayer {
     pub global_latency_s: f64,
     /// Latency of the node part's collectives, seconds.
     pub node_latency_s: f64,
+    /// Whether the node part's cross-node all-reduce has an inter-node link of its own (a
+    /// second one): then the two parts' inter-node traffic overlaps instead of adding up.
+    #[serde(default)]
+    pub separate_rail: bool,
     /// Memory per device if global-sharded, bytes.
     pub global_mem: f64,
     /// Memory per device if node-sharded, bytes.
@@ -71,15 +83,39 @@ pub struct SdpLayer {
 }
 
 impl SdpLayer {
-    /// Time of the layer with `g` of it global-sharded and `1 - g` node-sharded.
+    /// Time of the layer with `g` of it global-sharded and `1 - g` node-sharded: its forward
+    /// (one gather of each part, behind the forward compute) plus its backward (a gather and a
+    /// reduce-scatter of each part, and the node part's cross-node all-reduce, behind the
+    /// backward compute). Each phase takes the longest of its compute and each link's busy
+    /// time: the node part's cross-node traffic has only the backward to hide behind.
     pub fn time(&self, g: f64) -> f64 {
+        let (f, b) = self.phases(g);
+        f + b
+    }
+
+    /// Forward and backward time with `g` global-sharded.
+    pub fn phases(&self, g: f64) -> (f64, f64) {
         let n = 1.0 - g;
         let lg = if g > 1e-12 { self.global_latency_s } else { 0.0 };
         let ln = if n > 1e-12 { self.node_latency_s } else { 0.0 };
         let intra = g * self.global_intra_s + n * self.node_intra_s + ln;
-        let inter = g * self.global_inter_s + n * self.node_inter_s + lg;
-        self.compute_s.max(intra).max(inter)
+        let global_inter = g * self.global_inter_s + lg;
+        let rail = n * self.node_inter_s;
+        let fs = self.fwd_share();
+        let fwd = (self.compute_s * fs).max(intra / 3.0).max(global_inter / 3.0);
+        let bwd_inter = if self.separate_rail { (2.0 * global_inter / 3.0).max(rail) } else { 2.0 * global_inter / 3.0 + rail };
+        let bwd = (self.compute_s * (1.0 - fs)).max(2.0 * intra / 3.0).max(bwd_inter);
+        (fwd, bwd)
     }
+
+    fn fwd_share(&self) -> f64 {
+        if self.fwd_share > 0.0 && self.fwd_share < 1.0 {
+            self.fwd_share
+        } else {
+            0.25
+        }
+    }
+
     /// Memory with `g` global-sharded.
     pub fn mem(&self, g: f64) -> f64 {
         g * self.global_mem + (1.0 - g) * self.node_mem
@@ -121,8 +157,12 @@ pub struct SdpPlan {
     pub cluster: String,
     /// Devices.
     pub devices: u32,
-    /// Links of the two parts: (intra-node, inter-node path).
+    /// Links of the two parts: (intra-node, inter-node path of the all-device part).
     pub links: (String, String),
+    /// The inter-node link of the node part's cross-node all-reduce (the all-device part's
+    /// link unless the cluster has a second one).
+    #[serde(default)]
+    pub rail_link: String,
     /// Per layer.
     pub layers: Vec<SdpLayerPlan>,
     /// Predicted iteration time.
@@ -157,7 +197,9 @@ pub fn layers(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>) -> R
     let bf = 3.0 + if model.activation_recompute { 1.0 } else { 0.0 };
     let global = cm.global_group();
     let node = cm.node_group();
-    let rail = cm.rail_group();
+    // the node part's cross-node all-reduce takes the second inter-node link if there is one
+    let rail = cm.second_rail_group();
+    let separate_rail = cluster.nodes > 1 && cluster.inter_links().len() >= 2;
     let intra_bw = node.bytes_per_s;
     let mut out = Vec::new();
     for l in 0..=model.layers {
@@ -183,6 +225,7 @@ pub fn layers(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>) -> R
             name,
             params,
             compute_s: cm.compute_time("layer", flops * bf),
+            fwd_share: 1.0 / bf,
             global_intra_s,
             global_inter_s,
             node_intra_s,
@@ -190,6 +233,7 @@ pub fn layers(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>) -> R
             global_latency_s: (2.0 * Coll::AllGather.steps(n) + Coll::ReduceScatter.steps(n)) * global.latency_s,
             node_latency_s: (2.0 * Coll::AllGather.steps(d) + Coll::ReduceScatter.steps(d)) * node.latency_s
                 + Coll::AllReduce.steps(rail.size) * rail.latency_s,
+            separate_rail,
             global_mem: params * state / n as f64,
             node_mem: params * state / d as f64,
         });
@@ -235,10 +279,12 @@ pub fn plan(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: 
     let g: Vec<_> = ls.iter().map(|_| vars.add(variable().min(0.0).max(1.0))).collect();
     let zg: Vec<_> = ls.iter().map(|_| vars.add(variable().binary())).collect();
     let zn: Vec<_> = ls.iter().map(|_| vars.add(variable().binary())).collect();
-    let t: Vec<_> = ls.iter().map(|_| vars.add(variable().min(0.0))).collect();
+    // each layer's forward and backward time
+    let tf: Vec<_> = ls.iter().map(|_| vars.add(variable().min(0.0))).collect();
+    let tb: Vec<_> = ls.iter().map(|_| vars.add(variable().min(0.0))).collect();
     // Among equally fast plans prefer the one that uses less memory (a tiny tie-breaking weight).
     let tie = 1e-6 * T * ls.iter().map(|l| l.compute_s).sum::<f64>() / ls.len() as f64;
-    let mut objective: Expression = t.iter().copied().sum();
+    let mut objective: Expression = tf.iter().copied().sum::<Expression>() + tb.iter().copied().sum::<Expression>();
     for (i, l) in ls.iter().enumerate() {
         objective += -tie * (l.node_mem - l.global_mem) / l.node_mem.max(1.0) * g[i];
     }
@@ -251,11 +297,23 @@ pub fn plan(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: 
         // g ≤ zg; (1 - g) ≤ zn
         model_lp.add_constraint((g[i] - zg[i]).leq(0.0));
         model_lp.add_constraint((1.0 - g[i] - zn[i]).leq(0.0));
-        model_lp.add_constraint((T * l.compute_s - t[i]).leq(0.0));
-        let intra = T * l.global_intra_s * g[i] + T * l.node_intra_s * (1.0 - g[i]) + T * l.node_latency_s * zn[i];
-        model_lp.add_constraint((intra - t[i]).leq(0.0));
-        let inter = T * l.global_inter_s * g[i] + T * l.node_inter_s * (1.0 - g[i]) + T * l.global_latency_s * zg[i];
-        model_lp.add_constraint((inter - t[i]).leq(0.0));
+        // the same terms as SdpLayer::phases, linear in g with the latencies on the binaries
+        let fs = l.fwd_share();
+        model_lp.add_constraint((T * l.compute_s * fs - tf[i]).leq(0.0));
+        model_lp.add_constraint((T * l.compute_s * (1.0 - fs) - tb[i]).leq(0.0));
+        let intra = || T * l.global_intra_s * g[i] + T * l.node_intra_s * (1.0 - g[i]) + T * l.node_latency_s * zn[i];
+        let global_inter = || T * l.global_inter_s * g[i] + T * l.global_latency_s * zg[i];
+        model_lp.add_constraint((intra() * (1.0 / 3.0) - tf[i]).leq(0.0));
+        model_lp.add_constraint((intra() * (2.0 / 3.0) - tb[i]).leq(0.0));
+        model_lp.add_constraint((global_inter() * (1.0 / 3.0) - tf[i]).leq(0.0));
+        let rail = T * l.node_inter_s * (1.0 - g[i]);
+        if l.separate_rail {
+            // each part's inter-node traffic on its own link
+            model_lp.add_constraint((global_inter() * (2.0 / 3.0) - tb[i]).leq(0.0));
+            model_lp.add_constraint((rail - tb[i]).leq(0.0));
+        } else {
+            model_lp.add_constraint((global_inter() * (2.0 / 3.0) + rail - tb[i]).leq(0.0));
+        }
         mem += (l.global_mem / GIB) * g[i] + (l.node_mem / GIB) * (1.0 - g[i]);
     }
     model_lp.add_constraint(mem.leq((budget - fixed) / GIB));
@@ -297,11 +355,13 @@ pub fn plan(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: 
     let node_share = ls.iter().zip(&gv).map(|(l, &x)| l.params * (1.0 - x)).sum::<f64>() / total_bytes;
     let intra_name = cm.node_group().links.first().cloned().unwrap_or_default();
     let inter_name = cm.global_group().links.join("+");
+    let rail_link = cm.second_rail_group().links.join("+");
     Ok(SdpPlan {
         model: model.name.clone(),
         cluster: cluster.name.clone(),
         devices: cluster.devices(),
         links: (intra_name, inter_name),
+        rail_link,
         layers: layer_plans,
         predicted_iter_s: iter,
         compute_s: ls.iter().map(|l| l.compute_s).sum(),

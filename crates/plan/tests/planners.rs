@@ -198,6 +198,43 @@ fn hsdp_moves_traffic_off_the_slow_link_when_it_pays() {
     assert!(plan.speedup_vs_best_baseline > 1.0);
 }
 
+/// Two inter-node links (the emulated bed): the node part's cross-node all-reduce takes the
+/// second one, so the plan splits each layer between the links, beats both baselines, and its
+/// prediction is exactly the sum of the layers' forward and backward phases.
+#[test]
+fn hsdp_drives_both_inter_node_links() {
+    let m = ModelDesc::from_toml_str(&read("configs/models/gpt-sdp-cpu.toml")).unwrap();
+    let c = ClusterDesc::from_toml_str(&read("configs/clusters/emulated-2host-2link.toml")).unwrap();
+    let cm = CostModel::new(&c);
+    let plan = sdp::plan(&m, &c, &cm, &sdp::SdpOptions::default()).unwrap();
+    assert_eq!((plan.links.1.as_str(), plan.rail_link.as_str()), ("a+host", "b"));
+    for l in &plan.layers {
+        assert!(l.global_fraction > 0.3 && l.global_fraction < 0.9, "{}: {}", l.name, l.global_fraction);
+    }
+    assert!(plan.predicted_iter_s < plan.fsdp.iter_s && plan.predicted_iter_s < plan.hybrid.iter_s);
+    let ls = sdp::layers(&m, &c, &cm).unwrap();
+    assert!(ls.iter().all(|l| l.separate_rail));
+    let sum: f64 = ls.iter().zip(&plan.layers).map(|(l, p)| l.time(p.global_fraction)).sum();
+    assert!((sum - plan.predicted_iter_s).abs() < 1e-12);
+    // one phase by hand: a layer all-device sharded keeps link a busy for a third of its
+    // collectives in the forward, two thirds in the backward; the node part's all-reduce only
+    // in the backward, on b
+    let l = &ls[0];
+    let (f, b) = l.phases(1.0);
+    assert!(
+        (f - (l.compute_s * l.fwd_share).max(l.global_intra_s / 3.0).max((l.global_inter_s + l.global_latency_s) / 3.0)).abs()
+            < 1e-15
+    );
+    assert!(b >= 2.0 * (l.global_inter_s + l.global_latency_s) / 3.0 - 1e-15);
+    let (f0, b0) = l.phases(0.0);
+    assert!(b0 >= l.node_inter_s && f0 < l.node_inter_s, "the all-reduce is in the backward only");
+    // with one inter-node link the parts' traffic adds up on it instead
+    let mut one = c.clone();
+    one.links.retain(|x| x.name != "b");
+    let l1 = &sdp::layers(&m, &one, &CostModel::new(&one)).unwrap()[0];
+    assert!(!l1.separate_rail);
+}
+
 #[test]
 fn bad_descriptions_are_typed_errors() {
     let e = ClusterDesc::from_toml_str("name = \"x\"\nnodes = 0\ndevices_per_node = 4\n").unwrap_err();

@@ -21,7 +21,8 @@
 //! Where it sits: above `ironweave-transport` (groups, non-blocking collectives), below the
 //! trainer and the CLI. No IO besides the collectives; no clock.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use ironweave_transport::{CollHandle, Communicator, ReduceOp};
 use serde::{Deserialize, Serialize};
@@ -148,10 +149,59 @@ pub fn adam_update(a: &Adam, t: u64, decay: bool, p: &mut [f32], m: &mut [f32], 
     }
 }
 
+/// The lane a collective ran on: each group has its own collective thread and link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Lane {
+    /// The all-rank group (the `full` part; `replicated`'s all-reduce).
+    World,
+    /// The host group (the `hybrid` part's gathers and reduce-scatters).
+    Intra,
+    /// The cross-host group (the `hybrid` part's all-reduce of shard gradients).
+    Inter,
+}
+
+impl Lane {
+    /// Every lane, in trace order.
+    pub const ALL: [Lane; 3] = [Lane::World, Lane::Intra, Lane::Inter];
+    /// Index in [`Lane::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            Lane::World => 0,
+            Lane::Intra => 1,
+            Lane::Inter => 2,
+        }
+    }
+}
+
+/// One collective's time on its group's collective thread (when it started and ended there,
+/// not when the caller waited).
+#[derive(Debug, Clone)]
+pub struct CollSpan {
+    pub lane: Lane,
+    /// `gather 3`, `reduce-scatter 3`, `all-reduce 3` (the layer).
+    pub name: String,
+    pub start: Instant,
+    pub end: Instant,
+    /// Elements of the buffer handed to the collective.
+    pub elems: usize,
+}
+
+/// Where finished collectives are logged; shared by the engine and its handles.
+type SpanLog = Arc<Mutex<Vec<CollSpan>>>;
+
+fn log_span(log: &SpanLog, span: CollSpan) {
+    log.lock().unwrap_or_else(|e| e.into_inner()).push(span);
+}
+
 /// One part of a layer: a contiguous range of its parameters, sharded over a group of `n`
 /// (padded to a multiple of `n`); this rank holds block `me`.
 #[derive(Debug, Clone)]
 struct Part {
+    /// Offset of the part in its layer.
+    lo: usize,
+    /// This rank's block of the part.
+    me: usize,
     /// Elements of the layer in this part.
     len: usize,
     /// Padded block size.
@@ -163,14 +213,27 @@ struct Part {
     g: Option<Vec<f32>>,
 }
 
+impl Layer {
+    fn len(&self) -> usize {
+        self.parts.iter().map(|p| p.1.len).sum()
+    }
+}
+
 impl Part {
-    fn new(values: &[f32], n: usize, me: usize) -> Part {
+    fn new(offset: usize, values: &[f32], n: usize, me: usize) -> Part {
         let block = values.len().div_ceil(n.max(1));
         let mut p = vec![0.0; block];
         let lo = (me * block).min(values.len());
         let hi = ((me + 1) * block).min(values.len());
         p[..hi - lo].copy_from_slice(&values[lo..hi]);
-        Part { len: values.len(), block, m: vec![0.0; block], v: vec![0.0; block], p, g: None }
+        Part { lo: offset, me, len: values.len(), block, m: vec![0.0; block], v: vec![0.0; block], p, g: None }
+    }
+
+    /// The layer elements this rank's block holds (padding excluded).
+    fn held(&self) -> std::ops::Range<usize> {
+        let a = (self.me * self.block).min(self.len);
+        let b = ((self.me + 1) * self.block).min(self.len);
+        self.lo + a..self.lo + b
     }
 }
 
@@ -189,18 +252,21 @@ enum Over {
 struct Layer {
     /// (group, part): the first part is elements `[0, parts[0].len)`, the second the rest.
     parts: Vec<(Over, Part)>,
-    /// Weight decay applies.
-    decay: bool,
+    /// The element ranges of the layer weight decay applies to (a flat layer holds matrices
+    /// and norms side by side).
+    decay: Vec<std::ops::Range<usize>>,
 }
 
 /// A gather in flight: the layer's full parameters once waited.
 pub struct Gather {
+    layer: usize,
     parts: Vec<GatherPart>,
+    log: SpanLog,
 }
 
 /// One part of a gather: in flight on its group, or this rank's own copy (replicated).
 struct GatherPart {
-    handle: Option<CollHandle<Vec<f32>>>,
+    handle: Option<(Lane, CollHandle<Vec<f32>>)>,
     len: usize,
     local: Vec<f32>,
 }
@@ -217,7 +283,12 @@ impl Gather {
         let mut out = Vec::new();
         for p in self.parts {
             let mut all = match p.handle {
-                Some(h) => h.wait()?,
+                Some((lane, h)) => {
+                    let deadline = h.deadline();
+                    let (v, start, end) = h.wait_timed(deadline)?;
+                    log_span(&self.log, CollSpan { lane, name: format!("gather {}", self.layer), start, end, elems: v.len() });
+                    v
+                }
                 None => p.local,
             };
             all.truncate(p.len);
@@ -227,10 +298,21 @@ impl Gather {
     }
 }
 
-/// Gradient reductions in flight for one layer.
+/// Gradient reductions in flight for one layer: each part's reduce-scatter (or all-reduce),
+/// then, for a host part with more than one host, the cross-host all-reduce of its shard
+/// ([`ShardEngine::advance_reduce`] starts it).
 pub struct Reduce {
     layer: usize,
-    handles: Vec<(usize, CollHandle<Vec<f32>>)>,
+    handles: Vec<(usize, Stage, CollHandle<Vec<f32>>)>,
+}
+
+/// Which reduction a handle is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Reduce-scatter (or `replicated`'s all-reduce) over the part's group.
+    First,
+    /// The cross-host all-reduce of a host part's shard.
+    CrossHost,
 }
 
 impl std::fmt::Debug for Reduce {
@@ -246,6 +328,7 @@ pub struct ShardEngine {
     layers: Vec<Layer>,
     adam: Adam,
     t: u64,
+    log: SpanLog,
 }
 
 impl std::fmt::Debug for ShardEngine {
@@ -283,27 +366,49 @@ impl ShardEngine {
                 let mut parts = Vec::new();
                 if !a.is_empty() {
                     parts.push(match strategy {
-                        Strategy::Replicated => (Over::Nobody, Part::new(a, 1, 0)),
-                        Strategy::Hybrid => (Over::Host, Part::new(a, hn, hr)),
-                        _ => (Over::World, Part::new(a, wn, wr)),
+                        Strategy::Replicated => (Over::Nobody, Part::new(0, a, 1, 0)),
+                        Strategy::Hybrid => (Over::Host, Part::new(0, a, hn, hr)),
+                        _ => (Over::World, Part::new(0, a, wn, wr)),
                     });
                 }
                 if !b.is_empty() {
-                    parts.push((Over::Host, Part::new(b, hn, hr)));
+                    parts.push((Over::Host, Part::new(a.len(), b, hn, hr)));
                 }
-                Layer { parts, decay: true }
+                Layer { parts, decay: std::iter::once(0..w.len()).collect() }
             })
             .collect();
-        Ok(ShardEngine { groups, strategy, layers, adam, t: 0 })
+        Ok(ShardEngine { groups, strategy, layers, adam, t: 0, log: SpanLog::default() })
     }
 
     /// Which layers weight decay applies to (default: all).
-    pub fn with_decay(mut self, mask: &[bool]) -> Result<Self> {
+    pub fn with_decay(self, mask: &[bool]) -> Result<Self> {
+        let ranges: Vec<Vec<std::ops::Range<usize>>> = self
+            .layers
+            .iter()
+            .zip(mask)
+            .map(|(l, &d)| if d { std::iter::once(0..l.len()).collect() } else { Vec::new() })
+            .collect();
         if mask.len() != self.layers.len() {
             return Err(ShardError::Invalid(format!("{} decay flags for {} layers", mask.len(), self.layers.len())));
         }
-        for (l, &d) in self.layers.iter_mut().zip(mask) {
-            l.decay = d;
+        self.with_decay_ranges(&ranges)
+    }
+
+    /// Which elements of each layer weight decay applies to (default: all): ranges in the
+    /// layer's flat order, e.g. its matrices but not its norms.
+    pub fn with_decay_ranges(mut self, ranges: &[Vec<std::ops::Range<usize>>]) -> Result<Self> {
+        if ranges.len() != self.layers.len() {
+            return Err(ShardError::Invalid(format!(
+                "decay ranges for {} layers, the engine has {}",
+                ranges.len(),
+                self.layers.len()
+            )));
+        }
+        for (l, r) in self.layers.iter_mut().zip(ranges) {
+            if let Some(bad) = r.iter().find(|x| x.start > x.end || x.end > l.len()) {
+                return Err(ShardError::Invalid(format!("decay range {bad:?} is outside a layer of {} elements", l.len())));
+            }
+            l.decay = r.clone();
         }
         Ok(self)
     }
@@ -325,6 +430,23 @@ impl ShardEngine {
         }
     }
 
+    fn lane(over: Over) -> Lane {
+        match over {
+            Over::World | Over::Nobody => Lane::World,
+            Over::Host => Lane::Intra,
+        }
+    }
+
+    /// The collectives that finished since the last call, with their times on the wire.
+    pub fn take_spans(&self) -> Vec<CollSpan> {
+        std::mem::take(&mut *self.log.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Elements of layer `l` (0 if there is no such layer).
+    pub fn layer_len(&self, l: usize) -> usize {
+        self.layers.get(l).map_or(0, |layer| layer.parts.iter().map(|p| p.1.len).sum())
+    }
+
     /// Starts gathering layer `l`'s parameters (each part on its group, at once).
     pub fn start_gather(&self, l: usize) -> Result<Gather> {
         let layer = self.layers.get(l).ok_or_else(|| ShardError::Invalid(format!("no layer {l}")))?;
@@ -332,12 +454,14 @@ impl ShardEngine {
         for (over, part) in &layer.parts {
             parts.push(match over {
                 Over::Nobody => GatherPart { handle: None, len: part.len, local: part.p.clone() },
-                _ => {
-                    GatherPart { handle: Some(self.group(*over).iall_gather(part.p.clone())?), len: part.len, local: Vec::new() }
-                }
+                _ => GatherPart {
+                    handle: Some((Self::lane(*over), self.group(*over).iall_gather(part.p.clone())?)),
+                    len: part.len,
+                    local: Vec::new(),
+                },
             });
         }
-        Ok(Gather { parts })
+        Ok(Gather { layer: l, parts, log: self.log.clone() })
     }
 
     /// Starts reducing layer `l`'s full gradient (this rank's batch): each part reduce-scattered
@@ -363,28 +487,59 @@ impl ShardEngine {
                     self.group(*over).ireduce_scatter(padded, ReduceOp::Sum)?
                 }
             };
-            handles.push((k, h));
+            handles.push((k, Stage::First, h));
         }
         Ok(Reduce { layer: l, handles })
     }
 
-    /// Waits for a layer's reductions and keeps this rank's averaged gradient blocks.
-    pub fn finish_reduce(&mut self, r: Reduce) -> Result<()> {
+    /// Waits for one reduction, logs its span, and either keeps the averaged gradient block or
+    /// (a host part's reduce-scatter, several hosts) starts its cross-host all-reduce.
+    fn settle(&mut self, layer: usize, k: usize, stage: Stage, h: CollHandle<Vec<f32>>) -> Result<Option<CollHandle<Vec<f32>>>> {
+        let over = self.layers[layer].parts[k].0;
+        let deadline = h.deadline();
+        let (g, start, end) = h.wait_timed(deadline)?;
+        let (lane, what) = match (stage, over) {
+            (Stage::CrossHost, _) => (Lane::Inter, "all-reduce"),
+            (Stage::First, Over::Nobody) => (Lane::World, "all-reduce"),
+            (Stage::First, o) => (Self::lane(o), "reduce-scatter"),
+        };
+        log_span(&self.log, CollSpan { lane, name: format!("{what} {layer}"), start, end, elems: g.len() });
+        if stage == Stage::First && over == Over::Host && self.groups.inter.size() > 1 {
+            return Ok(Some(self.groups.inter.iall_reduce(g, ReduceOp::Sum)?));
+        }
         let world = self.groups.world.size() as f32;
-        // the host parts' cross-host all-reduces start as soon as their reduce-scatters end,
-        // all before any is waited
-        let mut stage2 = Vec::new();
-        for (k, h) in r.handles {
-            let over = self.layers[r.layer].parts[k].0;
-            let g = h.wait()?;
-            if over == Over::Host && self.groups.inter.size() > 1 {
-                stage2.push((k, self.groups.inter.iall_reduce(g, ReduceOp::Sum)?));
-            } else {
-                self.layers[r.layer].parts[k].1.g = Some(g.into_iter().map(|x| x / world).collect());
+        self.layers[layer].parts[k].1.g = Some(g.into_iter().map(|x| x / world).collect());
+        Ok(None)
+    }
+
+    /// Waits for a layer's host parts' reduce-scatters (within the host: quick) and starts the
+    /// cross-host all-reduces that follow them, without waiting for those or for the all-rank
+    /// part's reduction: called right after [`Self::start_reduce`], the cross-host link gets the
+    /// layer's gradients while the next layer's backward computes and the all-rank part's
+    /// reduce-scatter is on its own link.
+    pub fn advance_reduce(&mut self, r: Reduce) -> Result<Reduce> {
+        let chained = self.groups.inter.size() > 1;
+        let mut next = Vec::with_capacity(r.handles.len());
+        for (k, stage, h) in r.handles {
+            let host_first = stage == Stage::First && self.layers[r.layer].parts[k].0 == Over::Host;
+            if !(host_first && chained) {
+                next.push((k, stage, h));
+            } else if let Some(h2) = self.settle(r.layer, k, stage, h)? {
+                next.push((k, Stage::CrossHost, h2));
             }
         }
-        for (k, h) in stage2 {
-            self.layers[r.layer].parts[k].1.g = Some(h.wait()?.into_iter().map(|x| x / world).collect());
+        Ok(Reduce { layer: r.layer, handles: next })
+    }
+
+    /// Waits for a layer's reductions and keeps this rank's averaged gradient blocks.
+    pub fn finish_reduce(&mut self, r: Reduce) -> Result<()> {
+        // every cross-host all-reduce is started before any is waited
+        let r = self.advance_reduce(r)?;
+        for (k, stage, h) in r.handles {
+            if let Some(h2) = self.settle(r.layer, k, stage, h)? {
+                // a host part whose cross-host stage had not started (one host)
+                self.settle(r.layer, k, Stage::CrossHost, h2)?;
+            }
         }
         Ok(())
     }
@@ -399,12 +554,75 @@ impl ShardEngine {
             return Err(ShardError::Invalid(format!("layer {l}: step before its gradients were reduced")));
         }
         for layer in self.layers.iter_mut() {
-            let decay = layer.decay;
             for (_, part) in layer.parts.iter_mut() {
                 let g = part.g.take().unwrap_or_default();
-                adam_update(&a, t, decay, &mut part.p, &mut part.m, &mut part.v, &g);
+                // the block in runs of equal decay (the padding beyond the layer: no decay)
+                let held = part.held();
+                let mut cuts = vec![0, part.block];
+                for r in &layer.decay {
+                    for x in [r.start, r.end] {
+                        if x > held.start && x < held.end {
+                            cuts.push(x - held.start);
+                        }
+                    }
+                }
+                cuts.sort_unstable();
+                cuts.dedup();
+                for w in cuts.windows(2) {
+                    let (i, j) = (w[0], w[1]);
+                    let at = held.start + i;
+                    let decay = at < held.end && layer.decay.iter().any(|r| r.contains(&at));
+                    adam_update(&a, t, decay, &mut part.p[i..j], &mut part.m[i..j], &mut part.v[i..j], &g[i..j]);
+                }
             }
         }
+        Ok(())
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps(&self) -> u64 {
+        self.t
+    }
+
+    /// This rank's shard tensors — each part's parameters and both moments, in a fixed order
+    /// (layer, part, then `p`, `m`, `v`) — with their names (`7.1.m`: layer 7, part 1, first
+    /// moment): what a checkpoint holds.
+    pub fn shard_tensors(&self) -> Vec<(String, &[f32])> {
+        let mut out = Vec::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            for (k, (_, part)) in layer.parts.iter().enumerate() {
+                out.push((format!("{l}.{k}.p"), part.p.as_slice()));
+                out.push((format!("{l}.{k}.m"), part.m.as_slice()));
+                out.push((format!("{l}.{k}.v"), part.v.as_slice()));
+            }
+        }
+        out
+    }
+
+    /// Loads shards saved from [`Self::shard_tensors`] (by name; each must have its size) and
+    /// the step count.
+    pub fn load_shards(&mut self, steps: u64, tensor: impl Fn(&str) -> Option<Vec<u8>>) -> Result<()> {
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            for (k, (_, part)) in layer.parts.iter_mut().enumerate() {
+                for (what, dst) in [("p", &mut part.p), ("m", &mut part.m), ("v", &mut part.v)] {
+                    let name = format!("{l}.{k}.{what}");
+                    let b =
+                        tensor(&name).ok_or_else(|| ShardError::Invalid(format!("the restored state lacks shard `{name}`")))?;
+                    if b.len() != dst.len() * 4 {
+                        return Err(ShardError::Invalid(format!(
+                            "shard `{name}`: {} bytes restored for {} floats (a checkpoint of another layout)",
+                            b.len(),
+                            dst.len()
+                        )));
+                    }
+                    for (d, c) in dst.iter_mut().zip(b.chunks_exact(4)) {
+                        *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                    }
+                    part.g = None;
+                }
+            }
+        }
+        self.t = steps;
         Ok(())
     }
 

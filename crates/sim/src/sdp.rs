@@ -52,6 +52,14 @@ pub fn simulate(
     let inter_bw = if inter_bw.is_finite() { inter_bw } else { 1e15 };
     let intra = dag.link("intra-node", intra_bw, false);
     let inter = dag.link("inter-node", inter_bw, false);
+    // the node part's cross-node all-reduce: on a second inter-node link when the cluster has one
+    let rail_bw = cm.second_rail_group().bytes_per_s;
+    let rail_bw = if rail_bw.is_finite() { rail_bw } else { 1e15 };
+    let (rail, rail_bw) = if layers.iter().any(|l| l.separate_rail) {
+        (dag.link("inter-node (second link)", rail_bw, false), rail_bw)
+    } else {
+        (inter, inter_bw)
+    };
     let fwd_share = 1.0 / (3.0 + if model.activation_recompute { 1.0 } else { 0.0 });
     // one collective (all-gather or reduce-scatter) of the part: a third of the busy totals
     let gather = |dag: &mut Dag, l: &SdpLayer, g: f64, name: String, deps: Vec<OpId>| -> OpId {
@@ -135,8 +143,8 @@ pub fn simulate(
             tail.push(dag.transfer(
                 format!("{} shard all-reduce", l.name),
                 "grad",
-                inter,
-                n * l.node_inter_s * inter_bw,
+                rail,
+                n * l.node_inter_s * rail_bw,
                 0.0,
                 Class::Training,
                 vec![rs],
