@@ -187,6 +187,15 @@ fn run_all(a: &SdpBenchArgs, topo: &crate::cluster::Topology, model: &ModelDesc)
         if v.sdp == "hsdp" {
             // plan on this bed: probed links, the replicated run's compute
             let (c, prof) = planner_inputs(a, &probe_path, model, median_after(&measured[0].0.compute_s, 2))?;
+            // the same compute for `plan sdp --profile` and `simulate sdp --profile`
+            let m = &prof.ops["layer"];
+            std::fs::write(
+                a.out.join("profile.toml"),
+                format!(
+                    "# one rank's compute per iteration, measured by the replicated row of `ironweave bench sdp`\n[ops.layer]\nflops = {:e}\nseconds = {:e}\n",
+                    m.flops, m.seconds
+                ),
+            )?;
             let mut cm = CostModel::new(&c);
             cm.profile = Some(&prof);
             let plan = psdp::plan(model, &c, &cm, &psdp::SdpOptions::default())?;

@@ -55,8 +55,9 @@ pub struct SimArgs {
     /// Use link figures measured by `ironweave cluster probe --json FILE` instead of the description's.
     #[arg(long)]
     probe: Option<PathBuf>,
-    /// tp: measured compute throughputs (a TOML table, or a tensor-parallel run's directory:
-    /// `ironweave train --tp` / `bench overlap` rows), as `plan tmp --profile`.
+    /// tp, sdp: measured compute throughputs (a TOML table — `bench sdp` writes one — or a
+    /// tensor-parallel run's directory: `ironweave train --tp` / `bench overlap` rows), as
+    /// `plan tmp|sdp --profile`.
     #[arg(long)]
     profile: Option<PathBuf>,
     /// tp: also simulate these uniform degrees under both schedules (e.g. the degree a
@@ -155,7 +156,9 @@ fn run_tp(a: &SimArgs) -> Result<()> {
 fn run_sdp(a: &SimArgs) -> Result<()> {
     let (mp, cp) = inputs(a)?;
     let (m, c) = load_inputs(mp, cp, a.global_batch, a.probe.as_deref())?;
-    let cm = CostModel::new(&c);
+    let prof = crate::plan::load_profile(a.profile.as_deref(), &m)?;
+    let mut cm = CostModel::new(&c);
+    cm.profile = prof.as_ref();
     let plan = psdp::plan(&m, &c, &cm, &psdp::SdpOptions::default())?;
     let layers = psdp::layers(&m, &c, &cm)?;
     let nl = layers.len();

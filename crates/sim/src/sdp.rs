@@ -1,10 +1,11 @@
 //! Sharded data parallelism: one iteration under an SDP plan (per layer, the fraction gathered
 //! over all devices through the inter-node path and the rest within the node over NVLink).
 //!
-//! Resources: the compute stream, the intra-node link and the inter-node path. Gathers are
-//! prefetched one layer ahead (two layers' parameters in memory at most); reduce-scatters
+//! Resources: the compute stream, the intra-node link and the inter-node path (and a second
+//! inter-node link when the plan's cluster has one, for the node part's all-reduce). Gathers
+//! are prefetched one layer ahead (two layers' parameters in memory at most); reduce-scatters
 //! follow each layer's backward; the node-sharded part's shards are then all-reduced across
-//! nodes. Transfer sizes are the planner's busy times times the link's rate, so the simulator
+//! nodes as soon as the node part's own reduce-scatter ends. Transfer sizes are the planner's busy times times the link's rate, so the simulator
 //! adds only what the plan ignores: dependencies, queuing and latency.
 
 use serde::{Deserialize, Serialize};
@@ -62,7 +63,8 @@ pub fn simulate(
     };
     let fwd_share = 1.0 / (3.0 + if model.activation_recompute { 1.0 } else { 0.0 });
     // one collective (all-gather or reduce-scatter) of the part: a third of the busy totals
-    let gather = |dag: &mut Dag, l: &SdpLayer, g: f64, name: String, deps: Vec<OpId>| -> OpId {
+    // returns the mark of the whole collective and the node part's transfer, if any
+    let gather = |dag: &mut Dag, l: &SdpLayer, g: f64, name: String, deps: Vec<OpId>| -> (OpId, Option<OpId>) {
         let n = 1.0 - g;
         let mut parts = Vec::new();
         if g > 0.0 {
@@ -85,8 +87,9 @@ pub fn simulate(
                 deps.clone(),
             ));
         }
+        let mut node = None;
         if n > 0.0 {
-            parts.push(dag.transfer(
+            let t = dag.transfer(
                 format!("{name} node"),
                 "gather",
                 intra,
@@ -94,13 +97,12 @@ pub fn simulate(
                 l.node_latency_s / 3.0,
                 Class::Training,
                 deps.clone(),
-            ));
+            );
+            parts.push(t);
+            node = Some(t);
         }
-        if parts.is_empty() {
-            dag.mark(name, deps)
-        } else {
-            dag.mark(name, parts)
-        }
+        let mark = if parts.is_empty() { dag.mark(name, deps) } else { dag.mark(name, parts) };
+        (mark, node)
     };
     let nl = layers.len();
     let mut ag: Vec<OpId> = Vec::with_capacity(nl);
@@ -113,7 +115,7 @@ pub fn simulate(
         if i >= 2 {
             deps.push(fwd[i - 2]);
         }
-        let a = gather(&mut dag, l, g, format!("{} fwd gather", l.name), deps);
+        let (a, _) = gather(&mut dag, l, g, format!("{} fwd gather", l.name), deps);
         ag.push(a);
         let mut deps = vec![a];
         deps.extend(fwd.last());
@@ -131,15 +133,17 @@ pub fn simulate(
         if i + 2 < nl {
             deps.extend(bwd[i + 2]);
         }
-        let a = gather(&mut dag, l, g, format!("{} bwd gather", l.name), deps);
+        let (a, _) = gather(&mut dag, l, g, format!("{} bwd gather", l.name), deps);
         bag[i] = Some(a);
         let mut deps = vec![a];
         deps.extend(if i + 1 < nl { bwd[i + 1] } else { None });
         let b = dag.compute(format!("{} bwd", l.name), "compute", gpu, l.compute_s * (1.0 - fwd_share), deps);
         bwd[i] = Some(b);
-        let rs = gather(&mut dag, l, g, format!("{} reduce-scatter", l.name), vec![b]);
+        let (rs, node_rs) = gather(&mut dag, l, g, format!("{} reduce-scatter", l.name), vec![b]);
         let n = 1.0 - g;
         if n > 0.0 && l.node_inter_s > 0.0 {
+            // the node part's all-reduce follows its own reduce-scatter, not the global part's
+            tail.push(rs);
             tail.push(dag.transfer(
                 format!("{} shard all-reduce", l.name),
                 "grad",
@@ -147,7 +151,7 @@ pub fn simulate(
                 n * l.node_inter_s * rail_bw,
                 0.0,
                 Class::Training,
-                vec![rs],
+                vec![node_rs.unwrap_or(rs)],
             ));
         } else {
             tail.push(rs);
