@@ -15,6 +15,7 @@
 
 pub mod engine;
 mod error;
+pub mod fault;
 pub mod partition;
 pub mod persist;
 pub mod registry;

@@ -92,22 +92,35 @@ impl TokenBucket {
 /// Block size of paced writes.
 pub const PACE_BLOCK: usize = 1 << 20;
 
-fn write_atomic(path: &Path, parts: &[&[u8]], bucket: Option<&Mutex<TokenBucket>>) -> Result<()> {
+/// Writes `parts` to `path` through a temporary file renamed into place; a failed write
+/// (a full disk) removes the temporary file, so it leaves no space taken. `fault`: the (rank,
+/// iteration) a campaign's `persist` fault point is checked against after the first block.
+fn write_atomic(path: &Path, parts: &[&[u8]], bucket: Option<&Mutex<TokenBucket>>, fault: Option<(usize, u64)>) -> Result<()> {
     let tmp = path.with_extension(format!("{}.tmp", path.extension().and_then(|e| e.to_str()).unwrap_or("")));
-    let mut f = File::create(&tmp).map_err(|e| CkptError::io(&tmp, e))?;
-    for p in parts {
-        for block in p.chunks(PACE_BLOCK) {
-            if let Some(b) = bucket {
-                let wait = b.lock().unwrap_or_else(|e| e.into_inner()).take_at(block.len() as u64, Instant::now());
-                std::thread::sleep(wait);
+    let r = (|| -> Result<()> {
+        let mut f = File::create(&tmp).map_err(|e| CkptError::io(&tmp, e))?;
+        let mut first = true;
+        for p in parts {
+            for block in p.chunks(PACE_BLOCK) {
+                if let Some(b) = bucket {
+                    let wait = b.lock().unwrap_or_else(|e| e.into_inner()).take_at(block.len() as u64, Instant::now());
+                    std::thread::sleep(wait);
+                }
+                f.write_all(block).map_err(|e| CkptError::io(&tmp, e))?;
+                if let (true, Some((rank, iter))) = (first, fault) {
+                    crate::fault::hit("persist", rank, iter);
+                }
+                first = false;
             }
-            f.write_all(block).map_err(|e| CkptError::io(&tmp, e))?;
         }
+        f.sync_all().map_err(|e| CkptError::io(&tmp, e))?;
+        drop(f);
+        fs::rename(&tmp, path).map_err(|e| CkptError::io(path, e))
+    })();
+    if r.is_err() {
+        let _ = fs::remove_file(&tmp);
     }
-    f.sync_all().map_err(|e| CkptError::io(&tmp, e))?;
-    drop(f);
-    fs::rename(&tmp, path).map_err(|e| CkptError::io(path, e))?;
-    Ok(())
+    r
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
@@ -148,9 +161,9 @@ pub fn write_with(dir: &Path, snap: &Snapshot, rank: u32, world: u32, bucket: Op
     meta.insert("world".to_string(), world.to_string());
     let h = header(&snap.registry, &meta)?;
     let n = (h.len() as u64).to_le_bytes();
-    write_atomic(&data_path, &[&n, &h, &snap.data], bucket)?;
+    write_atomic(&data_path, &[&n, &h, &snap.data], bucket, Some((rank as usize, snap.iter)))?;
     let m = serde_json::to_vec_pretty(&Manifest::of(snap, rank, world)).map_err(|e| CkptError::Invalid(e.to_string()))?;
-    write_atomic(&man_path, &[&m], None)?;
+    write_atomic(&man_path, &[&m], None, None)?;
     sync_dir(d)?;
     sync_dir(dir)?;
     Ok(data_path)

@@ -121,9 +121,34 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// A free TCP port on loopback for the rendezvous.
+/// Ports a job may use for its rendezvous: one per generation (`IRONWEAVE_MASTER_PORT +
+/// generation`), so a re-formed job never meets a stale one.
+pub const RENDEZVOUS_SPAN: u16 = 32;
+
+/// A base port for the rendezvous whose next [`RENDEZVOUS_SPAN`] ports are free now, chosen
+/// below the kernel's ephemeral range: a port the kernel hands out to an outgoing connection
+/// (any of the job's own) can never take a later generation's rendezvous port.
 pub fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next().and_then(|x| x.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    let (lo, hi) = (10_000u16, low.saturating_sub(RENDEZVOUS_SPAN));
+    if hi <= lo {
+        // an unusual range: whatever the kernel gives
+        return Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port());
+    }
+    let nonce = ironweave_transport::wire::nonce();
+    let mut x = u64::from_le_bytes(nonce[..8].try_into().expect("16 bytes"));
+    for _ in 0..64 {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        let base = lo + ((x >> 33) % u64::from(hi - lo)) as u16;
+        let all_free = (0..RENDEZVOUS_SPAN).all(|g| std::net::TcpListener::bind(("0.0.0.0", base + g)).is_ok());
+        if all_free {
+            return Ok(base);
+        }
+    }
+    bail!("no {RENDEZVOUS_SPAN} consecutive free ports between {lo} and {hi} for the rendezvous after 64 tries")
 }
 
 /// Starts the ranks and supervises them until they all end or one fails.
@@ -247,7 +272,9 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                 }
             }
         }
-        if !failed.is_empty() && restarts_left > 0 {
+        // a rank that says its job cannot recover is not restarted (nor is anyone else)
+        let unrecoverable = failed.iter().any(|(_, st)| st.code() == Some(EXIT_UNRECOVERABLE));
+        if !failed.is_empty() && restarts_left > 0 && !unrecoverable {
             // ranks that die together (a host, a rank and its replica peer) are one failure
             std::thread::sleep(Duration::from_millis(300));
             for (rank, slot) in children.iter_mut().enumerate() {
@@ -302,6 +329,10 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     }
     Ok(outcome.unwrap_or(Outcome::Success))
 }
+
+/// The exit status of a rank whose job cannot recover (every copy of a committed iteration is
+/// gone): the launcher stops the job instead of restarting ranks.
+pub const EXIT_UNRECOVERABLE: i32 = 75;
 
 /// SIGTERM to every running rank, SIGKILL after a grace period, then reap them all.
 fn stop_all(children: &mut [Option<Child>]) {

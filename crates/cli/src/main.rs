@@ -7,6 +7,7 @@
 
 mod backend;
 mod bench;
+mod chaos;
 mod ckpt_bench;
 mod ckpt_replay;
 mod ckpt_selftest;
@@ -99,6 +100,10 @@ enum Cmd {
     /// Per-rank body of `train --tp` (started by it).
     #[command(hide = true)]
     TpWorker(overlap::TpWorkerArgs),
+    /// A reliability campaign: a clean training run, then N runs with one random fault each
+    /// (kill -9 of a rank, of a rank and its replica holder, at the checkpoint engine's fault
+    /// points, a full persistent tier); each run's outcome against the clean run.
+    Chaos(chaos::ChaosArgs),
     /// Per-rank body of `train --sdp` (started by it).
     #[command(hide = true)]
     SdpWorker(sdp::SdpWorkerArgs),
@@ -505,6 +510,13 @@ fn run(cli: Cli) -> Result<i32> {
             launch::install_signal_handlers();
             overlap::bench(&a)?;
             Ok(0)
+        }
+        Cmd::Chaos(a) => {
+            launch::install_signal_handlers();
+            let rs = chaos::run(&a)?;
+            // a campaign fails on a hang or a wrong final state; runs that could not be
+            // survived are in the table with their error
+            Ok(if rs.iter().any(|r| r.hang || (r.finished && !r.final_state_matches)) { 1 } else { 0 })
         }
         Cmd::SdpWorker(a) => {
             sdp::worker(&a)?;

@@ -20,7 +20,7 @@ use ironweave_transport::CommOptions;
 use serde::{Deserialize, Serialize};
 
 use crate::progress::{Mode, Progress};
-use crate::train::{load_config, TrainArgs};
+use crate::train::{load_config, mark_recovery, TrainArgs};
 
 /// The per-rank options `train` hands to `sdp-worker`.
 #[derive(Debug, Clone, clap::Args)]
@@ -96,7 +96,7 @@ pub struct SdpReport {
 }
 
 /// Lanes of the trace: compute, then one per group (each on its own link).
-pub const LANES: [&str; 3] = ["all-rank group", "host group", "cross-host group"];
+pub const LANES: [&str; 3] = ["all-rank", "host", "cross-host"];
 
 fn link_index(comm: &ironweave_transport::Communicator, name: &str, default: usize) -> Result<usize> {
     if name.is_empty() {
@@ -205,6 +205,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
                         rep.recoveries += 1;
                         if rank == 0 {
                             println!("recovered: every rank restored iteration {} (rank 0 from {:?})", r.iter, r.source);
+                            mark_recovery(dir, r.iter)?;
                         }
                         start = r.iter + 1;
                     }
@@ -220,6 +221,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
                         rep.recoveries += 1;
                         if rank == 0 {
                             println!("recovered: nothing was committed yet; every rank starts over from the initial state");
+                            mark_recovery(dir, 0)?;
                         }
                     }
                     Err(other) => return Err(other.into()),
@@ -240,7 +242,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
                 let dt = t0.elapsed().as_secs_f64();
                 if rank == 0 {
                     let lanes: Vec<f64> = (0..3).map(|l| s.lane_busy_s(l)).collect();
-                    let line = serde_json::json!({"iter": it, "time": dt, "loss": s.loss, "compute": s.compute_s(),
+                    let line = serde_json::json!({"iter": it, "time": dt, "loss": s.loss, "committed": committed, "compute": s.compute_s(),
                         "wait": s.wait_s(), "busy": s.comm_busy_s(), "lanes": lanes});
                     let mut f = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("iterations.jsonl"))?;
                     writeln!(f, "{line}")?;
@@ -258,7 +260,14 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
                     );
                 }
                 if it == iters {
-                    spans = to_records(&s.spans);
+                    // the compute lane shows compute; its waits are in the report (`wait_s`)
+                    let shown: Vec<_> = s
+                        .spans
+                        .iter()
+                        .filter(|x| !(x.lane == ironweave_overlap::Lane::Compute && x.name == "wait"))
+                        .cloned()
+                        .collect();
+                    spans = to_records(&shown);
                 }
             }
             if let Some(p) = &progress {
@@ -268,6 +277,13 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         })();
         match r {
             Ok(spans) => break (tr, comm, spans),
+            Err(err) if crate::train::is_unrecoverable(&err) => {
+                // no re-formation brings lost copies back: end the job, saying what was lost
+                if rank == 0 {
+                    eprintln!("rank 0: cannot recover: {err:#}");
+                }
+                std::process::exit(crate::launch::EXIT_UNRECOVERABLE);
+            }
             Err(err) => {
                 eprintln!("rank {rank}: generation {gen} failed: {err:#}; re-forming the job");
                 gen += 1;
@@ -442,7 +458,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
             .collect(),
         timeout: None,
         topology,
-        max_restarts: if a.fail.is_some() { 4 } else { 0 },
+        max_restarts: a.max_restarts.unwrap_or(if a.fail.is_some() { 4 } else { 0 }),
         threads_per_rank: a.threads_per_rank,
     };
     crate::launch::install_signal_handlers();

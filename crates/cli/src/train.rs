@@ -93,6 +93,9 @@ pub struct TrainArgs {
     /// (several: rank=R1+R2,iter=I; a whole emulated host with --topology: host=H,iter=I).
     #[arg(long)]
     pub fail: Option<String>,
+    /// Restart a rank that dies, up to N times in all (default: 4 with --fail, else 0).
+    #[arg(long)]
+    pub max_restarts: Option<usize>,
     /// In-memory strategies: also write the persistent tier every N iterations (0: never).
     #[arg(long, default_value_t = 10)]
     pub persist_every: u64,
@@ -157,6 +160,7 @@ impl TrainArgs {
             iters: None,
             report_dir: PathBuf::from("target/train-report"),
             fail: None,
+            max_restarts: None,
             persist_every: 10,
             threads_per_rank: None,
             bucket_kb: None,
@@ -268,6 +272,21 @@ impl Report {
 
 /// `final_state_sha256` of a job: SHA-256 of every rank's state digest, in rank order
 /// (collective: every rank calls it with its own digest).
+/// A failure no re-formation can mend: a committed iteration whose every copy is gone.
+pub fn is_unrecoverable(err: &anyhow::Error) -> bool {
+    err.chain().any(|e| {
+        matches!(e.downcast_ref::<ironweave_ckpt::CkptError>(), Some(ironweave_ckpt::CkptError::NothingToRestore { .. }))
+    })
+}
+
+/// Appends a recovery marker to rank 0's per-iteration lines: where the job went back to (0:
+/// the initial state). `ironweave chaos` reads what was committed before it.
+pub fn mark_recovery(dir: &Path, restored: u64) -> Result<()> {
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("iterations.jsonl"))?;
+    writeln!(f, "{}", serde_json::json!({ "recovered": restored }))?;
+    Ok(())
+}
+
 pub fn job_state_sha256(comm: &ironweave_transport::Communicator, mine: &[u8; 32]) -> Result<String> {
     let mut all = vec![0u8; 32 * comm.size()];
     comm.all_gather(mine, &mut all)?;
@@ -446,6 +465,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
                         if rank == 0 {
                             // said even with --quiet: a recovery is news
                             println!("recovered: every rank restored iteration {} (rank 0 from {:?})", r.iter, r.source);
+                            mark_recovery(report_dir, r.iter)?;
                         }
                         start = r.iter + 1;
                     }
@@ -466,6 +486,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
                         rep.recoveries += 1;
                         if rank == 0 {
                             println!("recovered: nothing was committed yet; every rank starts over from the initial state");
+                            mark_recovery(report_dir, 0)?;
                         }
                     }
                     Err(other) => return Err(other.into()),
@@ -488,7 +509,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
                 if rank == 0 {
                     // the report is built from these lines, so a restarted rank 0 still reports
                     // the whole run
-                    let line = serde_json::json!({"iter": it, "time": dt, "loss": s.loss, "exposed": ir.exposed_s,
+                    let line = serde_json::json!({"iter": it, "time": dt, "loss": s.loss, "exposed": ir.exposed_s, "committed": committed,
                         "profiled": ir.profiled, "accuracy": ir.partition_accuracy, "load": s.load.tokens,
                         "dp_comm": s.sync.comm_s, "dp_hidden": s.sync.hidden_s, "buckets": s.sync.buckets});
                     let mut f =
@@ -519,6 +540,13 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         trainer = Some(tr);
         match r {
             Ok(()) => break,
+            Err(err) if crate::train::is_unrecoverable(&err) => {
+                // no re-formation brings lost copies back: end the job, saying what was lost
+                if rank == 0 {
+                    eprintln!("rank 0: cannot recover: {err:#}");
+                }
+                std::process::exit(crate::launch::EXIT_UNRECOVERABLE);
+            }
             Err(err) => {
                 eprintln!("rank {rank}: generation {gen} failed: {err:#}; re-forming the job");
                 gen += 1;
@@ -740,7 +768,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
             .collect(),
         timeout: None,
         topology,
-        max_restarts: if fail.is_some() { 4 } else { 0 },
+        max_restarts: a.max_restarts.unwrap_or(if fail.is_some() { 4 } else { 0 }),
         threads_per_rank: a.threads_per_rank,
     };
     crate::launch::install_signal_handlers();

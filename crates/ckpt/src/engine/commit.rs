@@ -48,6 +48,9 @@ impl Engine {
     }
 
     fn commit_inner(&mut self, wait: bool) -> Result<Option<u64>> {
+        if let Some(s) = self.snaps.latest() {
+            crate::fault::hit("commit", self.comm.rank(), s.iter);
+        }
         if wait {
             if self.cfg.strategy == Strategy::Async {
                 self.join_writer()?;

@@ -763,8 +763,24 @@ impl Engine {
                 self.flush_pending();
                 let snap = self.snaps.take(iter, &self.registry, bufs)?;
                 if self.cfg.persist_dir.is_some() && self.cfg.persist_every > 0 && iter % self.cfg.persist_every == 0 {
-                    self.write_persistent(&snap)?;
-                    persisted = true;
+                    // the persistent tier backs the in-memory replicas up: a full or failing
+                    // disk must not stop training (said once; counted every time)
+                    match self.write_persistent(&snap) {
+                        Ok(_) => persisted = true,
+                        Err(e) => {
+                            if self.counters.storage_failures.fetch_add(1, Ordering::Relaxed) == 0 {
+                                eprintln!(
+                                    "rank {}: warning: writing iteration {iter} to the persistent tier failed ({e}); in-memory checkpoints go on, the persistent tier is retried every {} iterations",
+                                    self.comm.rank(),
+                                    self.cfg.persist_every
+                                );
+                            }
+                            let mut sh = lock(&self.shared);
+                            if sh.failures.len() < 64 {
+                                sh.failures.push(format!("persistent write of iteration {iter}: {e}"));
+                            }
+                        }
+                    }
                 }
                 if self.holders.is_empty() {
                     self.last_sent = Some(iter);

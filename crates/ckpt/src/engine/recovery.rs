@@ -130,6 +130,7 @@ impl Engine {
 
     /// Restore the newest iteration every rank can get a valid copy of (collective).
     pub fn restore_latest(&mut self) -> Result<Restored> {
+        crate::fault::hit_restore(self.comm.rank());
         let world = self.comm.size();
         let me = self.comm.rank();
         let mine = advertise(&self.holdings(), world);

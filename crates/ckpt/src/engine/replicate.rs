@@ -75,6 +75,8 @@ pub struct Counters {
     pub replica_bytes_per_link: Vec<AtomicU64>,
     /// Bytes written to the persistent tier.
     pub storage_bytes: AtomicU64,
+    /// Persistent-tier writes that failed (a full disk) while in-memory replicas went on.
+    pub storage_failures: AtomicU64,
 }
 
 impl Counters {
@@ -226,6 +228,8 @@ pub(crate) fn send_loop(cx: SenderCtx, rx: Receiver<Job>) {
                             msg[17] ^= 0x80; // test hook: a bit flipped on the wire
                         }
                         cx.comm.send_bytes(h, TAG_DATA, &msg)?;
+                        // a campaign's kill in the middle of a replica transfer
+                        crate::fault::hit("replica", cx.rank as usize, snap.iter);
                     }
                     let end_ns = cx.prof.now_ns();
                     lock(&cx.shared).chunk_log.push(ChunkSpan {

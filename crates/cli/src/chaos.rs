@@ -1,0 +1,416 @@
+//! `ironweave chaos`: a repeatable reliability campaign. One clean training run, then N runs
+//! with one fault each, drawn from a seeded generator: kill -9 of a random rank in the middle of
+//! a random iteration's backward, a rank killed together with its replica holder, and kills at
+//! the checkpoint engine's named fault points (`ironweave_ckpt::fault`: mid replica transfer,
+//! commit, restore, mid persistent-tier write), plus the persistent tier on a full filesystem (a
+//! small tmpfs). Every run is a real `ironweave train` (its own launcher and ranks) under a
+//! deadline; a run past it is killed and counted as a hang. Per run: whether the job finished,
+//! whether its final state equals the clean run's (SHA-256 over every rank's state), committed
+//! iterations lost (the restored iteration against the last one committed before the fault),
+//! the time the fault cost, and the error when it did not finish.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::progress::{Mode, Progress};
+
+/// `ironweave chaos`'s options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ChaosArgs {
+    /// Training configuration.
+    #[arg(long, default_value = "configs/moe-tiny.toml")]
+    pub config: PathBuf,
+    #[arg(long, default_value_t = 4)]
+    pub ranks: usize,
+    /// Checkpoint strategy (an in-memory one: capricorn or gemini).
+    #[arg(long, default_value = "capricorn")]
+    pub ckpt: String,
+    /// Iterations per run (default: the config's).
+    #[arg(long)]
+    pub iters: Option<u64>,
+    /// Faulty runs after the clean one.
+    #[arg(long, default_value_t = 8)]
+    pub runs: usize,
+    /// Seed of the fault generator (the same seed draws the same faults).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Persistent tier every N iterations (the last resort when a rank and its holder die).
+    #[arg(long, default_value_t = 4)]
+    pub persist_every: u64,
+    /// Only these fault kinds (default: every single-host kind).
+    #[arg(long, value_delimiter = ',')]
+    pub faults: Vec<String>,
+    /// Where each run's report and output go.
+    #[arg(long, default_value = "target/chaos")]
+    pub out: PathBuf,
+    /// Also write the runs here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// The kinds of fault a campaign draws from (one host).
+pub const KINDS: [&str; 7] = ["kill", "kill-with-holder", "replica", "commit", "persist", "restore", "full-disk"];
+
+/// One faulty run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunResult {
+    /// What was done, e.g. `kill rank=2 iter=7 (backward)`.
+    pub fault: String,
+    pub finished: bool,
+    /// The final state equals the clean run's.
+    pub final_state_matches: bool,
+    /// Committed iterations the recovery did not get back (0 when nothing committed was lost).
+    pub lost_committed_iterations: u64,
+    /// The run's time over the clean run's: what the fault cost, restarts and recovery included.
+    pub recovery_s: f64,
+    /// Killed at the deadline.
+    pub hang: bool,
+    /// The last error line when the run did not finish.
+    pub error: Option<String>,
+    /// Recoveries the job reported.
+    pub recoveries: u64,
+    /// The iteration restored (0: started over from the initial state), if any.
+    pub restored_iter: Option<u64>,
+    /// Wall time of the run.
+    pub wall_s: f64,
+    /// The fault happened (a rank was killed, or the persistent tier refused a write).
+    pub fault_fired: bool,
+}
+
+/// splitmix64: a small, seedable generator.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// One drawn fault: its description and how to inject it.
+#[derive(Debug, Clone)]
+struct Fault {
+    text: String,
+    fail: Option<String>,
+    env: Option<String>,
+    /// Mount a tmpfs of this many KiB on the persistent tier.
+    full_disk_kib: Option<u64>,
+}
+
+fn draw(kind: &str, rng: &mut Rng, ranks: usize, iters: u64, persist_every: u64, holder_of: &dyn Fn(usize) -> usize) -> Fault {
+    let rank = rng.below(ranks as u64) as usize;
+    // iterations 2..=iters-1: a kill at the very start or end is still a kill, but these show
+    // recovery from the middle of training; a persistent write happens every persist_every
+    let iter = if kind == "persist" {
+        persist_every * (1 + rng.below(((iters - 1) / persist_every.max(1)).max(1)))
+    } else {
+        2 + rng.below(iters.saturating_sub(2).max(1))
+    };
+    let none = Fault { text: String::new(), fail: None, env: None, full_disk_kib: None };
+    match kind {
+        "kill" => Fault {
+            text: format!("kill -9 rank {rank} in iteration {iter}'s backward"),
+            fail: Some(format!("rank={rank},iter={iter}")),
+            ..none
+        },
+        "kill-with-holder" => {
+            let h = holder_of(rank);
+            Fault {
+                text: format!("kill -9 rank {rank} and its replica holder {h} in iteration {iter}'s backward"),
+                fail: Some(format!("rank={rank}+{h},iter={iter}")),
+                ..none
+            }
+        }
+        "restore" => {
+            // a first kill makes every rank restore; another rank dies inside that restore
+            let other = (rank + 1 + rng.below(ranks as u64 - 1) as usize) % ranks;
+            Fault {
+                text: format!("kill -9 rank {rank} in iteration {iter}, then rank {other} inside the restore"),
+                fail: Some(format!("rank={rank},iter={iter}")),
+                env: Some(format!("restore:{other}:1")),
+                ..none
+            }
+        }
+        "full-disk" => {
+            Fault { text: "persistent tier on a full filesystem (64 KiB tmpfs)".into(), full_disk_kib: Some(64), ..none }
+        }
+        point => Fault {
+            text: format!("kill -9 rank {rank} at fault point `{point}` of iteration {iter}"),
+            env: Some(format!("{point}:{rank}:{iter}")),
+            ..none
+        },
+    }
+}
+
+/// What a finished (or killed) run left.
+struct Outcome {
+    code: Option<i32>,
+    hang: bool,
+    wall_s: f64,
+    stdout: String,
+    stderr: String,
+}
+
+fn run_train(a: &ChaosArgs, dir: &Path, fault: Option<&Fault>, deadline: Duration) -> Result<Outcome> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let exe = std::env::current_exe().context("locating the ironweave binary")?;
+    let mut cmd = Command::new(exe);
+    cmd.args(["train", "--config"])
+        .arg(&a.config)
+        .args(["--ranks", &a.ranks.to_string(), "--ckpt", &a.ckpt, "--quiet", "--max-restarts", "4"])
+        .args(["--persist-every", &a.persist_every.to_string(), "--report-dir"])
+        .arg(dir)
+        .env_remove(ironweave_ckpt::fault::VAR)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(i) = a.iters {
+        cmd.args(["--iters", &i.to_string()]);
+    }
+    let mut mounted = None;
+    if let Some(f) = fault {
+        if let Some(x) = &f.fail {
+            cmd.args(["--fail", x]);
+        }
+        if let Some(e) = &f.env {
+            cmd.env(ironweave_ckpt::fault::VAR, e);
+        }
+        if let Some(kib) = f.full_disk_kib {
+            let p = dir.join("persist");
+            let _ = std::fs::remove_dir_all(&p);
+            std::fs::create_dir_all(&p)?;
+            let st = Command::new("mount")
+                .args(["-t", "tmpfs", "-o", &format!("size={kib}k"), "chaos-full"])
+                .arg(&p)
+                .status()
+                .context("running mount")?;
+            if !st.success() {
+                bail!("mounting a {kib} KiB tmpfs on {} failed (the full-disk fault needs root)", p.display());
+            }
+            mounted = Some(p);
+        }
+    }
+    let t0 = Instant::now();
+    let mut child = cmd.spawn().context("starting ironweave train")?;
+    // drain the pipes on threads so a chatty run never blocks on a full pipe
+    let read = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_string(&mut s);
+            }
+            s
+        })
+    };
+    let out = read(child.stdout.take().map(|x| Box::new(x) as Box<dyn Read + Send>));
+    let err = read(child.stderr.take().map(|x| Box::new(x) as Box<dyn Read + Send>));
+    let mut hang = false;
+    let code = loop {
+        if let Some(st) = child.try_wait()? {
+            break st.code();
+        }
+        if t0.elapsed() > deadline {
+            hang = true;
+            // SIGTERM first: the launcher takes its ranks down with it
+            // SAFETY: kill(2) on a child we spawned and have not reaped.
+            unsafe {
+                libc::kill(child.id() as i32, libc::SIGTERM);
+            }
+            let t1 = Instant::now();
+            while child.try_wait()?.is_none() && t1.elapsed() < Duration::from_secs(15) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let wall_s = t0.elapsed().as_secs_f64();
+    let (stdout, stderr) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
+    std::fs::write(dir.join("stdout.txt"), &stdout)?;
+    std::fs::write(dir.join("stderr.txt"), &stderr)?;
+    if let Some(p) = mounted {
+        let _ = Command::new("umount").arg(&p).status();
+    }
+    Ok(Outcome { code, hang, wall_s, stdout, stderr })
+}
+
+/// The report's final state digest and recovery count.
+fn report_of(dir: &Path) -> Option<(String, u64)> {
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("report.json")).ok()?).ok()?;
+    Some((v["final_state_sha256"].as_str()?.to_string(), v["recoveries"].as_u64().unwrap_or(0)))
+}
+
+/// The last iteration committed before the first recovery, from rank 0's per-iteration lines
+/// (the job marks each recovery there; a restarted rank 0 appends to the same file).
+fn committed_before_fault(dir: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(dir.join("iterations.jsonl")).ok()?;
+    let mut best: Option<u64> = None;
+    for l in text.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(l) else { continue };
+        if v.get("recovered").is_some() {
+            break;
+        }
+        if let Some(c) = v["committed"].as_u64() {
+            best = Some(best.map_or(c, |b| b.max(c)));
+        }
+    }
+    best
+}
+
+/// The iteration every rank restored (0: started over), from the run's output.
+fn restored_iter(stdout: &str) -> Option<u64> {
+    for l in stdout.lines() {
+        if let Some(rest) = l.strip_prefix("recovered: every rank restored iteration ") {
+            return rest.split_whitespace().next().and_then(|x| x.parse().ok());
+        }
+        if l.starts_with("recovered: nothing was committed yet") {
+            return Some(0);
+        }
+    }
+    None
+}
+
+/// Runs the campaign; returns the faulty runs' results.
+pub fn run(a: &ChaosArgs) -> Result<Vec<RunResult>> {
+    let kinds: Vec<String> = if a.faults.is_empty() { KINDS.iter().map(|s| s.to_string()).collect() } else { a.faults.clone() };
+    if let Some(k) = kinds.iter().find(|k| !KINDS.contains(&k.as_str())) {
+        bail!("unknown fault kind {k:?} (known: {})", KINDS.join(", "));
+    }
+    if a.ranks < 2 {
+        bail!("--ranks {}: a campaign needs at least 2 ranks (a replica lives on another rank)", a.ranks);
+    }
+    let choice = crate::train::parse_strategy(&a.ckpt)?;
+    if !choice.strategy.in_memory() {
+        bail!("--ckpt {}: the campaign kills ranks and expects in-memory recovery; use capricorn or gemini", a.ckpt);
+    }
+    let (cfg, _) = crate::train::load_config(&a.config)?;
+    let iters = a.iters.unwrap_or(cfg.train.iters);
+    if iters < 4 {
+        bail!("--iters {iters}: a campaign needs at least 4 iterations");
+    }
+    if kinds.iter().any(|k| k == "persist") && (a.persist_every == 0 || a.persist_every >= iters) {
+        bail!("the `persist` fault needs a persistent write before the last iteration: --persist-every below --iters");
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let progress = Progress::new("chaos: run", 0, a.runs as u64 + 1, Mode::detect());
+    // the clean run: the reference state and time (generous deadline: nothing to compare yet)
+    let clean_dir = a.out.join("clean");
+    let clean = run_train(a, &clean_dir, None, Duration::from_secs(1800))?;
+    if clean.code != Some(0) {
+        bail!("the clean run failed: {}", clean.stderr.lines().last().unwrap_or(""));
+    }
+    let (clean_sha, _) = report_of(&clean_dir).context("the clean run left no report")?;
+    progress.step(1, &format!("clean run: {:.1} s", clean.wall_s));
+    // a run may take its recovery and restarts on top: 3x the clean run plus 3 minutes
+    let deadline = Duration::from_secs_f64(clean.wall_s * 3.0 + 180.0);
+    // replica holders on one host: the engine's placement
+    let placement = ironweave_ckpt::placement_on_hosts(&vec![0u8; a.ranks], 1);
+    let holder_of = |r: usize| placement.get(r).and_then(|h| h.first().copied()).unwrap_or((r + 1) % a.ranks);
+    let mut rng = Rng(a.seed);
+    let mut results = Vec::with_capacity(a.runs);
+    for k in 0..a.runs {
+        let kind = &kinds[rng.below(kinds.len() as u64) as usize];
+        let fault = draw(kind, &mut rng, a.ranks, iters, a.persist_every, &holder_of);
+        let dir = a.out.join(format!("run{:03}", k + 1));
+        let o = run_train(a, &dir, Some(&fault), deadline)?;
+        let finished = o.code == Some(0) && !o.hang;
+        let rep = report_of(&dir).filter(|_| finished);
+        let restored = restored_iter(&o.stdout);
+        let before = committed_before_fault(&dir);
+        let lost = match (before, restored) {
+            (Some(b), Some(r)) if r < b => b - r,
+            _ => 0,
+        };
+        let error = (!finished).then(|| {
+            if o.hang {
+                format!("no end within {:.0} s", deadline.as_secs_f64())
+            } else {
+                // the job's own verdict when it gave up, else its last word
+                let lines: Vec<&str> = o.stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+                lines
+                    .iter()
+                    .find(|l| l.contains("cannot recover:"))
+                    .or(lines.last())
+                    .copied()
+                    .unwrap_or("exited without a message")
+                    .to_string()
+            }
+        });
+        let r = RunResult {
+            fault: fault.text.clone(),
+            finished,
+            final_state_matches: rep.as_ref().is_some_and(|(s, _)| *s == clean_sha),
+            lost_committed_iterations: lost,
+            recovery_s: (o.wall_s - clean.wall_s).max(0.0),
+            hang: o.hang,
+            error,
+            recoveries: rep.as_ref().map_or(0, |(_, n)| *n),
+            restored_iter: restored,
+            wall_s: o.wall_s,
+            fault_fired: o.stderr.contains("with SIGKILL") || o.stderr.contains("persistent tier failed"),
+        };
+        progress.step(
+            k as u64 + 2,
+            &format!(
+                "{}: {}",
+                r.fault,
+                if r.finished && r.final_state_matches { "recovered, same final state" } else { "FAILED" }
+            ),
+        );
+        results.push(r);
+    }
+    progress.finish();
+    print_summary(a, clean.wall_s, &results);
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&serde_json::json!({ "clean_s": clean.wall_s, "runs": results }))?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(results)
+}
+
+fn print_summary(a: &ChaosArgs, clean_s: f64, rs: &[RunResult]) {
+    println!("| # | fault | fired | finished | final state = clean | committed iterations lost | restored | recovery (s) | hang | error |");
+    println!("|---:|---|---|---|---|---:|---:|---:|---|---|");
+    for (i, r) in rs.iter().enumerate() {
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} |",
+            i + 1,
+            r.fault,
+            if r.fault_fired { "yes" } else { "no" },
+            if r.finished { "yes" } else { "no" },
+            if r.final_state_matches { "yes" } else { "no" },
+            r.lost_committed_iterations,
+            r.restored_iter.map_or("-".into(), |x| x.to_string()),
+            r.recovery_s,
+            if r.hang { "yes" } else { "no" },
+            r.error.as_deref().unwrap_or("")
+        );
+    }
+    let n = rs.len();
+    let ok = rs.iter().filter(|r| r.finished && r.final_state_matches).count();
+    let hangs = rs.iter().filter(|r| r.hang).count();
+    let mismatched = rs.iter().filter(|r| r.finished && !r.final_state_matches).count();
+    let lost: u64 = rs.iter().map(|r| r.lost_committed_iterations).sum();
+    let mut rec: Vec<f64> = rs.iter().filter(|r| r.finished).map(|r| r.recovery_s).collect();
+    rec.sort_by(f64::total_cmp);
+    let median = rec.get(rec.len() / 2).copied().unwrap_or(0.0);
+    println!(
+        "\n{} of {n} faulty runs ({} on {} ranks, seed {}) finished with the clean run's final state; {hangs} hangs, {mismatched} finished with another state, {lost} committed iterations lost; median cost of a fault {median:.1} s over the clean run's {clean_s:.1} s",
+        ok,
+        a.config.display(),
+        a.ranks,
+        a.seed
+    );
+}

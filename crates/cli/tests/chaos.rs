@@ -1,0 +1,45 @@
+//! `ironweave chaos`: the reliability campaign in small — a clean run of moe-tiny on 4 ranks,
+//! then 8 runs with one seeded random fault each (kill -9 mid-backward, a rank with its
+//! replica holder, kills at the engine's fault points, a full persistent tier when root can
+//! mount a tmpfs). Every run must end, with the clean run's final state, and no run may hang.
+
+use std::process::Command;
+
+#[test]
+fn chaos_campaign_of_8_runs_ends_every_run_with_the_clean_state() {
+    let base = std::env::temp_dir().join(format!("ironweave-chaos-{}", std::process::id()));
+    let json = base.join("chaos.json");
+    let root = Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false);
+    // the full-disk fault mounts a tmpfs: root only
+    let faults = if root {
+        "kill,kill-with-holder,replica,commit,persist,restore,full-disk"
+    } else {
+        eprintln!("(not root: the full-disk fault is left out)");
+        "kill,kill-with-holder,replica,commit,persist,restore"
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .args(["chaos", "--config", "configs/moe-tiny.toml", "--ranks", "4", "--iters", "12", "--runs", "8", "--seed", "7"])
+        .args(["--persist-every", "4", "--faults", faults, "--out"])
+        .arg(base.join("runs"))
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 8, "{text}");
+    for r in runs {
+        assert!(r["fault_fired"].as_bool().unwrap(), "a drawn fault never happened: {r}\n{text}");
+        assert!(!r["hang"].as_bool().unwrap(), "{r}\n{text}");
+        assert!(r["finished"].as_bool().unwrap(), "{r}\n{text}");
+        assert!(r["final_state_matches"].as_bool().unwrap(), "{r}\n{text}");
+    }
+    // the seed draws more than one kind of fault
+    let kinds: std::collections::BTreeSet<String> =
+        runs.iter().map(|r| r["fault"].as_str().unwrap().split(" in ").next().unwrap().to_string()).collect();
+    assert!(kinds.len() >= 3, "{kinds:?}");
+    std::fs::remove_dir_all(&base).ok();
+}
