@@ -39,6 +39,33 @@ pub struct Manifest {
 }
 
 impl Manifest {
+    /// Checks a manifest that came from rank `src` before anything is allocated for it: its
+    /// format and rank, a layout consistent with its shapes (offsets back to back, lengths =
+    /// elements x dtype size, the total their sum), and a total of at most `limit` bytes. A peer
+    /// cannot make this rank allocate what it merely claims.
+    pub fn check_from(&self, src: usize, limit: u64) -> Result<()> {
+        let bad = |why: String| CkptError::Corrupt { what: format!("manifest from rank {src}"), detail: why };
+        if self.format != FORMAT {
+            return Err(bad(format!("format {:?}, expected {FORMAT:?}", self.format)));
+        }
+        if self.rank as usize != src {
+            return Err(bad(format!("it says it is rank {}'s", self.rank)));
+        }
+        let specs: Vec<crate::registry::TensorSpec> =
+            self.registry.tensors.iter().map(|t| crate::registry::TensorSpec::new(t.name.clone(), t.dtype, &t.shape)).collect();
+        let laid = Registry::new(&specs).map_err(|e| bad(format!("layout: {e}")))?;
+        if laid != self.registry {
+            return Err(bad("offsets, lengths or total do not follow from the shapes".into()));
+        }
+        if self.registry.total > limit {
+            return Err(bad(format!(
+                "{} bytes of state, over this holder's limit of {limit} bytes per replica (16x its own state, at least 1 GiB)",
+                self.registry.total
+            )));
+        }
+        Ok(())
+    }
+
     /// The manifest of `snap` for `rank` of `world`.
     pub fn of(snap: &Snapshot, rank: u32, world: u32) -> Self {
         Manifest {

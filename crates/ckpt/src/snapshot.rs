@@ -71,10 +71,11 @@ impl Snapshot {
                     detail: format!("chunk {i} starts at {} instead of {end}", c.offset),
                 });
             }
-            let Some(bytes) = data.get(c.offset as usize..(c.offset + c.len) as usize) else {
+            let stop = c.offset.saturating_add(c.len);
+            let Some(bytes) = usize::try_from(stop).ok().and_then(|e| data.get(c.offset as usize..e)) else {
                 return Err(CkptError::Corrupt {
                     what: what.into(),
-                    detail: format!("chunk {i} ({}..{}) beyond the {} bytes present", c.offset, c.offset + c.len, data.len()),
+                    detail: format!("chunk {i} ({}..{stop}) beyond the {} bytes present", c.offset, data.len()),
                 });
             };
             if xxh3_64(bytes) != c.xxh3 {
@@ -83,7 +84,7 @@ impl Snapshot {
                     detail: format!("checksum of chunk {i} (bytes {}..{}) differs", c.offset, c.offset + c.len),
                 });
             }
-            end = c.offset + c.len;
+            end = stop;
         }
         if end != data.len() as u64 {
             return Err(CkptError::Corrupt {

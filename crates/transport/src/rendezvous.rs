@@ -126,6 +126,13 @@ impl JobEnv {
             .next()
             .ok_or_else(|| Error::Config(format!("master address {host:?} resolves to nothing")))?;
         let secret = get("IRONWEAVE_SECRET").unwrap_or_default().into_bytes();
+        if secret.is_empty() && !master.ip().is_loopback() && rank == 0 {
+            // the launcher sets a random secret; a job started by another launcher across hosts
+            // without one authenticates nobody
+            eprintln!(
+                "ironweave: warning: a multi-host job without IRONWEAVE_SECRET: any process that reaches {master} can join it; set IRONWEAVE_SECRET to the same random value on every rank"
+            );
+        }
         Ok(JobEnv { rank, world_size, local_rank, local_world_size, master, job_id, secret, source })
     }
 

@@ -440,11 +440,13 @@ impl Engine {
         }
         self.stop = Arc::new(AtomicBool::new(false));
         let (shared, stop, profiler) = (self.shared.clone(), self.stop.clone(), self.profiler.clone());
+        let limit = replicate::replica_limit(self.registry.total);
         for &s in &sources {
             for (k, c) in slots.iter().enumerate() {
                 let (c, ack, shared, stop) = (c.clone(), comm.clone(), shared.clone(), stop.clone());
-                self.services
-                    .push(spawn(format!("ckpt-in-{s}.{k}"), move || replicate::receive_replicas(&c, &ack, s, &shared, &stop))?);
+                self.services.push(spawn(format!("ckpt-in-{s}.{k}"), move || {
+                    replicate::receive_replicas(&c, &ack, s, limit, &shared, &stop)
+                })?);
             }
         }
         for &h in &self.holders {

@@ -319,13 +319,28 @@ fn finish_if_complete(ack: &Communicator, src: usize, iter: u64, shared: &Mutex<
     Ok(())
 }
 
+/// The most bytes a peer's replica may claim on a rank whose own state is `own` bytes: peers
+/// hold states of like size (16x is room for uneven experts), and at least 1 GiB.
+pub(crate) fn replica_limit(own: u64) -> u64 {
+    own.saturating_mul(16).max(1 << 30)
+}
+
 /// Receives what `src` sends on `comm` (one link); acknowledgements go on `ack`.
-pub(crate) fn receive_replicas(comm: &Communicator, ack: &Communicator, src: usize, shared: &Mutex<Shared>, stop: &AtomicBool) {
+/// `limit`: the most bytes one replica may claim (see [`replica_limit`]).
+pub(crate) fn receive_replicas(
+    comm: &Communicator,
+    ack: &Communicator,
+    src: usize,
+    limit: u64,
+    shared: &Mutex<Shared>,
+    stop: &AtomicBool,
+) {
     let r = poll_loop(comm, src, TAG_DATA, stop, |msg| {
         match msg.first() {
             Some(&MSG_BEGIN) => {
                 let man: Manifest = serde_json::from_slice(&msg[1..])
                     .map_err(|e| CkptError::Corrupt { what: format!("manifest from rank {src}"), detail: e.to_string() })?;
+                man.check_from(src, limit)?;
                 let total = man.registry.total as usize;
                 let mut sh = lock(shared);
                 let reps = sh.store.entry(src).or_default();
@@ -425,5 +440,111 @@ pub(crate) fn receive_acks(comm: &Communicator, holder: usize, shared: &Mutex<Sh
         let mut sh = lock(shared);
         sh.failures.push(format!("acknowledgements from rank {holder}: {e}"));
         sh.lost_holders.insert(holder);
+    }
+}
+
+#[cfg(test)]
+mod hostile_peers {
+    //! A peer sends well-framed but hostile replica messages: each is rejected with a typed error
+    //! naming the peer, and nothing is allocated for what it merely claims.
+    use super::*;
+    use crate::persist::FORMAT;
+    use crate::registry::{Dtype, Registry, TensorSpec};
+    use crate::snapshot::ChunkSum;
+    use ironweave_transport::{inproc, CommOptions};
+    use xxhash_rust::xxh3::xxh3_64;
+
+    fn pair() -> (Communicator, Communicator) {
+        let mut v: Vec<Communicator> =
+            inproc::world(2).into_iter().map(|l| Communicator::new(vec![l], CommOptions::default()).unwrap()).collect();
+        let b = v.pop().unwrap();
+        (v.pop().unwrap(), b)
+    }
+
+    fn manifest(rank: u32, bytes: u64, sums: Vec<ChunkSum>) -> Manifest {
+        let registry = Registry::new(&[TensorSpec::new("w", Dtype::U8, &[bytes])]).unwrap();
+        Manifest { format: FORMAT.into(), rank, world: 2, iter: 1, registry, sums }
+    }
+
+    fn begin(m: &Manifest) -> Vec<u8> {
+        let mut v = vec![MSG_BEGIN];
+        v.extend_from_slice(&serde_json::to_vec(m).unwrap());
+        v
+    }
+
+    /// Rank 1 receives from rank 0 until the messages are consumed (or its receiver stops on an
+    /// error); returns what it recorded and rank 0's acknowledgements.
+    fn deliver(msgs: Vec<Vec<u8>>, acks: usize) -> (Shared, Vec<Vec<u8>>) {
+        let (a, b) = pair();
+        let shared = Mutex::new(Shared::default());
+        let stop = AtomicBool::new(false);
+        let got = std::thread::scope(|s| {
+            let rx = s.spawn(|| receive_replicas(&b, &b, 0, 1 << 20, &shared, &stop));
+            for m in &msgs {
+                a.send_bytes(1, TAG_DATA, m).unwrap();
+            }
+            let got: Vec<Vec<u8>> = (0..acks).map(|_| a.recv_bytes(1, TAG_ACK).unwrap()).collect();
+            // let the receiver take what is left, then stop it
+            std::thread::sleep(Duration::from_millis(200));
+            stop.store(true, Ordering::SeqCst);
+            rx.join().unwrap();
+            got
+        });
+        (shared.into_inner().unwrap(), got)
+    }
+
+    fn failed_with(sh: &Shared, words: &str) {
+        assert!(
+            sh.failures.iter().any(|f| f.contains("rank 0") && f.contains(words)),
+            "expected a failure naming rank 0 with {words:?}: {:?}",
+            sh.failures
+        );
+    }
+
+    #[test]
+    fn an_absurd_size_is_refused_before_allocating() {
+        // 1 TiB claimed: over the holder's limit, nothing stored
+        let (sh, _) = deliver(vec![begin(&manifest(0, 1 << 40, vec![]))], 0);
+        failed_with(&sh, "over this holder's limit");
+        assert!(sh.store.values().all(|v| v.is_empty()));
+    }
+
+    #[test]
+    fn a_layout_that_does_not_follow_from_its_shapes_is_refused() {
+        let mut m = manifest(0, 64, vec![]);
+        m.registry.total = 1 << 20;
+        let (sh, _) = deliver(vec![begin(&m)], 0);
+        failed_with(&sh, "do not follow from the shapes");
+        let (sh, _) = deliver(vec![begin(&manifest(1, 64, vec![]))], 0);
+        failed_with(&sh, "says it is rank 1's");
+    }
+
+    #[test]
+    fn chunks_out_of_place_are_refused() {
+        // a chunk of an iteration never begun
+        let (sh, _) = deliver(vec![encode_chunk(9, 0, &[1, 2, 3])], 0);
+        failed_with(&sh, "iteration 9 was not begun");
+        // a chunk beyond the replica's end
+        let m = manifest(0, 64, vec![]);
+        let (sh, _) = deliver(vec![begin(&m), encode_chunk(1, 60, &[0; 16])], 0);
+        failed_with(&sh, "beyond 64");
+        // a header too short, an unknown kind
+        let (sh, _) = deliver(vec![vec![MSG_CHUNK, 1, 2]], 0);
+        failed_with(&sh, "short header");
+        let (sh, _) = deliver(vec![vec![77]], 0);
+        failed_with(&sh, "unknown kind");
+    }
+
+    #[test]
+    fn a_checksum_for_other_data_is_answered_not_verified() {
+        let data = vec![7u8; 64];
+        let other = vec![8u8; 64];
+        let m = manifest(0, 64, vec![ChunkSum { offset: 0, len: 64, xxh3: xxh3_64(&other) }]);
+        let mut end = vec![MSG_END];
+        end.extend_from_slice(&1u64.to_le_bytes());
+        let (sh, acks) = deliver(vec![begin(&m), encode_chunk(1, 0, &data), end], 1);
+        assert_eq!(acks, vec![[1u64.to_le_bytes().as_slice(), &[0]].concat()], "the holder must say it holds no valid copy");
+        failed_with(&sh, "failed verification");
+        assert!(sh.store[&0].iter().all(|r| !r.verified));
     }
 }
