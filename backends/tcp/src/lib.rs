@@ -12,6 +12,8 @@
 //! through one sender thread per peer. A peer whose connection closes without a goodbye fails
 //! every pending and future operation with `PeerLost`.
 
+pub mod topology;
+
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -21,6 +21,7 @@ pub mod persist;
 pub mod registry;
 pub mod schedule;
 pub mod snapshot;
+pub mod wire;
 
 pub use engine::{placement, placement_on_hosts, CheckpointReport, Counters, Engine, EngineConfig, Restored, Source};
 pub use error::{CkptError, Result};

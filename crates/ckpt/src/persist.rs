@@ -198,8 +198,15 @@ pub fn write_with(dir: &Path, snap: &Snapshot, rank: u32, world: u32, bucket: Op
 
 /// Parse a safetensors file into a layout and its data, checking every length and offset.
 pub fn read_safetensors(path: &Path) -> Result<(Registry, Vec<u8>)> {
-    let bad = |why: String| CkptError::Format { path: path.to_path_buf(), why };
     let bytes = fs::read(path).map_err(|e| CkptError::io(path, e))?;
+    let (reg, data) = parse_safetensors(&bytes, path)?;
+    Ok((reg, data.to_vec()))
+}
+
+/// Parse the bytes of a safetensors file (named `path` in errors) into a layout and its data,
+/// checking every length and offset before it is used.
+pub fn parse_safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<(Registry, &'a [u8])> {
+    let bad = |why: String| CkptError::Format { path: path.to_path_buf(), why };
     if bytes.len() < 8 {
         return Err(bad(format!("{} bytes: shorter than the 8-byte header length", bytes.len())));
     }
@@ -246,12 +253,12 @@ pub fn read_safetensors(path: &Path) -> Result<(Registry, Vec<u8>)> {
         if t.offset != end {
             return Err(bad(format!("tensor `{}` starts at {} instead of {end} (holes or overlaps)", t.name, t.offset)));
         }
-        end += t.len;
+        end = end.checked_add(t.len).ok_or_else(|| bad(format!("tensor `{}`: lengths overflow", t.name)))?;
     }
     if end != data.len() as u64 {
         return Err(bad(format!("tensors cover {end} bytes, the file holds {} (truncated?)", data.len())));
     }
-    Ok((Registry { tensors, total: end }, data.to_vec()))
+    Ok((Registry { tensors, total: end }, data))
 }
 
 /// Load and verify a rank's checkpoint of one iteration.

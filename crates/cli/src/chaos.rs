@@ -3,7 +3,10 @@
 //! a random iteration's backward, a rank killed together with its replica holder, and kills at
 //! the checkpoint engine's named fault points (`ironweave_ckpt::fault`: mid replica transfer,
 //! commit, restore, mid persistent-tier write), plus the persistent tier on a full filesystem (a
-//! small tmpfs). Every run is a real `ironweave train` (its own launcher and ranks) under a
+//! small tmpfs). On the emulated cluster (`--topology`) it also kills whole hosts and sets an
+//! inter-host link down for a few seconds (`ip link set ... down`, then `up`, inside a host's
+//! namespace): a job must ride out a short outage without an error or a recovery.
+//! Every run is a real `ironweave train` (its own launcher and ranks) under a
 //! deadline; a run past it is killed and counted as a hang. Per run: whether the job finished,
 //! whether its final state equals the clean run's (SHA-256 over every rank's state), committed
 //! iterations lost (the restored iteration against the last one committed before the fault),
@@ -42,7 +45,26 @@ pub struct ChaosArgs {
     /// Persistent tier every N iterations (the last resort when a rank and its holder die).
     #[arg(long, default_value_t = 4)]
     pub persist_every: u64,
-    /// Only these fault kinds (default: every single-host kind).
+    /// Copies of each rank's state in memory, its own included (`train --replicas`): 3 keeps a
+    /// copy when a rank dies together with one of its holders.
+    #[arg(long, default_value_t = 2)]
+    pub replicas: u32,
+    /// Run every job on this emulated cluster (root; brought up, and down afterwards, when it
+    /// is not up): adds whole-host kills and link outages to the faults drawn from.
+    #[arg(long)]
+    pub topology: Option<PathBuf>,
+    /// Ranks per emulated host (with --topology).
+    #[arg(long, default_value_t = 2)]
+    pub ranks_per_host: usize,
+    /// How long a `link-down` fault keeps the link down, seconds (well below the transport's
+    /// deadline: the job must ride it out).
+    #[arg(long, default_value_t = 3.0)]
+    pub link_down_s: f64,
+    /// The deadline (`IRONWEAVE_TIMEOUT_S`) of a `link-down-long` run, whose link stays down
+    /// 2.5 times as long: every rank must fail with a typed error and the job recover.
+    #[arg(long, default_value_t = 4.0)]
+    pub long_outage_deadline_s: f64,
+    /// Only these fault kinds (default: every kind the bed allows).
     #[arg(long, value_delimiter = ',')]
     pub faults: Vec<String>,
     /// Where each run's report and output go.
@@ -53,12 +75,16 @@ pub struct ChaosArgs {
     pub json: Option<PathBuf>,
 }
 
-/// The kinds of fault a campaign draws from (one host).
+/// The kinds of fault a campaign draws from on one host.
 pub const KINDS: [&str; 7] = ["kill", "kill-with-holder", "replica", "commit", "persist", "restore", "full-disk"];
+/// The kinds only the emulated cluster (`--topology`) has.
+pub const CLUSTER_KINDS: [&str; 3] = ["host", "link-down", "link-down-long"];
 
 /// One faulty run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunResult {
+    /// The kind drawn (one of [`KINDS`] or [`CLUSTER_KINDS`]).
+    pub kind: String,
     /// What was done, e.g. `kill rank=2 iter=7 (backward)`.
     pub fault: String,
     pub finished: bool,
@@ -106,9 +132,37 @@ struct Fault {
     env: Option<String>,
     /// Mount a tmpfs of this many KiB on the persistent tier.
     full_disk_kib: Option<u64>,
+    /// Set a link down for a while.
+    link_down: Option<LinkDown>,
+    /// `IRONWEAVE_TIMEOUT_S` of the run.
+    deadline_s: Option<f64>,
 }
 
-fn draw(kind: &str, rng: &mut Rng, ranks: usize, iters: u64, persist_every: u64, holder_of: &dyn Fn(usize) -> usize) -> Fault {
+/// A link outage: interface `dev` of namespace `ns` down for `secs` once rank 0 has finished
+/// iteration `after_iter`.
+#[derive(Debug, Clone)]
+struct LinkDown {
+    ns: String,
+    dev: String,
+    after_iter: u64,
+    secs: f64,
+}
+
+/// What a campaign draws from: the ranks, their hosts and the bed.
+struct Bed<'a> {
+    ranks: usize,
+    iters: u64,
+    persist_every: u64,
+    /// Ranks holding a replica of each rank (the engine's placement).
+    holders: Vec<Vec<usize>>,
+    /// The emulated cluster, with ranks per host.
+    topology: Option<(&'a ironweave_tcp::topology::Topology, usize)>,
+    link_down_s: f64,
+    long_outage_deadline_s: f64,
+}
+
+fn draw(kind: &str, rng: &mut Rng, bed: &Bed<'_>) -> Fault {
+    let (ranks, iters, persist_every) = (bed.ranks, bed.iters, bed.persist_every);
     let rank = rng.below(ranks as u64) as usize;
     // iterations 2..=iters-1: a kill at the very start or end is still a kill, but these show
     // recovery from the middle of training; a persistent write happens every persist_every
@@ -117,7 +171,7 @@ fn draw(kind: &str, rng: &mut Rng, ranks: usize, iters: u64, persist_every: u64,
     } else {
         2 + rng.below(iters.saturating_sub(2).max(1))
     };
-    let none = Fault { text: String::new(), fail: None, env: None, full_disk_kib: None };
+    let none = Fault { text: String::new(), fail: None, env: None, full_disk_kib: None, link_down: None, deadline_s: None };
     match kind {
         "kill" => Fault {
             text: format!("kill -9 rank {rank} in iteration {iter}'s backward"),
@@ -125,10 +179,42 @@ fn draw(kind: &str, rng: &mut Rng, ranks: usize, iters: u64, persist_every: u64,
             ..none
         },
         "kill-with-holder" => {
-            let h = holder_of(rank);
+            let hs = &bed.holders[rank];
+            let h = hs.get(rng.below(hs.len() as u64) as usize).copied().unwrap_or((rank + 1) % ranks);
             Fault {
                 text: format!("kill -9 rank {rank} and its replica holder {h} in iteration {iter}'s backward"),
                 fail: Some(format!("rank={rank}+{h},iter={iter}")),
+                ..none
+            }
+        }
+        "host" => {
+            let hosts = bed.topology.map_or(1, |(t, _)| t.hosts);
+            let h = rng.below(hosts as u64);
+            Fault {
+                text: format!("kill -9 every rank of host {h} in iteration {iter}'s backward"),
+                fail: Some(format!("host={h},iter={iter}")),
+                ..none
+            }
+        }
+        "link-down" | "link-down-long" => {
+            let (t, _) = bed.topology.expect("link faults are drawn only with a topology");
+            let h = rng.below(t.hosts as u64) as usize;
+            // the job's first link: it carries the training's and the checkpoints' traffic
+            // (an outage of a link nothing uses would prove nothing)
+            let l = &t.links[0];
+            let long = kind == "link-down-long";
+            let secs = if long { 2.5 * bed.long_outage_deadline_s } else { bed.link_down_s };
+            Fault {
+                text: if long {
+                    format!(
+                        "link {} of host {h} down for {secs:.1} s after iteration {iter}, deadline {:.1} s",
+                        l.name, bed.long_outage_deadline_s
+                    )
+                } else {
+                    format!("link {} of host {h} down for {secs:.1} s after iteration {iter}", l.name)
+                },
+                link_down: Some(LinkDown { ns: t.host_ns(h), dev: l.name.clone(), after_iter: iter, secs }),
+                deadline_s: long.then_some(bed.long_outage_deadline_s),
                 ..none
             }
         }
@@ -160,22 +246,32 @@ struct Outcome {
     wall_s: f64,
     stdout: String,
     stderr: String,
+    /// Seconds a link fault kept its link down.
+    link_was_down: Option<f64>,
 }
 
 fn run_train(a: &ChaosArgs, dir: &Path, fault: Option<&Fault>, deadline: Duration) -> Result<Outcome> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    // a previous campaign's lines would set a link fault off before this run has begun
+    for f in ["iterations.jsonl", "report.json"] {
+        let _ = std::fs::remove_file(dir.join(f));
+    }
     let exe = std::env::current_exe().context("locating the ironweave binary")?;
     let mut cmd = Command::new(exe);
     cmd.args(["train", "--config"])
         .arg(&a.config)
         .args(["--ranks", &a.ranks.to_string(), "--ckpt", &a.ckpt, "--quiet", "--max-restarts", "4"])
-        .args(["--persist-every", &a.persist_every.to_string(), "--report-dir"])
+        .args(["--persist-every", &a.persist_every.to_string(), "--replicas", &a.replicas.to_string(), "--report-dir"])
         .arg(dir)
         .env_remove(ironweave_ckpt::fault::VAR)
+        .env_remove("IRONWEAVE_TIMEOUT_S")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     if let Some(i) = a.iters {
         cmd.args(["--iters", &i.to_string()]);
+    }
+    if let Some(t) = &a.topology {
+        cmd.arg("--topology").arg(t).args(["--ranks-per-host", &a.ranks_per_host.to_string()]);
     }
     let mut mounted = None;
     if let Some(f) = fault {
@@ -184,6 +280,9 @@ fn run_train(a: &ChaosArgs, dir: &Path, fault: Option<&Fault>, deadline: Duratio
         }
         if let Some(e) = &f.env {
             cmd.env(ironweave_ckpt::fault::VAR, e);
+        }
+        if let Some(d) = f.deadline_s {
+            cmd.env("IRONWEAVE_TIMEOUT_S", format!("{d}"));
         }
         if let Some(kib) = f.full_disk_kib {
             let p = dir.join("persist");
@@ -215,9 +314,14 @@ fn run_train(a: &ChaosArgs, dir: &Path, fault: Option<&Fault>, deadline: Duratio
     let out = read(child.stdout.take().map(|x| Box::new(x) as Box<dyn Read + Send>));
     let err = read(child.stderr.take().map(|x| Box::new(x) as Box<dyn Read + Send>));
     let mut hang = false;
+    let mut outage = Outage::default();
+    let link = fault.and_then(|f| f.link_down.as_ref());
     let code = loop {
         if let Some(st) = child.try_wait()? {
             break st.code();
+        }
+        if let Some(l) = link {
+            outage.step(l, dir)?;
         }
         if t0.elapsed() > deadline {
             hang = true;
@@ -236,6 +340,10 @@ fn run_train(a: &ChaosArgs, dir: &Path, fault: Option<&Fault>, deadline: Duratio
         }
         std::thread::sleep(Duration::from_millis(50));
     };
+    // a link is never left down, whatever became of the run
+    if let Some(l) = link {
+        outage.end(l)?;
+    }
     let wall_s = t0.elapsed().as_secs_f64();
     let (stdout, stderr) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
     std::fs::write(dir.join("stdout.txt"), &stdout)?;
@@ -243,7 +351,52 @@ fn run_train(a: &ChaosArgs, dir: &Path, fault: Option<&Fault>, deadline: Duratio
     if let Some(p) = mounted {
         let _ = Command::new("umount").arg(&p).status();
     }
-    Ok(Outcome { code, hang, wall_s, stdout, stderr })
+    Ok(Outcome { code, hang, wall_s, stdout, stderr, link_was_down: outage.down_for })
+}
+
+/// A link outage in progress: down once rank 0 has logged the iteration, up `secs` later.
+#[derive(Default)]
+struct Outage {
+    since: Option<Instant>,
+    /// How long the link was down (set when it came back).
+    down_for: Option<f64>,
+}
+
+fn ip_link(l: &LinkDown, state: &str) -> Result<()> {
+    let st =
+        Command::new("ip").args(["-n", &l.ns, "link", "set", "dev", &l.dev, state]).status().context("running ip (iproute2)")?;
+    if !st.success() {
+        bail!("`ip -n {} link set dev {} {state}` failed (the link fault needs root and the cluster up)", l.ns, l.dev);
+    }
+    Ok(())
+}
+
+impl Outage {
+    fn step(&mut self, l: &LinkDown, dir: &Path) -> Result<()> {
+        match self.since {
+            None if self.down_for.is_none() && iterations_logged(dir) >= l.after_iter => {
+                ip_link(l, "down")?;
+                self.since = Some(Instant::now());
+            }
+            Some(t) if t.elapsed().as_secs_f64() >= l.secs => self.end(l)?,
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn end(&mut self, l: &LinkDown) -> Result<()> {
+        if let Some(t) = self.since.take() {
+            ip_link(l, "up")?;
+            self.down_for = Some(t.elapsed().as_secs_f64());
+        }
+        Ok(())
+    }
+}
+
+/// Iterations rank 0 has finished so far (its per-iteration lines).
+fn iterations_logged(dir: &Path) -> u64 {
+    std::fs::read_to_string(dir.join("iterations.jsonl"))
+        .map_or(0, |t| t.lines().filter(|l| l.contains("\"iter\"")).count() as u64)
 }
 
 /// The report's final state digest and recovery count.
@@ -284,10 +437,46 @@ fn restored_iter(stdout: &str) -> Option<u64> {
 
 /// Runs the campaign; returns the faulty runs' results.
 pub fn run(a: &ChaosArgs) -> Result<Vec<RunResult>> {
-    let kinds: Vec<String> = if a.faults.is_empty() { KINDS.iter().map(|s| s.to_string()).collect() } else { a.faults.clone() };
-    if let Some(k) = kinds.iter().find(|k| !KINDS.contains(&k.as_str())) {
-        bail!("unknown fault kind {k:?} (known: {})", KINDS.join(", "));
+    let known: Vec<&str> = KINDS.iter().chain(if a.topology.is_some() { &CLUSTER_KINDS[..] } else { &[] }).copied().collect();
+    let kinds: Vec<String> = if a.faults.is_empty() { known.iter().map(|s| s.to_string()).collect() } else { a.faults.clone() };
+    if let Some(k) = kinds.iter().find(|k| !known.contains(&k.as_str())) {
+        if CLUSTER_KINDS.contains(&k.as_str()) {
+            bail!("fault kind {k:?} needs the emulated cluster: add --topology (e.g. topologies/2host-2link.toml)");
+        }
+        bail!("unknown fault kind {k:?} (known: {})", known.join(", "));
     }
+    for (flag, v) in [("--link-down-s", a.link_down_s), ("--long-outage-deadline-s", a.long_outage_deadline_s)] {
+        if v <= 0.0 || !v.is_finite() {
+            bail!("{flag} {v}: give a positive number of seconds");
+        }
+    }
+    if a.replicas < 2 || a.replicas as usize > a.ranks {
+        bail!("--replicas {}: the campaign needs 2 to {} copies (a rank's own and at least one on a peer)", a.replicas, a.ranks);
+    }
+    let topo = a.topology.as_deref().map(ironweave_tcp::topology::Topology::load).transpose()?;
+    if let Some(t) = &topo {
+        if a.ranks != t.hosts * a.ranks_per_host {
+            bail!("--ranks {} does not fill {} hosts x --ranks-per-host {}", a.ranks, t.hosts, a.ranks_per_host);
+        }
+    }
+    // the emulated cluster: brought up for the campaign unless it already is
+    let brought_up = match &topo {
+        Some(t) if !crate::cluster::status(t)? => {
+            crate::cluster::up(t).context("bringing up the emulated cluster")?;
+            true
+        }
+        _ => false,
+    };
+    let r = campaign(a, &kinds, topo.as_ref());
+    if let (true, Some(t)) = (brought_up, &topo) {
+        if let Err(e) = crate::cluster::down(t) {
+            eprintln!("warning: taking the emulated cluster down: {e:#}");
+        }
+    }
+    r
+}
+
+fn campaign(a: &ChaosArgs, kinds: &[String], topo: Option<&ironweave_tcp::topology::Topology>) -> Result<Vec<RunResult>> {
     if a.ranks < 2 {
         bail!("--ranks {}: a campaign needs at least 2 ranks (a replica lives on another rank)", a.ranks);
     }
@@ -315,14 +504,22 @@ pub fn run(a: &ChaosArgs) -> Result<Vec<RunResult>> {
     progress.step(1, &format!("clean run: {:.1} s", clean.wall_s));
     // a run may take its recovery and restarts on top: 3x the clean run plus 3 minutes
     let deadline = Duration::from_secs_f64(clean.wall_s * 3.0 + 180.0);
-    // replica holders on one host: the engine's placement
-    let placement = ironweave_ckpt::placement_on_hosts(&vec![0u8; a.ranks], 1);
-    let holder_of = |r: usize| placement.get(r).and_then(|h| h.first().copied()).unwrap_or((r + 1) % a.ranks);
+    // replica holders: the engine's placement (ranks on host r / ranks-per-host, or one host)
+    let hosts: Vec<usize> = (0..a.ranks).map(|r| if topo.is_some() { r / a.ranks_per_host.max(1) } else { 0 }).collect();
+    let bed = Bed {
+        ranks: a.ranks,
+        iters,
+        persist_every: a.persist_every,
+        holders: ironweave_ckpt::placement_on_hosts(&hosts, a.replicas as usize),
+        topology: topo.map(|t| (t, a.ranks_per_host)),
+        link_down_s: a.link_down_s,
+        long_outage_deadline_s: a.long_outage_deadline_s,
+    };
     let mut rng = Rng(a.seed);
     let mut results = Vec::with_capacity(a.runs);
     for k in 0..a.runs {
         let kind = &kinds[rng.below(kinds.len() as u64) as usize];
-        let fault = draw(kind, &mut rng, a.ranks, iters, a.persist_every, &holder_of);
+        let fault = draw(kind, &mut rng, &bed);
         let dir = a.out.join(format!("run{:03}", k + 1));
         let o = run_train(a, &dir, Some(&fault), deadline)?;
         let finished = o.code == Some(0) && !o.hang;
@@ -349,6 +546,7 @@ pub fn run(a: &ChaosArgs) -> Result<Vec<RunResult>> {
             }
         });
         let r = RunResult {
+            kind: kind.clone(),
             fault: fault.text.clone(),
             finished,
             final_state_matches: rep.as_ref().is_some_and(|(s, _)| *s == clean_sha),
@@ -359,7 +557,9 @@ pub fn run(a: &ChaosArgs) -> Result<Vec<RunResult>> {
             recoveries: rep.as_ref().map_or(0, |(_, n)| *n),
             restored_iter: restored,
             wall_s: o.wall_s,
-            fault_fired: o.stderr.contains("with SIGKILL") || o.stderr.contains("persistent tier failed"),
+            fault_fired: o.stderr.contains("with SIGKILL")
+                || o.stderr.contains("persistent tier failed")
+                || o.link_was_down.is_some(),
         };
         progress.step(
             k as u64 + 2,
@@ -396,6 +596,29 @@ fn print_summary(a: &ChaosArgs, clean_s: f64, rs: &[RunResult]) {
             r.recovery_s,
             if r.hang { "yes" } else { "no" },
             r.error.as_deref().unwrap_or("")
+        );
+    }
+    // by kind: the table docs/RELIABILITY.md carries
+    println!("\n| fault kind | runs | fired | finished | final state = clean | committed iterations lost | recovered without a restart | hangs | median cost (s) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut kinds: Vec<&str> = rs.iter().map(|r| r.kind.as_str()).collect();
+    kinds.sort();
+    kinds.dedup();
+    for k in kinds {
+        let of: Vec<&RunResult> = rs.iter().filter(|r| r.kind == k).collect();
+        let count = |f: &dyn Fn(&RunResult) -> bool| of.iter().filter(|r| f(r)).count();
+        let mut cost: Vec<f64> = of.iter().filter(|r| r.finished).map(|r| r.recovery_s).collect();
+        cost.sort_by(f64::total_cmp);
+        println!(
+            "| {k} | {} | {} | {} | {} | {} | {} | {} | {:.1} |",
+            of.len(),
+            count(&|r| r.fault_fired),
+            count(&|r| r.finished),
+            count(&|r| r.finished && r.final_state_matches),
+            of.iter().map(|r| r.lost_committed_iterations).sum::<u64>(),
+            count(&|r| r.finished && r.recoveries == 0),
+            count(&|r| r.hang),
+            cost.get(cost.len() / 2).copied().unwrap_or(0.0)
         );
     }
     let n = rs.len();

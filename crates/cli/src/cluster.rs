@@ -11,108 +11,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
-use serde::{Deserialize, Serialize};
+pub use ironweave_tcp::topology::Topology;
 
-/// A topology file.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct Topology {
-    /// Short name (letters, digits; at most 8), used in namespace names.
-    pub name: String,
-    /// Number of hosts.
-    pub hosts: usize,
-    /// The links every host has.
-    pub links: Vec<LinkDef>,
-}
-
-/// One link of a topology.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct LinkDef {
-    /// Interface name inside each host (letters, digits; at most 6).
-    pub name: String,
-    /// Rate as `tc` writes it: `1gbit`, `300mbit`.
-    pub rate: String,
-    /// The link's /24 as `A.B.C.0/24` (default `10.231.<index+1>.0/24`).
-    #[serde(default)]
-    pub subnet: Option<String>,
-}
-
-impl Topology {
-    /// Reads and validates a topology file.
-    pub fn load(path: &Path) -> Result<Topology> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading topology {}", path.display()))?;
-        let t: Topology = toml::from_str(&text).with_context(|| format!("parsing topology {}", path.display()))?;
-        t.validate().with_context(|| format!("topology {}", path.display()))?;
-        Ok(t)
-    }
-
-    fn validate(&self) -> Result<()> {
-        let ok = |s: &str, max: usize| !s.is_empty() && s.len() <= max && s.chars().all(|c| c.is_ascii_alphanumeric());
-        if !ok(&self.name, 8) {
-            bail!("name {:?}: use 1 to 8 letters or digits", self.name);
-        }
-        if !(1..=16).contains(&self.hosts) {
-            bail!("hosts = {}: use 1 to 16", self.hosts);
-        }
-        if self.links.is_empty() || self.links.len() > 8 {
-            bail!("{} links: use 1 to 8", self.links.len());
-        }
-        for (i, l) in self.links.iter().enumerate() {
-            if !ok(&l.name, 6) {
-                bail!("link {:?}: use 1 to 6 letters or digits", l.name);
-            }
-            if self.links[..i].iter().any(|m| m.name == l.name) {
-                bail!("link {:?} appears twice", l.name);
-            }
-            ironweave_tcp::parse_rate(&l.rate).map_err(|e| anyhow::anyhow!("link {:?}: {e}", l.name))?;
-            self.prefix(i)?;
-        }
-        Ok(())
-    }
-
-    /// The first three octets of link `l`'s subnet.
-    fn prefix(&self, l: usize) -> Result<String> {
-        match &self.links[l].subnet {
-            None => Ok(format!("10.231.{}", l + 1)),
-            Some(s) => {
-                let p = s.strip_suffix(".0/24").with_context(|| format!("subnet {s:?}: give a /24 as A.B.C.0/24"))?;
-                let octets: Vec<&str> = p.split('.').collect();
-                if octets.len() != 3 || octets.iter().any(|o| o.parse::<u8>().is_err()) {
-                    bail!("subnet {s:?}: give a /24 as A.B.C.0/24");
-                }
-                Ok(p.to_string())
-            }
-        }
-    }
-
-    /// Namespace of host `h`.
-    pub fn host_ns(&self, h: usize) -> String {
-        format!("iw-{}-h{h}", self.name)
-    }
-
-    fn switch_ns(&self) -> String {
-        format!("iw-{}-sw", self.name)
-    }
-
-    /// Address of host `h` on link `l`.
-    pub fn addr(&self, h: usize, l: usize) -> String {
-        format!("{}.{}", self.prefix(l).unwrap_or_default(), h + 1)
-    }
-
-    /// `IRONWEAVE_TCP_LINKS` for a rank on host `h`.
-    pub fn tcp_links_env(&self, h: usize) -> String {
-        self.links
-            .iter()
-            .enumerate()
-            .map(|(l, d)| format!("{}={}@{}", d.name, self.addr(h, l), d.rate))
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-
-    fn state_file(&self) -> PathBuf {
-        PathBuf::from(format!("/run/ironweave/cluster-{}.json", self.name))
-    }
+/// Where `up` records the namespaces it made.
+fn state_file(t: &Topology) -> PathBuf {
+    PathBuf::from(format!("/run/ironweave/cluster-{}.json", t.name))
 }
 
 fn require_root() -> Result<()> {
@@ -149,7 +52,7 @@ pub fn up(t: &Topology) -> Result<()> {
     let r = build(t, &mut made);
     // Record before checking the result: `down` must find whatever was made.
     std::fs::create_dir_all("/run/ironweave").ok();
-    std::fs::write(t.state_file(), serde_json::to_vec_pretty(&made)?).ok();
+    std::fs::write(state_file(t), serde_json::to_vec_pretty(&made)?).ok();
     if let Err(e) = r {
         let _ = down(t);
         return Err(e.context(format!("cluster {:?} could not be created; removed what was made", t.name)));
@@ -193,7 +96,7 @@ fn build(t: &Topology, made: &mut Vec<String>) -> Result<()> {
 pub fn down(t: &Topology) -> Result<()> {
     require_root()?;
     let recorded: Vec<String> =
-        std::fs::read(t.state_file()).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+        std::fs::read(state_file(t)).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
     // Without a record (lost /run), our own naming still says what is ours.
     let prefix = format!("iw-{}-", t.name);
     let have = existing_namespaces()?;
@@ -203,7 +106,7 @@ pub fn down(t: &Topology) -> Result<()> {
             errors.push(e.to_string());
         }
     }
-    let _ = std::fs::remove_file(t.state_file());
+    let _ = std::fs::remove_file(state_file(t));
     if !errors.is_empty() {
         bail!("could not remove everything: {}", errors.join("; "));
     }

@@ -380,12 +380,8 @@ pub struct PlanLayout {
 impl PlanLayout {
     /// Reads a plan for a job of `ranks` ranks and checks the runtime can execute it.
     pub fn load(path: &Path, ranks: usize) -> Result<PlanLayout> {
-        let v: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(path).with_context(|| format!("reading plan {}", path.display()))?)
-                .with_context(|| format!("parsing plan {}", path.display()))?;
-        // `plan tmp --json` writes {"plan": ..., "solve_s": ...}; a bare plan works too
-        let plan: ironweave_plan::tmp::TmpPlan = serde_json::from_value(v.get("plan").cloned().unwrap_or(v))
-            .with_context(|| format!("{} is not a TMP plan (write one with `ironweave plan tmp ... --json`)", path.display()))?;
+        let bytes = std::fs::read(path).with_context(|| format!("reading plan {}", path.display()))?;
+        let plan = ironweave_plan::tmp::TmpPlan::from_json(&bytes).with_context(|| format!("plan {}", path.display()))?;
         Self::from_plan(&plan, ranks).with_context(|| format!("plan {}", path.display()))
     }
 

@@ -338,27 +338,11 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
     Ok(())
 }
 
-/// Fractions of the all-rank part per transformer layer from `ironweave plan sdp --json`
-/// (`plan.layers[i].node_fraction` is the within-host share of layer `Li`; the plan's `head`
-/// entry, if any, is the embeddings' and the head's, returned last).
+/// Fractions of the all-rank part per layer from the plan file at `path`
+/// (see [`ironweave_plan::sdp::part_fractions_from_json`]).
 pub fn plan_fractions(path: &std::path::Path, layers: usize) -> Result<Vec<f64>> {
-    let v: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(path).with_context(|| format!("reading {}", path.display()))?)
-            .with_context(|| format!("parsing {}", path.display()))?;
-    let ls = v["plan"]["layers"].as_array().context("not an SDP plan (`ironweave plan sdp --json`): no plan.layers")?;
-    let mut out = Vec::new();
-    for i in 0..layers {
-        let l = ls.iter().find(|l| l["name"] == format!("L{i}")).with_context(|| {
-            format!("the plan has no layer L{i}: it was made for another model (the config has {layers} layers)")
-        })?;
-        let node = l["node_fraction"].as_f64().context("a plan layer without node_fraction")?;
-        out.push((1.0 - node).clamp(0.0, 1.0));
-    }
-    // the embeddings and the head, when the plan has them
-    if let Some(node) = ls.iter().find(|l| l["name"] == "head").and_then(|l| l["node_fraction"].as_f64()) {
-        out.push((1.0 - node).clamp(0.0, 1.0));
-    }
-    Ok(out)
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    ironweave_plan::sdp::part_fractions_from_json(&bytes, layers).with_context(|| format!("plan {}", path.display()))
 }
 
 /// `ironweave train --sdp ...`: launches the ranks, prints the summary.

@@ -99,6 +99,10 @@ pub struct TrainArgs {
     /// In-memory strategies: also write the persistent tier every N iterations (0: never).
     #[arg(long, default_value_t = 10)]
     pub persist_every: u64,
+    /// Copies of each rank's state kept in memory, its own included (2: one replica on a peer;
+    /// 3 survives a rank dying with one of its holders, for twice the replica traffic).
+    #[arg(long, default_value_t = 2)]
+    pub replicas: u32,
     /// Compute threads per rank (default: RAYON_NUM_THREADS / OMP_NUM_THREADS if set, else
     /// cores / ranks on a host).
     #[arg(long)]
@@ -162,6 +166,7 @@ impl TrainArgs {
             fail: None,
             max_restarts: None,
             persist_every: 10,
+            replicas: 2,
             threads_per_rank: None,
             bucket_kb: None,
             quiet: false,
@@ -243,6 +248,13 @@ pub struct Report {
     /// Ranks per host.
     #[serde(default)]
     pub ranks_per_host: usize,
+    /// Rank 0's resident memory after each iteration, bytes (`/proc/self/statm`; 0 where
+    /// unreadable): a leak shows as growth over a long run.
+    #[serde(default)]
+    pub rss_bytes: Vec<u64>,
+    /// Rank 0's open file descriptors after each iteration.
+    #[serde(default)]
+    pub open_fds: Vec<u64>,
 }
 
 impl Report {
@@ -272,6 +284,23 @@ impl Report {
 
 /// `final_state_sha256` of a job: SHA-256 of every rank's state digest, in rank order
 /// (collective: every rank calls it with its own digest).
+/// This process's resident memory (bytes) and open file descriptors, from /proc (zeros where
+/// it cannot be read).
+pub fn process_footprint() -> (u64, u64) {
+    // statm's second field: resident pages
+    let rss = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|t| t.split_whitespace().nth(1).and_then(|x| x.parse::<u64>().ok()))
+        // SAFETY: sysconf with a valid name has no preconditions.
+        .map_or(0, |pages| pages * (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as u64));
+    let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
+    (rss, fds)
+}
+
+/// How often a rank tries to re-form one generation of the job before it gives up (each try
+/// waits up to the job's deadline).
+pub const REFORM_ATTEMPTS: u32 = 8;
+
 /// A failure no re-formation can mend: a committed iteration whose every copy is gone.
 pub fn is_unrecoverable(err: &anyhow::Error) -> bool {
     err.chain().any(|e| {
@@ -325,6 +354,8 @@ pub struct WorkerArgs {
     pub fail: Option<String>,
     #[arg(long, default_value_t = 10)]
     pub persist_every: u64,
+    #[arg(long, default_value_t = 2)]
+    pub replicas: u32,
     #[arg(long)]
     pub bucket_kb: Option<usize>,
     /// This rank's share of the emulated storage bandwidth, bytes/s.
@@ -379,16 +410,23 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
     let start_gen = gen;
     let rank = base.rank;
     std::fs::create_dir_all(report_dir)?;
+    // every wait's deadline: IRONWEAVE_TIMEOUT_S when set (`ironweave chaos` sets a short one
+    // to show what an outage longer than it does), else a minute
+    let deadline = match std::env::var_os("IRONWEAVE_TIMEOUT_S") {
+        Some(_) => CommOptions::from_env()?.timeout,
+        None => Duration::from_secs(60),
+    };
     let ecfg = EngineConfig {
         strategy,
         chunk_bytes: 256 << 10,
         persist_dir: Some(report_dir.join("persist")),
         persist_every: if matches!(strategy, Strategy::Gemini | Strategy::Capricorn) { persist_every } else { 0 },
-        timeout: Duration::from_secs(60),
+        timeout: deadline,
         // replicas go to other hosts (the emulated cluster's, or real ones by hostname)
         host: ironweave_transport::rendezvous::host_name(),
         storage_bytes_per_s: a.storage_bytes_per_s,
-        // always-on profiling: any drift at all re-profiles
+        replicas: a.replicas,
+        // always-on profiling: a threshold of 0 profiles every iteration
         drift_threshold: if choice.always_profile { 0.0 } else { EngineConfig::default().drift_threshold },
         ..EngineConfig::default()
     };
@@ -408,8 +446,23 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         let mut env = base.clone();
         env.master.set_port(base.master.port() + gen);
         env.job_id = format!("{}-g{gen}", base.job_id);
-        let opts = CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() };
-        let comm = Arc::new(ironweave::connect(backend, &env, opts)?);
+        let opts = CommOptions { timeout: deadline, ..CommOptions::default() };
+        // a re-formation whose peers cannot be reached yet (a link still down, a peer still
+        // restarting) tries the same generation again instead of exiting: this process's
+        // memory holds the checkpoints the job restores from
+        let mut attempt = 0;
+        let comm = loop {
+            match ironweave::connect(backend, &env, opts.clone()) {
+                Ok(c) => break Arc::new(c),
+                Err(err) if gen > 0 && attempt < REFORM_ATTEMPTS && err.is_transient() => {
+                    attempt += 1;
+                    eprintln!(
+                        "rank {rank}: re-forming generation {gen} failed: {err}; trying again ({attempt} of {REFORM_ATTEMPTS})"
+                    );
+                }
+                Err(err) => return Err(err.into()),
+            }
+        };
         let ecfg = if multilink {
             // every further link of the job may carry chunks (training stays on the first)
             let n = comm.links().len() as u32;
@@ -509,7 +562,9 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
                 if rank == 0 {
                     // the report is built from these lines, so a restarted rank 0 still reports
                     // the whole run
+                    let (rss, fds) = process_footprint();
                     let line = serde_json::json!({"iter": it, "time": dt, "loss": s.loss, "exposed": ir.exposed_s, "committed": committed,
+                        "rss": rss, "fds": fds,
                         "profiled": ir.profiled, "accuracy": ir.partition_accuracy, "load": s.load.tokens,
                         "dp_comm": s.sync.comm_s, "dp_hidden": s.sync.hidden_s, "buckets": s.sync.buckets});
                     let mut f =
@@ -623,6 +678,8 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         rep.ckpt_exposed_s = vec![0.0; n];
         rep.dp_comm_s = vec![0.0; n];
         rep.dp_hidden_s = vec![0.0; n];
+        rep.rss_bytes = vec![0; n];
+        rep.open_fds = vec![0; n];
         rep.threads_per_rank = std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
         rep.grad_buckets = tr.buckets().len();
         // rank 0's expert load per iteration, in `ironweave simulate ckpt --load-trace` format
@@ -638,6 +695,8 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
             rep.ckpt_exposed_s[k] = v["exposed"].as_f64().unwrap_or(0.0);
             rep.dp_comm_s[k] = v["dp_comm"].as_f64().unwrap_or(0.0);
             rep.dp_hidden_s[k] = v["dp_hidden"].as_f64().unwrap_or(0.0);
+            rep.rss_bytes[k] = v["rss"].as_u64().unwrap_or(0);
+            rep.open_fds[k] = v["fds"].as_u64().unwrap_or(0);
             rep.profiling_activations += u64::from(v["profiled"].as_bool().unwrap_or(false));
             if let Some(a) = v["accuracy"].as_f64() {
                 acc_sum += a;
@@ -710,6 +769,12 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         }
         None => None,
     };
+    if a.replicas == 0 || a.replicas as usize > ranks {
+        bail!(
+            "--replicas {}: give 1 to {ranks} copies per rank's state (its own included; 2 puts one replica on a peer)",
+            a.replicas
+        );
+    }
     if let Some(f) = fail {
         let (rs, i) = parse_fail(f)?;
         if let Some(r) = rs.iter().find(|&&r| r >= ranks) {
@@ -734,6 +799,8 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         report_dir.display().to_string(),
         "--persist-every".into(),
         persist_every.to_string(),
+        "--replicas".into(),
+        a.replicas.to_string(),
     ];
     if let Some(i) = iters {
         args.extend(["--iters".into(), i.to_string()]);

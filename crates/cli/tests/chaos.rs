@@ -2,6 +2,10 @@
 //! then 8 runs with one seeded random fault each (kill -9 mid-backward, a rank with its
 //! replica holder, kills at the engine's fault points, a full persistent tier when root can
 //! mount a tmpfs). Every run must end, with the clean run's final state, and no run may hang.
+//! On the emulated two-host cluster (root): whole hosts killed and links set down for a few
+//! seconds; a short outage must pass without an error or a recovery.
+
+mod common;
 
 use std::process::Command;
 
@@ -41,5 +45,44 @@ fn chaos_campaign_of_8_runs_ends_every_run_with_the_clean_state() {
     let kinds: std::collections::BTreeSet<String> =
         runs.iter().map(|r| r["fault"].as_str().unwrap().split(" in ").next().unwrap().to_string()).collect();
     assert!(kinds.len() >= 3, "{kinds:?}");
+    std::fs::remove_dir_all(&base).ok();
+}
+
+#[test]
+fn chaos_on_the_emulated_cluster_survives_host_kills_and_link_outages() {
+    if !common::can_run_emulated() {
+        return;
+    }
+    let base = std::env::temp_dir().join(format!("ironweave-chaos-cluster-{}", std::process::id()));
+    let json = base.join("chaos.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .args(["chaos", "--config", "configs/moe-tiny.toml", "--ranks", "4", "--iters", "12", "--runs", "4", "--seed", "3"])
+        .args(["--topology", "topologies/2host-2link.toml", "--ranks-per-host", "2", "--link-down-s", "2"])
+        .args(["--persist-every", "4", "--faults", "host,link-down", "--out"])
+        .arg(base.join("runs"))
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 4, "{text}");
+    for r in runs {
+        assert!(r["fault_fired"].as_bool().unwrap(), "a drawn fault never happened: {r}\n{text}");
+        assert!(!r["hang"].as_bool().unwrap(), "{r}\n{text}");
+        assert!(r["finished"].as_bool().unwrap(), "{r}\n{text}");
+        assert!(r["final_state_matches"].as_bool().unwrap(), "{r}\n{text}");
+        if r["kind"] == "link-down" {
+            // ridden out: no rank failed, nothing was restored
+            assert_eq!(r["recoveries"].as_u64(), Some(0), "a short outage caused a recovery: {r}\n{text}");
+        } else {
+            assert!(r["recoveries"].as_u64().unwrap() >= 1, "a host died without a recovery: {r}\n{text}");
+        }
+    }
+    let kinds: std::collections::BTreeSet<&str> = runs.iter().map(|r| r["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds.len(), 2, "seed 3 draws both kinds: {kinds:?}");
     std::fs::remove_dir_all(&base).ok();
 }

@@ -255,6 +255,38 @@ pub fn fixed_memory(model: &ModelDesc, cluster: &ClusterDesc, layers: &[SdpLayer
     acts + logits + 2.0 * biggest * model.dtype.bytes()
 }
 
+/// Fractions of the all-rank part per transformer layer, read from the JSON `ironweave plan sdp
+/// --json` writes (`plan.layers[i].node_fraction` is the within-host share of layer `Li`; the
+/// plan's `head` entry, if any, is the embeddings' and the head's, returned last). The runtime
+/// runs `layers` layers; a plan for another model is an error. Pure; fuzzed (`fuzz/`, target
+/// `plans`).
+pub fn part_fractions_from_json(json: &[u8], layers: usize) -> Result<Vec<f64>> {
+    let what = "SDP plan";
+    let v: serde_json::Value = serde_json::from_slice(json).map_err(|e| PlanError::invalid(what, format!("not JSON: {e}")))?;
+    let ls = v["plan"]["layers"]
+        .as_array()
+        .ok_or_else(|| PlanError::invalid(what, "no plan.layers: write one with `ironweave plan sdp --json`"))?;
+    let node_fraction = |l: &serde_json::Value| -> Result<f64> {
+        let f = l["node_fraction"].as_f64().ok_or_else(|| PlanError::invalid(what, "a layer without node_fraction"))?;
+        if !(0.0..=1.0).contains(&f) {
+            return Err(PlanError::invalid(what, format!("node_fraction {f}: must be between 0 and 1")));
+        }
+        Ok(1.0 - f)
+    };
+    let mut out = Vec::with_capacity(layers.min(ls.len()) + 1);
+    for i in 0..layers {
+        let name = format!("L{i}");
+        let l = ls.iter().find(|l| l["name"] == name.as_str()).ok_or_else(|| {
+            PlanError::invalid(what, format!("no layer {name}: it was made for another model (the config has {layers} layers)"))
+        })?;
+        out.push(node_fraction(l)?);
+    }
+    if let Some(l) = ls.iter().find(|l| l["name"] == "head") {
+        out.push(node_fraction(l)?);
+    }
+    Ok(out)
+}
+
 /// Plan with HiGHS.
 pub fn plan(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: &SdpOptions) -> Result<SdpPlan> {
     if !(opts.mem_fraction > 0.0 && opts.mem_fraction <= 1.0) {

@@ -215,6 +215,19 @@ pub struct TmpPlan {
     pub solved_by: SolvedBy,
 }
 
+impl TmpPlan {
+    /// Reads the JSON `ironweave plan tmp --json` writes (`{"plan": ..., "solve_s": ...}`) or a
+    /// bare plan. Pure; fuzzed (`fuzz/`, target `plans`).
+    pub fn from_json(json: &[u8]) -> Result<TmpPlan> {
+        let what = "TMP plan";
+        let v: serde_json::Value =
+            serde_json::from_slice(json).map_err(|e| PlanError::invalid(what, format!("not JSON: {e}")))?;
+        let v = v.get("plan").cloned().unwrap_or(v);
+        serde_json::from_value(v)
+            .map_err(|e| PlanError::invalid(what, format!("{e}: write one with `ironweave plan tmp ... --json`")))
+    }
+}
+
 /// Build the problem: options per sub-layer and the chain.
 pub fn build(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: &TmpOptions) -> Result<TmpProblem> {
     model.validate()?;

@@ -58,6 +58,13 @@ impl Error {
         Error::Io { context: context.into(), message: err.to_string() }
     }
 
+    /// True for errors a later attempt of the same formation or operation may not meet: a
+    /// deadline passed, a peer died, went away or could not be reached (a link down, a peer
+    /// restarting). Not for misuse, misconfiguration or a peer speaking another protocol.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Error::Timeout { .. } | Error::PeerLost { .. } | Error::PeerClosed { .. } | Error::Io { .. })
+    }
+
     /// True for errors after which the link can no longer be used.
     pub fn is_fatal(&self) -> bool {
         !matches!(self, Error::InvalidArgument(_) | Error::RankOutOfRange { .. } | Error::UnsupportedMemory { .. })

@@ -176,3 +176,92 @@ pub fn connect_retry(addr: std::net::SocketAddr, deadline: Instant) -> Result<Tc
         after: start.elapsed().min(deadline.saturating_duration_since(start)),
     })
 }
+
+#[cfg(test)]
+mod hostile_peers {
+    //! A peer that speaks just enough of the protocol to be read: each hostile message is
+    //! refused within the deadline, without allocating what it claims, with a typed error
+    //! naming the peer where the peer speaks the protocol.
+    use std::net::TcpListener;
+
+    use super::*;
+
+    fn creds() -> Credentials {
+        Credentials { job: "job".into(), secret: b"s3cret".to_vec(), world: 4 }
+    }
+
+    /// Runs `accept` on a fresh loopback port while `client` talks to it.
+    fn serve(client: impl FnOnce(TcpStream) + Send) -> (Result<Option<PeerHello>>, Duration) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::scope(|sc| {
+            sc.spawn(move || client(TcpStream::connect(addr).unwrap()));
+            let (mut s, _) = l.accept().unwrap();
+            let t0 = Instant::now();
+            let r = accept(&mut s, &creds(), Role::Data, Duration::from_secs(2));
+            (r, t0.elapsed())
+        })
+    }
+
+    fn hello(job: &str, rank: u32) -> Handshake {
+        Handshake::Hello { version: VERSION, role: Role::Data, job: job.into(), rank, world: 4, link: 0, conn: 0, nonce: [1; 16] }
+    }
+
+    #[test]
+    fn an_absurd_length_is_garbage_at_once() {
+        let (r, t) = serve(|mut c| {
+            // claims 4 GiB of handshake
+            c.write_all(&u32::MAX.to_le_bytes()).unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+        });
+        assert!(matches!(r, Ok(None)), "{r:?}");
+        assert!(t < Duration::from_secs(1), "took {t:?}: the claim must be refused before reading it");
+    }
+
+    #[test]
+    fn silence_ends_at_the_deadline() {
+        let (r, t) = serve(|_c| std::thread::sleep(Duration::from_secs(3)));
+        assert!(matches!(r, Ok(None)), "{r:?}");
+        assert!(t < Duration::from_secs(3), "took {t:?}");
+    }
+
+    #[test]
+    fn another_jobs_hello_and_a_wrong_proof_are_rejected_naming_the_peer() {
+        let (r, _) = serve(|mut c| {
+            c.write_all(&hello("other", 1).encode()).unwrap();
+            let _ = read_msg(&mut c, Instant::now() + Duration::from_secs(2));
+        });
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("claims rank 1") && e.contains("another job"), "{e}");
+        let (r, _) = serve(|mut c| {
+            c.write_all(&hello("job", 5).encode()).unwrap();
+            let _ = read_msg(&mut c, Instant::now() + Duration::from_secs(2));
+        });
+        assert!(r.unwrap_err().to_string().contains("out of range"));
+        let (r, _) = serve(|mut c| {
+            c.write_all(&hello("job", 2).encode()).unwrap();
+            let _ = read_msg(&mut c, Instant::now() + Duration::from_secs(2));
+            c.write_all(&Handshake::Proof { proof: [0; 32] }.encode()).unwrap();
+            let _ = read_msg(&mut c, Instant::now() + Duration::from_secs(2));
+        });
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("claims rank 2") && e.contains("wrong secret"), "{e}");
+    }
+
+    #[test]
+    fn a_server_answering_garbage_fails_the_client_with_a_reason() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::scope(|sc| {
+            sc.spawn(move || {
+                let (mut s, _) = l.accept().unwrap();
+                let _ = read_msg(&mut s, Instant::now() + Duration::from_secs(2));
+                s.write_all(&(1u32 << 31).to_le_bytes()).unwrap();
+                std::thread::sleep(Duration::from_millis(300));
+            });
+            let mut c = TcpStream::connect(addr).unwrap();
+            let e = connect(&mut c, &creds(), Role::Data, 1, 0, 0, Duration::from_secs(2)).unwrap_err().to_string();
+            assert!(e.contains("not an ironweave handshake"), "{e}");
+        });
+    }
+}

@@ -168,6 +168,9 @@ fn read_framed(s: &mut TcpStream, limit: usize, deadline: Instant) -> std::io::R
 const MSG_PUT: u8 = 1;
 const MSG_ALL: u8 = 2;
 const MSG_FAIL: u8 = 3;
+/// The rendezvous failed because ranks did not arrive in time: a timeout on every rank, which a
+/// re-formation may retry once a link is back.
+const MSG_FAIL_TIMEOUT: u8 = 4;
 
 /// A rank's connection to the rendezvous.
 #[derive(Debug)]
@@ -250,7 +253,7 @@ impl Rendezvous {
             }
             Err(e) => return Err(self.server_error().unwrap_or_else(|| lost(e))),
         };
-        decode_all(&reply, self.size)
+        decode_all(&reply, self.size, self.timeout)
     }
 
     fn server_error(&mut self) -> Option<Error> {
@@ -272,11 +275,17 @@ impl Rendezvous {
     }
 }
 
-fn decode_all(reply: &[u8], size: usize) -> Result<Vec<Vec<u8>>> {
+fn decode_all(reply: &[u8], size: usize, timeout: Duration) -> Result<Vec<Vec<u8>>> {
     let bad = |d: &str| Error::Protocol { from: "rendezvous server".into(), detail: d.into() };
     match reply.first() {
         Some(&MSG_ALL) => {}
         Some(&MSG_FAIL) => return Err(Error::Config(format!("rendezvous failed: {}", String::from_utf8_lossy(&reply[1..])))),
+        Some(&MSG_FAIL_TIMEOUT) => {
+            return Err(Error::Timeout {
+                what: format!("rendezvous (rank 0 says: {})", String::from_utf8_lossy(&reply[1..])),
+                after: timeout,
+            })
+        }
         _ => return Err(bad("unknown reply")),
     }
     let mut at = 1;
@@ -297,20 +306,21 @@ fn decode_all(reply: &[u8], size: usize) -> Result<Vec<Vec<u8>>> {
 fn serve(listener: TcpListener, creds: Credentials, size: usize, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
     let mut conns: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
-    let fail_all = |conns: &mut Vec<Option<TcpStream>>, reason: &str| {
-        let mut b = vec![MSG_FAIL];
+    let fail_all_as = |conns: &mut Vec<Option<TcpStream>>, kind: u8, reason: &str| {
+        let mut b = vec![kind];
         b.extend_from_slice(reason.as_bytes());
         for s in conns.iter_mut().flatten() {
             let _ = write_framed(s, &b);
         }
     };
+    let fail_all = |conns: &mut Vec<Option<TcpStream>>, reason: &str| fail_all_as(conns, MSG_FAIL, reason);
     listener.set_nonblocking(true).map_err(|e| Error::io("rendezvous listener", &e))?;
     let mut dropped = Vec::new();
     while conns.iter().any(Option::is_none) {
         if Instant::now() >= deadline {
             let missing: Vec<usize> = (0..size).filter(|&r| conns[r].is_none()).collect();
             let reason = format!("ranks {missing:?} never registered within {timeout:?} (dropped connections: {dropped:?})");
-            fail_all(&mut conns, &reason);
+            fail_all_as(&mut conns, MSG_FAIL_TIMEOUT, &reason);
             return Err(Error::Timeout { what: format!("rendezvous: {reason}"), after: timeout });
         }
         match listener.accept() {

@@ -9,13 +9,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::replicate::{lock, lock_sched};
+use super::replicate::{lock, lock_sched, replica_limit};
 use super::{Engine, Restored, Source};
 use crate::error::{CkptError, Result};
-use crate::persist::{self, Manifest};
+use crate::persist;
 use crate::snapshot::Snapshot;
 
-const TAG_RESTORE: u32 = 0x4943_4b03;
+use crate::wire::TAG_RESTORE;
 /// Iterations each rank advertises per owner during recovery.
 pub const ADVERTISE: usize = 4;
 
@@ -188,13 +188,20 @@ impl Engine {
             }
             Provider::Replica(p) => {
                 let man = self.comm.recv_bytes(p, TAG_RESTORE)?;
-                let data = self.comm.recv_bytes(p, TAG_RESTORE)?;
-                let man: Manifest = serde_json::from_slice(&man)
-                    .map_err(|e| CkptError::Corrupt { what: format!("manifest from rank {p}"), detail: e.to_string() })?;
-                if man.iter != iter || man.rank as usize != me {
+                // the manifest is checked before the state is taken: it must be this rank's,
+                // of the chosen iteration, in the registered layout
+                let man = crate::wire::decode_restore_manifest(p, me, iter, &man, replica_limit(self.registry.total))?;
+                if man.registry != *self.registry {
                     return Err(CkptError::Corrupt {
-                        what: format!("state from rank {p}"),
-                        detail: format!("got rank {} iteration {}", man.rank, man.iter),
+                        what: format!("state of rank {me} from rank {p}"),
+                        detail: "its layout differs from the registered one".into(),
+                    });
+                }
+                let data = self.comm.recv_bytes(p, TAG_RESTORE)?;
+                if data.len() as u64 != man.registry.total {
+                    return Err(CkptError::Corrupt {
+                        what: format!("state of rank {me} from rank {p}"),
+                        detail: format!("{} bytes, the manifest says {}", data.len(), man.registry.total),
                     });
                 }
                 Snapshot::verify(&data, &man.sums, &format!("state of rank {me} from rank {p}"))?;

@@ -4,10 +4,7 @@
 //! every byte have arrived (in either order: chunks may travel over several links) and
 //! acknowledges with the outcome.
 //!
-//! Wire format (tag [`TAG_DATA`], on the link view the chunk was routed to):
-//! `Begin`: `0 | manifest JSON` (sent on every link the engine uses, idempotent);
-//! `Chunk`: `1 | iter u64 | offset u64 | bytes`; `End`: `2 | iter u64` (on the first link).
-//! Acknowledgements (tag [`TAG_ACK`], first link): `iter u64 | ok u8`.
+//! The messages and their checks are in [`crate::wire`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -25,11 +22,8 @@ use crate::persist::Manifest;
 use crate::schedule::{Releaser, Scheduled};
 use crate::snapshot::Snapshot;
 
-pub(crate) const TAG_DATA: u32 = 0x4943_4b01;
-pub(crate) const TAG_ACK: u32 = 0x4943_4b02;
-const MSG_BEGIN: u8 = 0;
-const MSG_CHUNK: u8 = 1;
-const MSG_END: u8 = 2;
+use crate::wire::{chunk_range, Ack, ReplicaMsg, CHUNK_HEADER};
+pub(crate) use crate::wire::{TAG_ACK, TAG_DATA};
 
 /// A replica of another rank's snapshot.
 #[derive(Debug)]
@@ -158,19 +152,6 @@ pub(crate) fn lock_sched(m: &Mutex<Sched>) -> std::sync::MutexGuard<'_, Sched> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn encode_chunk(iter: u64, offset: u64, bytes: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(17 + bytes.len());
-    v.push(MSG_CHUNK);
-    v.extend_from_slice(&iter.to_le_bytes());
-    v.extend_from_slice(&offset.to_le_bytes());
-    v.extend_from_slice(bytes);
-    v
-}
-
-pub(crate) fn u64_at(b: &[u8], at: usize) -> Option<u64> {
-    b.get(at..at + 8).map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")))
-}
-
 pub(crate) fn spawn<T: Send + 'static>(name: String, f: impl FnOnce() -> T + Send + 'static) -> Result<JoinHandle<T>> {
     std::thread::Builder::new().name(name).spawn(f).map_err(|e| CkptError::Invalid(format!("cannot start a thread: {e}")))
 }
@@ -208,10 +189,7 @@ pub(crate) fn send_loop(cx: SenderCtx, rx: Receiver<Job>) {
         let r = (|| -> Result<()> {
             match job {
                 Job::Begin(snap) => {
-                    let man = serde_json::to_vec(&Manifest::of(&snap, cx.rank, cx.world))
-                        .map_err(|e| CkptError::Invalid(e.to_string()))?;
-                    let mut begin = vec![MSG_BEGIN];
-                    begin.extend_from_slice(&man);
+                    let begin = ReplicaMsg::encode_begin(&Manifest::of(&snap, cx.rank, cx.world))?;
                     // every link that may carry a chunk announces the replica first (a link
                     // delivers in order; two links do not)
                     cx.comm.send_bytes(h, TAG_DATA, &begin)?;
@@ -223,9 +201,9 @@ pub(crate) fn send_loop(cx: SenderCtx, rx: Receiver<Job>) {
                     let start_ns = cx.prof.now_ns();
                     for (k, piece) in snap.data[off as usize..(off + len) as usize].chunks(cx.chunk).enumerate() {
                         let at = off + (k * cx.chunk) as u64;
-                        let mut msg = encode_chunk(snap.iter, at, piece);
-                        if at == 0 && cx.corrupt.load(Ordering::SeqCst) == snap.iter && msg.len() > 17 {
-                            msg[17] ^= 0x80; // test hook: a bit flipped on the wire
+                        let mut msg = ReplicaMsg::encode_chunk(snap.iter, at, piece);
+                        if at == 0 && cx.corrupt.load(Ordering::SeqCst) == snap.iter && msg.len() > CHUNK_HEADER {
+                            msg[CHUNK_HEADER] ^= 0x80; // test hook: a bit flipped on the wire
                         }
                         cx.comm.send_bytes(h, TAG_DATA, &msg)?;
                         // a campaign's kill in the middle of a replica transfer
@@ -257,9 +235,7 @@ pub(crate) fn send_loop(cx: SenderCtx, rx: Receiver<Job>) {
                     if cx.slot != 0 {
                         return Ok(());
                     }
-                    let mut end = vec![MSG_END];
-                    end.extend_from_slice(&snap.iter.to_le_bytes());
-                    cx.first.send_bytes(h, TAG_DATA, &end)?;
+                    cx.first.send_bytes(h, TAG_DATA, &ReplicaMsg::encode_end(snap.iter))?;
                 }
             }
             Ok(())
@@ -313,9 +289,7 @@ fn finish_if_complete(ack: &Communicator, src: usize, iter: u64, shared: &Mutex<
         }
         ok
     };
-    let mut msg = iter.to_le_bytes().to_vec();
-    msg.push(u8::from(ok));
-    ack.send_bytes(src, TAG_ACK, &msg)?;
+    ack.send_bytes(src, TAG_ACK, &Ack { iter, verified: ok }.encode())?;
     Ok(())
 }
 
@@ -336,11 +310,8 @@ pub(crate) fn receive_replicas(
     stop: &AtomicBool,
 ) {
     let r = poll_loop(comm, src, TAG_DATA, stop, |msg| {
-        match msg.first() {
-            Some(&MSG_BEGIN) => {
-                let man: Manifest = serde_json::from_slice(&msg[1..])
-                    .map_err(|e| CkptError::Corrupt { what: format!("manifest from rank {src}"), detail: e.to_string() })?;
-                man.check_from(src, limit)?;
+        match ReplicaMsg::decode(src, &msg, limit)? {
+            ReplicaMsg::Begin(man) => {
                 let total = man.registry.total as usize;
                 let mut sh = lock(shared);
                 let reps = sh.store.entry(src).or_default();
@@ -365,11 +336,7 @@ pub(crate) fn receive_replicas(
                 data.resize(total, 0);
                 reps.push(Replica { manifest: man, data, received: 0, ended: false, done: false, verified: false });
             }
-            Some(&MSG_CHUNK) => {
-                let (Some(iter), Some(off)) = (u64_at(&msg, 1), u64_at(&msg, 9)) else {
-                    return Err(CkptError::Corrupt { what: format!("chunk from rank {src}"), detail: "short header".into() });
-                };
-                let bytes = &msg[17..];
+            ReplicaMsg::Chunk { iter, offset: off, bytes } => {
                 {
                     let mut sh = lock(shared);
                     let r = sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter && !r.done));
@@ -379,20 +346,18 @@ pub(crate) fn receive_replicas(
                             detail: format!("iteration {iter} was not begun"),
                         });
                     };
-                    let end = off as usize + bytes.len();
-                    if end > r.data.len() {
+                    let Some(at) = chunk_range(off, bytes.len(), r.data.len()) else {
                         return Err(CkptError::Corrupt {
                             what: format!("chunk from rank {src}"),
-                            detail: format!("bytes {off}..{end} beyond {}", r.data.len()),
+                            detail: format!("{} bytes at {off} reach beyond {}", bytes.len(), r.data.len()),
                         });
-                    }
-                    r.data[off as usize..end].copy_from_slice(bytes);
+                    };
+                    r.data[at].copy_from_slice(bytes);
                     r.received += bytes.len() as u64;
                 }
                 finish_if_complete(ack, src, iter, shared)?;
             }
-            Some(&MSG_END) => {
-                let iter = u64_at(&msg, 1).unwrap_or(u64::MAX);
+            ReplicaMsg::End { iter } => {
                 let known = {
                     let mut sh = lock(shared);
                     match sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter)) {
@@ -407,12 +372,9 @@ pub(crate) fn receive_replicas(
                     finish_if_complete(ack, src, iter, shared)?;
                 } else {
                     // an End for nothing begun: say so, the sender's commit must not wait
-                    let mut msg = iter.to_le_bytes().to_vec();
-                    msg.push(0);
-                    ack.send_bytes(src, TAG_ACK, &msg)?;
+                    ack.send_bytes(src, TAG_ACK, &Ack { iter, verified: false }.encode())?;
                 }
             }
-            _ => return Err(CkptError::Corrupt { what: format!("message from rank {src}"), detail: "unknown kind".into() }),
         }
         Ok(())
     });
@@ -424,11 +386,9 @@ pub(crate) fn receive_replicas(
 /// Receives `holder`'s acknowledgements.
 pub(crate) fn receive_acks(comm: &Communicator, holder: usize, shared: &Mutex<Shared>, stop: &AtomicBool) {
     let r = poll_loop(comm, holder, TAG_ACK, stop, |msg| {
-        let (Some(iter), Some(&ok)) = (u64_at(&msg, 0), msg.get(8)) else {
-            return Err(CkptError::Corrupt { what: format!("acknowledgement from rank {holder}"), detail: "short".into() });
-        };
+        let a = Ack::decode(holder, &msg)?;
         let mut sh = lock(shared);
-        sh.acks.entry(iter).or_default().insert(holder, ok == 1);
+        sh.acks.entry(a.iter).or_default().insert(holder, a.verified);
         // keep the table small
         while sh.acks.len() > 64 {
             let first = *sh.acks.keys().next().expect("non-empty");
@@ -467,9 +427,11 @@ mod hostile_peers {
     }
 
     fn begin(m: &Manifest) -> Vec<u8> {
-        let mut v = vec![MSG_BEGIN];
-        v.extend_from_slice(&serde_json::to_vec(m).unwrap());
-        v
+        ReplicaMsg::encode_begin(m).unwrap()
+    }
+    use ReplicaMsg as W;
+    fn encode_chunk(iter: u64, offset: u64, bytes: &[u8]) -> Vec<u8> {
+        W::encode_chunk(iter, offset, bytes)
     }
 
     /// Rank 1 receives from rank 0 until the messages are consumed (or its receiver stops on an
@@ -527,9 +489,12 @@ mod hostile_peers {
         // a chunk beyond the replica's end
         let m = manifest(0, 64, vec![]);
         let (sh, _) = deliver(vec![begin(&m), encode_chunk(1, 60, &[0; 16])], 0);
-        failed_with(&sh, "beyond 64");
+        failed_with(&sh, "reach beyond 64");
+        // an offset chosen to wrap around
+        let (sh, _) = deliver(vec![begin(&m), encode_chunk(1, u64::MAX - 3, &[0; 16])], 0);
+        failed_with(&sh, "reach beyond 64");
         // a header too short, an unknown kind
-        let (sh, _) = deliver(vec![vec![MSG_CHUNK, 1, 2]], 0);
+        let (sh, _) = deliver(vec![vec![1, 1, 2]], 0);
         failed_with(&sh, "short header");
         let (sh, _) = deliver(vec![vec![77]], 0);
         failed_with(&sh, "unknown kind");
@@ -540,11 +505,34 @@ mod hostile_peers {
         let data = vec![7u8; 64];
         let other = vec![8u8; 64];
         let m = manifest(0, 64, vec![ChunkSum { offset: 0, len: 64, xxh3: xxh3_64(&other) }]);
-        let mut end = vec![MSG_END];
-        end.extend_from_slice(&1u64.to_le_bytes());
+        let end = W::encode_end(1);
         let (sh, acks) = deliver(vec![begin(&m), encode_chunk(1, 0, &data), end], 1);
         assert_eq!(acks, vec![[1u64.to_le_bytes().as_slice(), &[0]].concat()], "the holder must say it holds no valid copy");
         failed_with(&sh, "failed verification");
         assert!(sh.store[&0].iter().all(|r| !r.verified));
+    }
+
+    #[test]
+    fn a_malformed_acknowledgement_loses_the_holder_not_the_job() {
+        for bad in [vec![1u8, 2, 3], [5u64.to_le_bytes().as_slice(), &[7]].concat(), vec![0; 64]] {
+            let (a, b) = pair();
+            let shared = Mutex::new(Shared::default());
+            let stop = AtomicBool::new(false);
+            std::thread::scope(|s| {
+                // rank 0 hears holder 1's acknowledgements
+                let rx = s.spawn(|| receive_acks(&a, 1, &shared, &stop));
+                b.send_bytes(0, TAG_ACK, &bad).unwrap();
+                // the receiver stops on its own at the bad message; `stop` is a backstop
+                let t0 = Instant::now();
+                while !rx.is_finished() && t0.elapsed() < Duration::from_secs(5) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                stop.store(true, Ordering::SeqCst);
+                rx.join().unwrap();
+            });
+            let sh = shared.into_inner().unwrap();
+            assert!(sh.failures.iter().any(|f| f.contains("acknowledgement from rank 1")), "{:?}", sh.failures);
+            assert!(sh.lost_holders.contains(&1) && sh.acks.is_empty(), "nothing acknowledged by a malformed message");
+        }
     }
 }

@@ -1,0 +1,8 @@
+//! Fuzz target `ckpt_wire`: see `checks::ckpt_wire` (`fuzz/src/checks.rs`). Run from `fuzz/` with
+//! `cargo fuzz run ckpt_wire` (docs/RELIABILITY.md has the flags and the figures).
+#![no_main]
+
+#[path = "../src/checks.rs"]
+mod checks;
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| checks::ckpt_wire(data));

@@ -1,0 +1,8 @@
+//! Fuzz target `plans`: see `checks::plans` (`fuzz/src/checks.rs`). Run from `fuzz/` with
+//! `cargo fuzz run plans` (docs/RELIABILITY.md has the flags and the figures).
+#![no_main]
+
+#[path = "../src/checks.rs"]
+mod checks;
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| checks::plans(data));
