@@ -506,6 +506,8 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         let r = (|| -> Result<()> {
             let mut start = 1;
             if need_restore {
+                // what this rank saw committed before the failure (a restarted rank: nothing)
+                let committed_before = e.committed();
                 match e.restore_latest() {
                     Ok(r) => {
                         last_source = match r.source {
@@ -515,7 +517,20 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
                         };
                         tr.load_state(|name| r.snapshot.tensor(name).map(<[u8]>::to_vec))?;
                         rep.recoveries += 1;
+                        // an older iteration than one committed before: some rank's copies of
+                        // the newer ones are all gone (a rank died with its holders); said, not
+                        // hidden, though training redoes them to the same state
+                        let mut c = [committed_before.map_or(-1, |i| i as i64)];
+                        e.comm().all_reduce(&mut c, ironweave_transport::ReduceOp::Max)?;
                         if rank == 0 {
+                            if c[0] > r.iter as i64 {
+                                eprintln!(
+                                    "warning: iteration {} was committed but a rank's every copy of it is gone (a rank died with its replica holders; --replicas 3 keeps one more); restored iteration {}, {} committed iteration(s) to redo",
+                                    c[0],
+                                    r.iter,
+                                    c[0] - r.iter as i64
+                                );
+                            }
                             // said even with --quiet: a recovery is news
                             println!("recovered: every rank restored iteration {} (rank 0 from {:?})", r.iter, r.source);
                             mark_recovery(report_dir, r.iter)?;
