@@ -3,7 +3,9 @@
 # RUNS executions or SECONDS seconds, whichever comes first, with libFuzzer's memory limits
 # (a process over -rss_limit_mb, or one allocation over -malloc_limit_mb, is a finding).
 # New inputs go to target/fuzz-work/<target>/ (the checked-in corpus fuzz/corpus/<target>/ seeds
-# it and stays small); a crash leaves its input in fuzz/artifacts/<target>/ and fails the script.
+# it and stays small), minimised to the edges covered afterwards; a crash leaves its input in
+# fuzz/artifacts/<target>/ and fails the script. Prints one table row per target: executions,
+# seconds, edges covered, peak RSS (MB), inputs kept.
 # Needs cargo-fuzz (`cargo install cargo-fuzz`); the stable toolchain works with RUSTC_BOOTSTRAP=1.
 #
 #   bash scripts/fuzz.sh                      # every target, 10 M executions or 15 minutes each
@@ -32,8 +34,12 @@ for t in "${targets[@]}"; do
     -runs="$RUNS" -max_total_time="$SECONDS_EACH" -rss_limit_mb=2048 -malloc_limit_mb=64 \
     -timeout=10 -print_final_stats=1 >"$log" 2>&1 || { echo "$t: FINDING (see $log and fuzz/artifacts/$t/)"; tail -30 "$log"; exit 1; }
   secs=$(( $(date +%s) - start ))
-  execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -1)
-  peak=$(grep -o 'stat::peak_rss_mb: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -1)
-  cov=$(grep -o 'cov: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*')
+  # keep the inputs that cover every edge the run reached (counters off: edges only), so the
+  # set can be checked in small: cp target/fuzz-work/$t/* fuzz/corpus/$t/
+  cargo fuzz cmin -O "$t" "$work" -- -use_counters=0 >"$log.cmin" 2>&1
+  # libFuzzer's log may hold raw input bytes: read it as text (-a)
+  execs=$(grep -ao 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -1 || true)
+  peak=$(grep -ao 'stat::peak_rss_mb: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -1 || true)
+  cov=$(grep -ao '[0-9]* new coverage edges' "$log.cmin" | tail -1 | grep -o '^[0-9]*' || true)
   echo "| $t | ${execs:-?} | $secs | ${cov:-?} | ${peak:-?} | $(ls "$work" | wc -l) |"
 done

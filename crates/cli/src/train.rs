@@ -447,14 +447,16 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         env.master.set_port(base.master.port() + gen);
         env.job_id = format!("{}-g{gen}", base.job_id);
         let opts = CommOptions { timeout: deadline, ..CommOptions::default() };
-        // a re-formation whose peers cannot be reached yet (a link still down, a peer still
-        // restarting) tries the same generation again instead of exiting: this process's
-        // memory holds the checkpoints the job restores from
+        // a re-formation by a surviving process whose peers cannot be reached yet (a link
+        // still down, a peer still restarting) tries the same generation again instead of
+        // exiting: its memory holds the checkpoints the job restores from. A process's first
+        // formation does not retry: if it fails, the launcher restarts it as a later
+        // generation, as before.
         let mut attempt = 0;
         let comm = loop {
             match ironweave::connect(backend, &env, opts.clone()) {
                 Ok(c) => break Arc::new(c),
-                Err(err) if gen > 0 && attempt < REFORM_ATTEMPTS && err.is_transient() => {
+                Err(err) if gen > start_gen && attempt < REFORM_ATTEMPTS && err.is_transient() => {
                     attempt += 1;
                     eprintln!(
                         "rank {rank}: re-forming generation {gen} failed: {err}; trying again ({attempt} of {REFORM_ATTEMPTS})"
