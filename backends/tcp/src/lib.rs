@@ -481,19 +481,7 @@ fn reader(sh: Arc<Shared>, p: usize, mut s: TcpStream) {
         }
         // The claimed size passed the receiver's limit (and, for data, the buffering budget)
         // before anything is allocated; control frames are at most 4 KiB.
-        let mut body = if h.kind == FrameKind::Data {
-            match sh.mailbox.try_buffer(len) {
-                Some(b) => b,
-                None => {
-                    let detail = format!("a frame claims {len} bytes, more than this process can allocate");
-                    sh.fail_with(Error::Protocol { from: format!("rank {p}"), detail }, Some(p));
-                    let _ = s.shutdown(Shutdown::Both);
-                    return;
-                }
-            }
-        } else {
-            vec![0u8; len]
-        };
+        let mut body = if h.kind == FrameKind::Data { sh.mailbox.buffer(len) } else { vec![0u8; len] };
         if let Err(e) = s.read_exact(&mut body) {
             return lost(format!("connection closed inside a {len}-byte payload: {e}"));
         }

@@ -155,16 +155,6 @@ impl BufPool {
     /// A vector of exactly `len` bytes whose contents are unspecified (old data of a recycled
     /// buffer, or zeros): callers overwrite all of it. Recycled buffers are not zeroed again.
     pub fn take(&self, len: usize) -> Vec<u8> {
-        self.recycled(len).unwrap_or_else(|| vec![0u8; len])
-    }
-
-    /// Like [`take`](Self::take), but `None` where a fresh buffer of `len` bytes cannot be
-    /// allocated, instead of aborting the process: for lengths a peer claims.
-    pub fn try_take(&self, len: usize) -> Option<Vec<u8>> {
-        self.recycled(len).or_else(|| zeroed(len))
-    }
-
-    fn recycled(&self, len: usize) -> Option<Vec<u8>> {
         if len >= Self::MIN {
             let mut free = lock(&self.free);
             // Best fit among buffers no more than twice as large.
@@ -181,10 +171,10 @@ impl BufPool {
                 } else {
                     v.resize(len, 0);
                 }
-                return Some(v);
+                return v;
             }
         }
-        None
+        vec![0u8; len]
     }
 
     /// Gives a buffer back for reuse (small ones and overflow are freed).
@@ -198,24 +188,6 @@ impl BufPool {
             free.push(v);
         }
     }
-}
-
-/// `len` zero bytes from the allocator (lazily zeroed pages, as `vec![0; len]`), or `None` when
-/// the allocator refuses.
-fn zeroed(len: usize) -> Option<Vec<u8>> {
-    if len == 0 {
-        return Some(Vec::new());
-    }
-    let layout = std::alloc::Layout::array::<u8>(len).ok()?;
-    // SAFETY: `layout` has a non-zero size (len > 0).
-    let p = unsafe { std::alloc::alloc_zeroed(layout) };
-    if p.is_null() {
-        return None;
-    }
-    // SAFETY: `p` comes from the global allocator with exactly this layout (size `len`, align 1,
-    // as `Vec<u8>` with capacity `len` uses), all `len` bytes are initialised (zeroed), and the
-    // vector takes sole ownership of the allocation.
-    Some(unsafe { Vec::from_raw_parts(p, len, len) })
 }
 
 /// Operations a backend with its own collectives (NCCL) provides. The communicator calls
@@ -726,12 +698,6 @@ impl Mailbox {
         self.pool.take(len)
     }
 
-    /// [`buffer`](Self::buffer) for a length a peer claims: `None` where it cannot be
-    /// allocated here (the caller fails the link with a typed error instead of aborting).
-    pub fn try_buffer(&self, len: usize) -> Option<Vec<u8>> {
-        self.pool.try_take(len)
-    }
-
     /// Waits until `len` more bytes may be buffered. Returns `false` when the mailbox failed.
     pub fn reserve(&self, len: usize) -> bool {
         let mut st = lock(&self.state);
@@ -966,20 +932,6 @@ impl Mailbox {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn a_buffer_that_cannot_be_allocated_is_none_not_an_abort() {
-        let pool = BufPool::default();
-        // isize::MAX bytes: a valid layout no allocator can give
-        assert!(pool.try_take(isize::MAX as usize).is_none());
-        let v = pool.try_take(1 << 20).expect("1 MiB");
-        assert_eq!(v.len(), 1 << 20);
-        assert!(v.iter().all(|&b| b == 0));
-        assert_eq!(pool.try_take(0), Some(Vec::new()));
-        // a recycled buffer is handed out again
-        pool.put(v);
-        assert_eq!(pool.try_take(1 << 20).map(|v| v.len()), Some(1 << 20));
-    }
-
     use super::*;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
