@@ -155,8 +155,8 @@ struct Bed<'a> {
     persist_every: u64,
     /// Ranks holding a replica of each rank (the engine's placement).
     holders: Vec<Vec<usize>>,
-    /// The emulated cluster, with ranks per host.
-    topology: Option<(&'a ironweave_tcp::topology::Topology, usize)>,
+    /// The emulated cluster.
+    topology: Option<&'a ironweave_tcp::topology::Topology>,
     link_down_s: f64,
     long_outage_deadline_s: f64,
 }
@@ -188,7 +188,7 @@ fn draw(kind: &str, rng: &mut Rng, bed: &Bed<'_>) -> Fault {
             }
         }
         "host" => {
-            let hosts = bed.topology.map_or(1, |(t, _)| t.hosts);
+            let hosts = bed.topology.map_or(1, |t| t.hosts);
             let h = rng.below(hosts as u64);
             Fault {
                 text: format!("kill -9 every rank of host {h} in iteration {iter}'s backward"),
@@ -197,7 +197,7 @@ fn draw(kind: &str, rng: &mut Rng, bed: &Bed<'_>) -> Fault {
             }
         }
         "link-down" | "link-down-long" => {
-            let (t, _) = bed.topology.expect("link faults are drawn only with a topology");
+            let t = bed.topology.expect("link faults are drawn only with a topology");
             let h = rng.below(t.hosts as u64) as usize;
             // the job's first link: it carries the training's and the checkpoints' traffic
             // (an outage of a link nothing uses would prove nothing)
@@ -459,21 +459,10 @@ pub fn run(a: &ChaosArgs) -> Result<Vec<RunResult>> {
             bail!("--ranks {} does not fill {} hosts x --ranks-per-host {}", a.ranks, t.hosts, a.ranks_per_host);
         }
     }
-    // the emulated cluster: brought up for the campaign unless it already is
-    let brought_up = match &topo {
-        Some(t) if !crate::cluster::status(t)? => {
-            crate::cluster::up(t).context("bringing up the emulated cluster")?;
-            true
-        }
-        _ => false,
-    };
-    let r = campaign(a, &kinds, topo.as_ref());
-    if let (true, Some(t)) = (brought_up, &topo) {
-        if let Err(e) = crate::cluster::down(t) {
-            eprintln!("warning: taking the emulated cluster down: {e:#}");
-        }
+    match &topo {
+        Some(t) => crate::cluster::with_up(t, "chaos", || campaign(a, &kinds, Some(t))),
+        None => campaign(a, &kinds, None),
     }
-    r
 }
 
 fn campaign(a: &ChaosArgs, kinds: &[String], topo: Option<&ironweave_tcp::topology::Topology>) -> Result<Vec<RunResult>> {
@@ -511,7 +500,7 @@ fn campaign(a: &ChaosArgs, kinds: &[String], topo: Option<&ironweave_tcp::topolo
         iters,
         persist_every: a.persist_every,
         holders: ironweave_ckpt::placement_on_hosts(&hosts, a.replicas as usize),
-        topology: topo.map(|t| (t, a.ranks_per_host)),
+        topology: topo,
         link_down_s: a.link_down_s,
         long_outage_deadline_s: a.long_outage_deadline_s,
     };

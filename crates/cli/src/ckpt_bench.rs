@@ -146,22 +146,11 @@ pub fn bench(a: &CkptBenchArgs) -> Result<Vec<Row>> {
     }
     let ranks_per_host = if topo.is_some() { a.ranks_per_host.max(1) } else { a.ranks.max(1) };
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    let brought_up = match &topo {
-        Some(t) if !crate::cluster::status(t)? => {
-            crate::cluster::up(t).context("bringing up the emulated cluster")?;
-            true
-        }
-        _ => false,
-    };
-    let result = run_all(a, topo.as_ref(), &strategies, storage_fixed, ranks_per_host);
-    if brought_up {
-        if let Some(t) = &topo {
-            if let Err(e) = crate::cluster::down(t) {
-                eprintln!("bench ckpt: could not take the emulated cluster down: {e:#}");
-            }
-        }
+    let go = || run_all(a, topo.as_ref(), &strategies, storage_fixed, ranks_per_host);
+    match &topo {
+        Some(t) => crate::cluster::with_up(t, "bench ckpt", go),
+        None => go(),
     }
-    result
 }
 
 /// One run's report and the inter-host links' byte counts during it, `[host][link]`.

@@ -113,6 +113,25 @@ pub fn down(t: &Topology) -> Result<()> {
     Ok(())
 }
 
+/// Runs `f` on the emulated cluster of `t`: brought up first when it is down, and taken down
+/// again afterwards whatever `f` returned (a cluster that was already up is left up). `who`
+/// names the caller in the warning when it cannot be taken down.
+pub fn with_up<T>(t: &Topology, who: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let brought_up = if status(t)? {
+        false
+    } else {
+        up(t).context("bringing up the emulated cluster")?;
+        true
+    };
+    let result = f();
+    if brought_up {
+        if let Err(e) = down(t) {
+            eprintln!("{who}: could not take the emulated cluster down: {e:#}");
+        }
+    }
+    result
+}
+
 /// The topology at `path`, whose emulated cluster must already be up (runs do not bring it up:
 /// it needs root and outlives them).
 pub fn load_up(path: &Path) -> Result<Topology> {

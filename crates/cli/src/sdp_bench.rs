@@ -115,19 +115,7 @@ pub fn bench(a: &SdpBenchArgs) -> Result<Vec<Row>> {
     let model = crate::plan::load_model(&a.model, None)?;
     crate::plan::load_cluster(&a.cluster)?;
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    let brought_up = if crate::cluster::status(&topo)? {
-        false
-    } else {
-        crate::cluster::up(&topo).context("bringing up the emulated cluster")?;
-        true
-    };
-    let result = run_all(a, &topo, &model);
-    if brought_up {
-        if let Err(e) = crate::cluster::down(&topo) {
-            eprintln!("bench sdp: could not take the emulated cluster down: {e:#}");
-        }
-    }
-    let rows = result?;
+    let rows = crate::cluster::with_up(&topo, "bench sdp", || run_all(a, &topo, &model))?;
     print_table(&rows);
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_vec_pretty(&serde_json::json!({ "rows": rows }))?)

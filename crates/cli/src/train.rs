@@ -282,8 +282,6 @@ impl Report {
     }
 }
 
-/// `final_state_sha256` of a job: SHA-256 of every rank's state digest, in rank order
-/// (collective: every rank calls it with its own digest).
 /// This process's resident memory (bytes) and open file descriptors, from /proc (zeros where
 /// it cannot be read).
 pub fn process_footprint() -> (u64, u64) {
@@ -316,6 +314,8 @@ pub fn mark_recovery(dir: &Path, restored: u64) -> Result<()> {
     Ok(())
 }
 
+/// `final_state_sha256` of a job: SHA-256 of every rank's state digest, in rank order
+/// (collective: every rank calls it with its own digest).
 pub fn job_state_sha256(comm: &ironweave_transport::Communicator, mine: &[u8; 32]) -> Result<String> {
     let mut all = vec![0u8; 32 * comm.size()];
     comm.all_gather(mine, &mut all)?;
@@ -508,8 +508,11 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         let r = (|| -> Result<()> {
             let mut start = 1;
             if need_restore {
-                // what this rank saw committed before the failure (a restarted rank: nothing)
-                let committed_before = e.committed();
+                // the newest iteration any rank saw committed before the failure (a restarted
+                // rank remembers nothing; -1: none): collective, as the restore's choice is
+                let mut c = [e.committed().map_or(-1, |i| i as i64)];
+                e.comm().all_reduce(&mut c, ironweave_transport::ReduceOp::Max)?;
+                let committed_before = c[0];
                 match e.restore_latest() {
                     Ok(r) => {
                         last_source = match r.source {
@@ -522,15 +525,12 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
                         // an older iteration than one committed before: some rank's copies of
                         // the newer ones are all gone (a rank died with its holders); said, not
                         // hidden, though training redoes them to the same state
-                        let mut c = [committed_before.map_or(-1, |i| i as i64)];
-                        e.comm().all_reduce(&mut c, ironweave_transport::ReduceOp::Max)?;
                         if rank == 0 {
-                            if c[0] > r.iter as i64 {
+                            if committed_before > r.iter as i64 {
                                 eprintln!(
-                                    "warning: iteration {} was committed but a rank's every copy of it is gone (a rank died with its replica holders; --replicas 3 keeps one more); restored iteration {}, {} committed iteration(s) to redo",
-                                    c[0],
+                                    "warning: iteration {committed_before} was committed but a rank's every copy of it is gone (a rank died with its replica holders; --replicas 3 keeps one more); restored iteration {}, {} committed iteration(s) to redo",
                                     r.iter,
-                                    c[0] - r.iter as i64
+                                    committed_before - r.iter as i64
                                 );
                             }
                             // said even with --quiet: a recovery is news
@@ -540,13 +540,11 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
                         start = r.iter + 1;
                     }
                     Err(err @ ironweave_ckpt::CkptError::NothingToRestore { .. }) => {
-                        // every rank got the same answer (the choice is collective); was
-                        // anything ever committed? (a restarted rank remembers nothing)
-                        let mut c = [e.committed().map_or(-1, |i| i as i64)];
-                        e.comm().all_reduce(&mut c, ironweave_transport::ReduceOp::Max)?;
-                        if c[0] >= 0 {
+                        // every rank got the same answer (the choice is collective): was
+                        // anything ever committed?
+                        if committed_before >= 0 {
                             return Err(anyhow::Error::new(err)
-                                .context(format!("iteration {} was committed and every copy of it is gone", c[0])));
+                                .context(format!("iteration {committed_before} was committed and every copy of it is gone")));
                         }
                         // nothing was committed, so nothing is lost: every rank starts over
                         // from the seed's initial state (training is deterministic)
