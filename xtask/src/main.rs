@@ -185,23 +185,29 @@ fn bench_collectives(ranks: &[usize], sizes: &str, ops: &str, min_time: &str, re
     let mpi_bin = build_mpi_peer(&out_dir)?;
     let size_bytes: Vec<String> = sizes.split(',').map(|s| parse_size(s).map(|b| b.to_string())).collect::<Result<_>>()?;
 
-    // Rounds interleave the three sides so that drift on a shared machine hits them alike;
-    // each table row is the median of its rounds.
+    // Rounds interleave the four sides so that drift on a shared machine hits them alike;
+    // each table row is the median of its rounds. ironweave runs twice: forced onto its TCP
+    // sockets (IRONWEAVE_SHM=0, like for like with OpenMPI on TCP) and as a user gets it by
+    // default on one host (the shared-memory path), beside OpenMPI's default (vader).
     let mut rows: Vec<Value> = Vec::new();
     for round in 0..repeat {
         for &n in ranks {
-            eprintln!("xtask: round {}/{repeat}: ironweave tcp, {n} ranks", round + 1);
-            let json_path = out_dir.join(format!("ironweave-{n}.json"));
-            run(Command::new(&iw)
-                .args(["bench", "collectives", "--ranks", &n.to_string(), "--backend", "tcp", "--ops", ops, "--sizes", sizes])
-                .args(["--min-time", min_time, "--json"])
-                .arg(&json_path))?;
-            let iw_rows: Vec<Value> = serde_json::from_slice(&std::fs::read(&json_path)?)?;
-            for r in iw_rows {
-                rows.push(json!({
-                    "peer": "ironweave-tcp", "op": r["op"], "bytes": r["bytes"], "ranks": r["ranks"], "iters": r["iters"],
-                    "time_us": r["time_us"], "verified": r["verified"], "memcpy_gbps": r["memcpy_gbps"], "round": round,
-                }));
+            for (peer, shm) in [("ironweave-tcp", "0"), ("ironweave-shm", "1")] {
+                eprintln!("xtask: round {}/{repeat}: {peer}, {n} ranks", round + 1);
+                let json_path = out_dir.join(format!("{peer}-{n}.json"));
+                run(Command::new(&iw)
+                    .env("IRONWEAVE_SHM", shm)
+                    .args(["bench", "collectives", "--ranks", &n.to_string(), "--backend", "tcp", "--ops", ops, "--sizes", sizes])
+                    .args(["--min-time", min_time, "--json"])
+                    .arg(&json_path))?;
+                let iw_rows: Vec<Value> = serde_json::from_slice(&std::fs::read(&json_path)?)?;
+                for r in iw_rows {
+                    rows.push(json!({
+                        "peer": peer, "op": r["op"], "bytes": r["bytes"], "ranks": r["ranks"], "iters": r["iters"],
+                        "time_us": r["time_us"], "verified": r["verified"], "memcpy_gbps": r["memcpy_gbps"], "round": round,
+                        "path": r["path"],
+                    }));
+                }
             }
             for (label, mca) in
                 [("ompi-tcp", vec!["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]), ("ompi-default", vec![])]
@@ -246,26 +252,35 @@ fn bench_collectives(ranks: &[usize], sizes: &str, ops: &str, min_time: &str, re
         let m = matching(peer, op, bytes, n);
         !m.is_empty() && m.iter().all(|r| r["verified"] == json!(true))
     };
-    let mut table = format!("Median of {repeat} interleaved rounds, busbw in GB/s (nccl-tests definition).\n\n");
-    table.push_str("| op | size | ranks | ironweave tcp | OpenMPI tcp | OpenMPI default (shm) | memcpy | ironweave / OpenMPI tcp | ironweave / OpenMPI shm | ironweave / memcpy | all verified |\n");
-    table.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    let sides = ["ironweave-tcp", "ompi-tcp", "ironweave-shm", "ompi-default"];
+    let mut table = format!(
+        "Median of {repeat} interleaved rounds, busbw in GB/s (nccl-tests definition); rows of at most 4 KiB \
+         are latency rows: time per call in us, and the ratio is OpenMPI's time / ours (above 1: we are faster).\n\n"
+    );
+    table.push_str("| op | size | ranks | ironweave tcp | OpenMPI tcp | vs OpenMPI tcp | ironweave default (shm path) | OpenMPI default (vader) | vs OpenMPI default | memcpy | shm path taken | all verified |\n");
+    table.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|\n");
     for &n in ranks {
         let firsts = rows
             .iter()
             .filter(|r| r["peer"] == "ironweave-tcp" && r["ranks"].as_u64() == Some(n as u64) && r["round"] == json!(0));
         for r in firsts {
             let (op, bytes) = (r["op"].as_str().unwrap_or(""), r["bytes"].as_u64().unwrap_or(0));
-            let iw = median("ironweave-tcp", op, bytes, n, "busbw_gbps");
-            let ot = median("ompi-tcp", op, bytes, n, "busbw_gbps");
-            let od = median("ompi-default", op, bytes, n, "busbw_gbps");
+            let latency = bytes <= 4096;
+            let key = if latency { "time_us" } else { "busbw_gbps" };
+            let [it, ot, is, od] = sides.map(|p| median(p, op, bytes, n, key));
+            let ratio = |ours: f64, theirs: f64| if latency { theirs / ours } else { ours / theirs };
             let mc = median("ironweave-tcp", op, bytes, n, "memcpy_gbps");
-            let ok = ["ironweave-tcp", "ompi-tcp", "ompi-default"].iter().all(|p| verified(p, op, bytes, n));
+            let ok = sides.iter().all(|p| verified(p, op, bytes, n));
+            // The counter that proves the mechanism: the rank reports which path it took.
+            let shm_taken = matching("ironweave-shm", op, bytes, n).iter().all(|r| r["path"] == json!("shm"))
+                && matching("ironweave-tcp", op, bytes, n).iter().all(|r| r["path"] == json!("link"));
+            let unit = if latency { " us" } else { "" };
             table.push_str(&format!(
-                "| {op} | {} | {n} | {iw:.3} | {ot:.3} | {od:.3} | {mc:.2} | {:.2}x | {:.2}x | {:.3} | {} |\n",
+                "| {op} | {} | {n} | {it:.3}{unit} | {ot:.3}{unit} | {:.2}x | {is:.3}{unit} | {od:.3}{unit} | {:.2}x | {mc:.2} | {} | {} |\n",
                 human(bytes),
-                iw / ot,
-                iw / od,
-                iw / mc,
+                ratio(it, ot),
+                ratio(is, od),
+                if shm_taken { "yes" } else { "NO" },
                 if ok { "yes" } else { "NO" }
             ));
         }
@@ -471,7 +486,10 @@ fn bench_transport(repeat: usize, min_time: &str) -> Result<()> {
         }
         eprintln!("xtask: round {}/{repeat}: collectives, ironweave-ucx (shm link) and OpenMPI default", round + 1);
         let path = out_dir.join("transport-coll.json");
+        // UCX's own shared-memory transports, not the transport's segment (which `bench
+        // collectives` measures as ironweave's default path on one host).
         run(Command::new(&iw)
+            .env("IRONWEAVE_SHM", "0")
             .args(["bench", "collectives", "--ranks", "2", "--backend", "ucx", "--ops", coll_ops, "--sizes", coll_sizes])
             .args(["--min-time", min_time, "--json"])
             .arg(&path))?;

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use ironweave_transport::handshake::{self, Credentials};
 use ironweave_transport::rendezvous::{JobEnv, Rendezvous};
+use ironweave_transport::shm::{ShmConfig, ShmGroup};
 use ironweave_transport::wire::{FrameHeader, FrameKind, Role, HEADER_LEN};
 use ironweave_transport::{
     CommOptions, Communicator, Error, Link, LinkInfo, Mailbox, MemKind, RecvHandle, Result, SendCompleter, SendHandle, SeqTable,
@@ -58,6 +59,9 @@ pub struct TcpConfig {
     pub linger: Duration,
     /// Deadline for setup and for non-blocking sends.
     pub timeout: Duration,
+    /// The intra-host shared-memory path for the world's collectives when every rank is on
+    /// one host (`IRONWEAVE_SHM`, `IRONWEAVE_SHM_SLOT_BYTES`).
+    pub shm: ShmConfig,
 }
 
 impl Default for TcpConfig {
@@ -70,6 +74,7 @@ impl Default for TcpConfig {
             buffer_cap_bytes: 2 << 30,
             linger: Duration::from_secs(10),
             timeout: ironweave_transport::DEFAULT_TIMEOUT,
+            shm: ShmConfig::default(),
         }
     }
 }
@@ -83,7 +88,8 @@ fn env_num<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
 
 impl TcpConfig {
     /// Reads `IRONWEAVE_TCP_LINKS` (`name=ip,name=ip`), `IRONWEAVE_TCP_CONNS`,
-    /// `IRONWEAVE_TCP_STRIPE_MIN`, `IRONWEAVE_TCP_LINGER_S` and `IRONWEAVE_TIMEOUT_S`.
+    /// `IRONWEAVE_TCP_STRIPE_MIN`, `IRONWEAVE_TCP_LINGER_S`, `IRONWEAVE_TIMEOUT_S` and the
+    /// shared-memory path's `IRONWEAVE_SHM*` ([`ShmConfig::from_env`]).
     pub fn from_env() -> Result<Self> {
         let mut c = TcpConfig::default();
         if let Ok(v) = std::env::var("IRONWEAVE_TCP_LINKS") {
@@ -102,6 +108,7 @@ impl TcpConfig {
             c.linger = Duration::from_secs_f64(s.clamp(0.0, 3600.0));
         }
         c.timeout = CommOptions::from_env()?.timeout;
+        c.shm = ShmConfig::from_env()?;
         Ok(c)
     }
 }
@@ -152,10 +159,17 @@ pub fn local_world(n: usize, cfg: &TcpConfig, opts: CommOptions) -> Result<Vec<C
     ironweave_transport::rendezvous::local_job(n, "tcp", move |env| connect(&env, &cfg, opts.clone()))
 }
 
-/// Joins the job: rendezvous, one link per [`LinkSpec`], the world communicator.
+/// Joins the job: rendezvous, one link per [`LinkSpec`], the world communicator. When every
+/// rank is on one host, the first link also gets the intra-host shared-memory path
+/// ([`ironweave_transport::shm`]), which the world communicator's collectives then take.
 pub fn connect(env: &JobEnv, cfg: &TcpConfig, opts: CommOptions) -> Result<Communicator> {
     let mut rv = Rendezvous::connect(env, cfg.timeout)?;
     let links = connect_links(env, &mut rv, cfg)?;
+    let mailbox = links[0].shared.mailbox.clone();
+    let health: ironweave_transport::shm::Health = Box::new(move || mailbox.failure().map_or(Ok(()), Err));
+    if let Some(g) = ironweave_transport::shm::join_job(env, &mut rv, &cfg.shm, health)? {
+        let _ = links[0].shm.set(g);
+    }
     rv.close()?;
     Communicator::new(links.into_iter().map(|l| l as Arc<dyn Link>).collect(), opts)
 }
@@ -359,6 +373,8 @@ struct Shared {
 #[derive(Debug)]
 pub struct TcpLink {
     shared: Arc<Shared>,
+    /// The intra-host path over this link's world, when the job is on one host.
+    shm: std::sync::OnceLock<ShmGroup>,
     readers: Mutex<Vec<JoinHandle<()>>>,
     senders: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -418,7 +434,12 @@ impl TcpLink {
                     .map_err(|e| Error::io("spawn reader", &e))?,
             );
         }
-        Ok(Arc::new(TcpLink { shared, readers: Mutex::new(readers), senders: Mutex::new(Vec::new()) }))
+        Ok(Arc::new(TcpLink {
+            shared,
+            shm: std::sync::OnceLock::new(),
+            readers: Mutex::new(readers),
+            senders: Mutex::new(Vec::new()),
+        }))
     }
 
     fn peer(&self, p: usize) -> Result<Option<&Peer>> {
@@ -690,7 +711,13 @@ impl Link for TcpLink {
         // the handle is waited on or dropped, and does not leak the handle.
         Ok(unsafe { self.shared.mailbox.post_into(p, tag, dst, len) })
     }
+    fn intra_host(&self) -> Option<&ShmGroup> {
+        self.shm.get()
+    }
     fn abort(&self, reason: &str) {
+        if let Some(g) = self.shm.get() {
+            g.abort(reason);
+        }
         // Only the first failure is told to the peers; the sockets are shut in any case, so
         // that no reader or writer of ours stays inside a transfer.
         self.shared.fail_with(Error::Aborted { reason: reason.into() }, None);

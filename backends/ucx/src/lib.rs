@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ironweave_transport::rendezvous::{JobEnv, Rendezvous};
+use ironweave_transport::shm::ShmConfig;
 use ironweave_transport::{CommOptions, Communicator, Error, Link, Result};
 
 pub use link::{UcxLink, UcxLinkSpec};
@@ -38,6 +39,9 @@ pub struct UcxConfig {
     pub linger: Duration,
     /// Deadline for setup.
     pub timeout: Duration,
+    /// The intra-host shared-memory path for whole-world collectives when every rank is on
+    /// one host (`IRONWEAVE_SHM*`); the UCX links then carry point-to-point traffic.
+    pub shm: ShmConfig,
 }
 
 impl Default for UcxConfig {
@@ -47,6 +51,7 @@ impl Default for UcxConfig {
             spin: Duration::from_micros(50),
             linger: Duration::from_secs(10),
             timeout: ironweave_transport::DEFAULT_TIMEOUT,
+            shm: ShmConfig::default(),
         }
     }
 }
@@ -93,8 +98,8 @@ fn env_f64(k: &str) -> Result<Option<f64>> {
 }
 
 impl UcxConfig {
-    /// Reads `IRONWEAVE_UCX_LINKS`, `IRONWEAVE_UCX_SPIN_US`, `IRONWEAVE_UCX_LINGER_S` and
-    /// `IRONWEAVE_TIMEOUT_S`.
+    /// Reads `IRONWEAVE_UCX_LINKS`, `IRONWEAVE_UCX_SPIN_US`, `IRONWEAVE_UCX_LINGER_S`,
+    /// `IRONWEAVE_TIMEOUT_S` and the shared-memory path's `IRONWEAVE_SHM*`.
     pub fn from_env() -> Result<Self> {
         let mut c = UcxConfig::default();
         if let Ok(v) = std::env::var("IRONWEAVE_UCX_LINKS") {
@@ -107,6 +112,7 @@ impl UcxConfig {
             c.linger = Duration::from_secs_f64(s.min(3600.0));
         }
         c.timeout = CommOptions::from_env()?.timeout;
+        c.shm = ShmConfig::from_env()?;
         Ok(c)
     }
 }
@@ -166,6 +172,11 @@ pub fn join(env: &JobEnv, cfg: &UcxConfig) -> Result<Vec<Arc<UcxLink>>> {
     available()?;
     let mut rv = Rendezvous::connect(env, cfg.timeout)?;
     let links = connect_links(env, &mut rv, cfg)?;
+    if let Some(first) = links.first() {
+        if let Some(g) = ironweave_transport::shm::join_job(env, &mut rv, &cfg.shm, first.health())? {
+            first.set_intra_host(g);
+        }
+    }
     rv.close()?;
     Ok(links)
 }

@@ -129,6 +129,8 @@ pub struct UcxLink {
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
     linger: Duration,
+    /// The intra-host shared-memory path over this link's world, when the job is on one host.
+    shm: std::sync::OnceLock<ironweave_transport::shm::ShmGroup>,
 }
 
 fn header(src: usize, tag: Tag, seq: u64) -> [u8; HDR] {
@@ -197,7 +199,7 @@ impl UcxLink {
             .name(format!("iw-ucx-{}-{rank}", spec.name))
             .spawn(move || progress_thread(sh, tls, tuning, addr_tx, peers_rx, ready_tx))
             .map_err(|e| Error::io("spawn the UCX progress thread", &e))?;
-        let link = UcxLink { shared, thread: Mutex::new(Some(thread)), linger };
+        let link = UcxLink { shared, thread: Mutex::new(Some(thread)), linger, shm: std::sync::OnceLock::new() };
         let addr = addr_rx
             .recv_timeout(Duration::from_secs(60))
             .map_err(|_| Error::Config("the UCX progress thread did not start within 60 s".into()))??;
@@ -289,13 +291,31 @@ impl Link for UcxLink {
         Ok(unsafe { self.shared.mailbox.post_into(peer, tag, dst, len) })
     }
 
+    fn intra_host(&self) -> Option<&ironweave_transport::shm::ShmGroup> {
+        self.shm.get()
+    }
+
     fn abort(&self, reason: &str) {
+        if let Some(g) = self.shm.get() {
+            g.abort(reason);
+        }
         self.shared.mailbox.fail(Error::Aborted { reason: reason.to_string() });
         let _ = self.shared.with_engine(|e| e.abort(reason));
     }
 }
 
 impl UcxLink {
+    /// The link's health for the shared-memory path's waiters: its first failure, if any.
+    pub(crate) fn health(&self) -> ironweave_transport::shm::Health {
+        let mailbox = self.shared.mailbox.clone();
+        Box::new(move || mailbox.failure().map_or(Ok(()), Err))
+    }
+
+    /// Attaches the intra-host path (once).
+    pub(crate) fn set_intra_host(&self, g: ironweave_transport::shm::ShmGroup) {
+        let _ = self.shm.set(g);
+    }
+
     /// A peer that aborts on purpose sends the cause first, but our send to it can fail before
     /// that message is read: drive the worker briefly and prefer the cause (PeerAborted, or the
     /// endpoint error naming the rank that really died) over blaming the peer (as TCP does).

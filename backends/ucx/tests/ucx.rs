@@ -5,11 +5,17 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use ironweave_transport::shm::ShmConfig;
 use ironweave_transport::{CommOptions, Error, Link, ReduceOp, Tag};
 use ironweave_ucx::{parse_links, ucp, UcxConfig};
 
 fn both_links(n: usize) -> Vec<ironweave_transport::Communicator> {
-    let cfg = UcxConfig { links: parse_links("shm,tcp").unwrap(), linger: Duration::from_secs(5), ..UcxConfig::default() };
+    let cfg = UcxConfig {
+        links: parse_links("shm,tcp").unwrap(),
+        linger: Duration::from_secs(5),
+        shm: ShmConfig { enabled: false, ..ShmConfig::default() },
+        ..UcxConfig::default()
+    };
     let opts = CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() };
     ironweave_ucx::local_world(n, &cfg, opts).unwrap()
 }
@@ -33,6 +39,31 @@ fn shared_memory_and_tcp_are_separate_links_usable_alone_and_striped() {
                 let mut x = vec![c.rank() as i32 + 2; (4 << 20) + 5];
                 st.all_reduce(&mut x, ReduceOp::Prod).unwrap();
                 assert!(x.iter().all(|&e| e == 6));
+            });
+        }
+    });
+}
+
+#[test]
+fn on_one_host_whole_world_collectives_take_the_shared_memory_path_by_default() {
+    let cfg = UcxConfig { links: parse_links("tcp").unwrap(), linger: Duration::from_secs(5), ..UcxConfig::default() };
+    let opts = CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() };
+    let comms = ironweave_ucx::local_world(3, &cfg, opts).unwrap();
+    std::thread::scope(|s| {
+        for c in &comms {
+            s.spawn(move || {
+                assert!(c.uses_shared_memory(), "rank {}", c.rank());
+                let before = c.shared_memory_collectives().unwrap();
+                let mut v = vec![c.rank() as i64 + 1; 100_000];
+                c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                assert!(v.iter().all(|&x| x == 6));
+                assert_eq!(c.shared_memory_collectives().unwrap(), before + 1, "the all-reduce went through the segment");
+                // Point-to-point stays on the UCX link.
+                if c.rank() == 0 {
+                    c.send_bytes(1, 3, b"hello").unwrap();
+                } else if c.rank() == 1 {
+                    assert_eq!(c.recv_bytes(0, 3).unwrap(), b"hello");
+                }
             });
         }
     });

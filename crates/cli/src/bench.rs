@@ -35,6 +35,10 @@ pub struct Row {
     pub busbw_gbps: f64,
     pub memcpy_gbps: f64,
     pub verified: bool,
+    /// Which path the timed calls took: `shm` when every one of them went through the
+    /// intra-host segment (its collective counter grew by at least the call count), else `link`.
+    #[serde(default)]
+    pub path: String,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub error: Option<String>,
 }
@@ -196,8 +200,11 @@ fn collective_row<T: Element>(c: &Communicator, op: &str, case: Case, bytes: usi
     }
     let mut flag = [i32::from(check.is_ok())];
     c.all_reduce(&mut flag, ReduceOp::Min)?;
+    let before = c.shared_memory_collectives().unwrap_or(0);
     let (iters, secs) = time_op::<T>(c, case, count, min_time)?;
+    let through_shm = c.shared_memory_collectives().unwrap_or(0) - before;
     Ok(Row {
+        path: if through_shm >= iters as u64 && iters > 0 { "shm" } else { "link" }.into(),
         op: op.into(),
         bytes: count * es,
         count,
@@ -291,6 +298,7 @@ fn p2p_row(c: &Communicator, op: &str, bytes: usize, backend: &str, min_time: f6
         busbw_gbps: bytes as f64 / secs[0] / 1e9,
         memcpy_gbps: 0.0,
         verified: flag[0] == 1,
+        path: "link".into(),
         error: (!ok).then(|| "received bytes differ from the pattern".to_string()),
     })
 }

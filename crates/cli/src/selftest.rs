@@ -10,6 +10,8 @@ pub fn run(scenario: &str, backend: &str) -> Result<()> {
         Ok(c) => c,
         Err(e) => fail(&e),
     };
+    // Which path the world's collectives take, for the fault tests to check they test it.
+    eprintln!("selftest path {}", if comm.uses_shared_memory() { "shm" } else { "link" });
     let r = match scenario {
         "ok" => ok(&comm),
         "loop" => looping(&comm),

@@ -93,10 +93,26 @@ fn kill_rank_1_in(scenario: &str, configure: impl Fn(&mut Command)) -> Vec<(usiz
 
 #[test]
 fn peer_killed_mid_collective_fails_every_survivor_with_peer_lost() {
+    for (r, o) in kill_rank_1_mid_collective(|c| {
+        c.env("IRONWEAVE_SHM", "0");
+    }) {
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(3), "rank {r} should fail with a typed error:\n{t}");
+        assert!(t.contains("selftest path link"), "rank {r} should be on the sockets:\n{t}");
+        assert!(t.contains("PeerLost { rank: 1"), "rank {r} should name the lost rank:\n{t}");
+    }
+}
+
+#[test]
+fn peer_killed_mid_collective_on_the_shared_memory_path_fails_every_survivor_with_peer_lost() {
+    // The default on one host: the survivors wait in the shared segment, where the closed
+    // socket of the dead rank (or its vanished pid) must reach them well before the deadline.
     for (r, o) in kill_rank_1_mid_collective(|_| {}) {
         let t = text(&o);
         assert_eq!(o.status.code(), Some(3), "rank {r} should fail with a typed error:\n{t}");
+        assert!(t.contains("selftest path shm"), "rank {r} should be on the shared-memory path:\n{t}");
         assert!(t.contains("PeerLost { rank: 1"), "rank {r} should name the lost rank:\n{t}");
+        assert!(!t.contains("Timeout"), "rank {r} only noticed through the deadline:\n{t}");
     }
 }
 
@@ -115,7 +131,11 @@ fn peer_killed_while_a_nonblocking_collective_is_in_flight_is_a_typed_error() {
 #[test]
 fn ucx_tcp_link_reports_a_killed_peer_as_lost() {
     let outs = kill_rank_1_mid_collective(|c| {
-        c.args(["--backend", "ucx"]).env("IRONWEAVE_UCX_LINKS", "tcp").env("IRONWEAVE_UCX_LINGER_S", "1");
+        // IRONWEAVE_SHM=0: the collectives stay on UCX (the segment has its own test above).
+        c.args(["--backend", "ucx"])
+            .env("IRONWEAVE_UCX_LINKS", "tcp")
+            .env("IRONWEAVE_UCX_LINGER_S", "1")
+            .env("IRONWEAVE_SHM", "0");
     });
     for (r, o) in outs {
         let t = text(&o);
@@ -133,6 +153,7 @@ fn ucx_shared_memory_link_turns_a_killed_peer_into_a_deadline_not_a_hang() {
         c.args(["--backend", "ucx"])
             .env("IRONWEAVE_UCX_LINKS", "shm")
             .env("IRONWEAVE_UCX_LINGER_S", "1")
+            .env("IRONWEAVE_SHM", "0")
             .env("IRONWEAVE_TIMEOUT_S", "5");
     });
     for (r, o) in outs {
@@ -144,8 +165,20 @@ fn ucx_shared_memory_link_turns_a_killed_peer_into_a_deadline_not_a_hang() {
 
 #[test]
 fn mismatched_lengths_are_a_typed_error_on_every_rank() {
+    for shm in ["0", "1"] {
+        mismatched_lengths_with(shm);
+    }
+}
+
+fn mismatched_lengths_with(shm: &str) {
     let port = free_port();
-    let kids: Vec<Child> = (0..3).map(|r| rank_cmd(r, 3, port, "mismatch").spawn().unwrap()).collect();
+    let kids: Vec<Child> = (0..3)
+        .map(|r| {
+            let mut c = rank_cmd(r, 3, port, "mismatch");
+            c.env("IRONWEAVE_SHM", shm);
+            c.spawn().unwrap()
+        })
+        .collect();
     let mut saw_mismatch = false;
     for (r, k) in kids.into_iter().enumerate() {
         let o = finish(k, &format!("rank {r}"));
@@ -154,6 +187,7 @@ fn mismatched_lengths_are_a_typed_error_on_every_rank() {
         assert!(!t.contains("went unnoticed"), "rank {r} accepted mismatched lengths:\n{t}");
         assert!(!t.contains("Timeout"), "rank {r} only noticed through a timeout:\n{t}");
         assert!(t.contains("LengthMismatch") || t.contains("PeerAborted"), "rank {r}:\n{t}");
+        assert!(t.contains(if shm == "1" { "selftest path shm" } else { "selftest path link" }), "rank {r}:\n{t}");
         saw_mismatch |= t.contains("LengthMismatch");
     }
     assert!(saw_mismatch, "some rank must report the LengthMismatch itself");

@@ -94,6 +94,8 @@ pub struct Communicator {
     pub(crate) stripe: Option<Arc<[f64]>>,
     /// The thread that runs non-blocking collectives, started on first use (`nonblocking.rs`).
     pub(crate) nb: std::sync::OnceLock<Result<crate::nonblocking::CollExecutor>>,
+    /// The intra-host channel this communicator claimed (decided on first use).
+    shm_chan: std::sync::OnceLock<Option<usize>>,
 }
 
 impl Communicator {
@@ -119,6 +121,7 @@ impl Communicator {
             opts,
             stripe: None,
             nb: std::sync::OnceLock::new(),
+            shm_chan: std::sync::OnceLock::new(),
         })
     }
 
@@ -178,11 +181,40 @@ impl Communicator {
             opts: self.opts.clone(),
             stripe: None,
             nb: std::sync::OnceLock::new(),
+            shm_chan: std::sync::OnceLock::new(),
         })
     }
 
     fn l(&self) -> &dyn Link {
         &*self.links[self.link]
+    }
+
+    /// The intra-host shared-memory path, for a communicator over the whole world (in world
+    /// order) on the first link when the backend set one up: each such communicator (the world,
+    /// its views and dups) gets a channel of its own, since they may run collectives from
+    /// different threads at once. Sub-groups, striped views, and communicators beyond the
+    /// segment's channels keep to the link.
+    fn shm(&self) -> Option<crate::shm::Chan<'_>> {
+        if self.link != 0 || self.stripe.is_some() {
+            return None;
+        }
+        let g = self.l().intra_host()?;
+        let ch = *self.shm_chan.get_or_init(|| {
+            let whole = g.size() == self.size() && g.rank() == self.me && self.members.iter().enumerate().all(|(i, &m)| i == m);
+            whole.then(|| g.channel(self.ctx).map(|c| c.index())).flatten()
+        });
+        ch.map(|i| g.chan_at(i))
+    }
+
+    /// Whether this communicator's host collectives take the intra-host shared-memory path.
+    pub fn uses_shared_memory(&self) -> bool {
+        self.shm().is_some()
+    }
+
+    /// Collectives this rank has run through the intra-host path (of every communicator on
+    /// the link), or `None` where the link has none.
+    pub fn shared_memory_collectives(&self) -> Option<u64> {
+        self.links[0].intra_host().map(|g| g.collectives_run())
     }
 
     fn deadline(&self) -> Instant {
@@ -587,7 +619,9 @@ impl Communicator {
             }
             let n = self.size();
             let count = buf.len() / dtype.size();
-            if n > 1 {
+            if let Some(g) = self.shm() {
+                g.all_reduce(buf, dtype, op, dl)?;
+            } else if n > 1 {
                 if buf.len() <= self.opts.small_bytes || count < n {
                     self.rd_all_reduce(buf, dtype, op, dl)?;
                 } else {
@@ -634,6 +668,9 @@ impl Communicator {
             }
             if n == 1 {
                 return Ok(());
+            }
+            if let Some(g) = self.shm() {
+                return g.broadcast(buf, root, dl);
             }
             let count = buf.len() / es;
             if buf.len() <= self.opts.small_bytes || count < n {
@@ -698,6 +735,9 @@ impl Communicator {
         self.guarded("all_gather", |dl| {
             let n = self.size();
             Self::check_blocks("all_gather", outb.len(), inb.len(), n, "output")?;
+            if let Some(g) = self.shm() {
+                return g.all_gather(inb, outb, dl);
+            }
             let m = inb.len();
             let r = self.me;
             outb[r * m..(r + 1) * m].copy_from_slice(inb);
@@ -767,7 +807,9 @@ impl Communicator {
             }
             let m = outb.len();
             let r = self.me;
-            if n == 1 {
+            if let Some(g) = self.shm() {
+                g.reduce_scatter(inb, outb, dtype, op, dl)?;
+            } else if n == 1 {
                 outb.copy_from_slice(inb);
             } else if inb.len() <= self.opts.small_bytes {
                 let mut work = inb.to_vec();
@@ -840,6 +882,10 @@ impl Communicator {
                     .collect()
             };
             let (so, ro) = (offsets(send_counts), offsets(recv_counts));
+            if let Some(g) = self.shm() {
+                // The counts travel first: a disagreement is a typed error on every rank.
+                return g.all_to_all_v(sb, &so, rb, &ro, dl);
+            }
             let r = self.me;
             rb[ro[r].clone()].copy_from_slice(&sb[so[r].clone()]);
             if send_counts[r] != recv_counts[r] {
@@ -883,6 +929,9 @@ impl Communicator {
     /// Blocks until every rank of the group has entered the barrier (dissemination).
     pub fn barrier(&self) -> Result<()> {
         self.guarded("barrier", |dl| {
+            if let Some(g) = self.shm() {
+                return g.barrier(dl);
+            }
             let n = self.size();
             let mut k = 1;
             while k < n {
@@ -920,6 +969,7 @@ impl Communicator {
             opts: self.opts.clone(),
             stripe: self.stripe.clone(),
             nb: std::sync::OnceLock::new(),
+            shm_chan: std::sync::OnceLock::new(),
         })
     }
 
@@ -939,6 +989,7 @@ impl Communicator {
             opts: self.opts.clone(),
             stripe: self.stripe.clone(),
             nb: std::sync::OnceLock::new(),
+            shm_chan: std::sync::OnceLock::new(),
         }
     }
 

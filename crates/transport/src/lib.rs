@@ -10,6 +10,8 @@
 //!   expert-parallel sub-groups.
 //! - [`rendezvous`] reads the job from the environment (ironweave, torchrun, SLURM, OpenMPI)
 //!   and exchanges addresses through rank 0.
+//! - [`shm`] is the intra-host path: collectives between ranks on one host through one shared
+//!   segment, set up by the TCP backend when the whole job is on one host.
 //! - [`inproc`] is a backend of threads and channels for fast tests of the algorithms.
 //!
 //! Backends live in their own crates (`ironweave-tcp`, ...). Every blocking call has a
@@ -42,6 +44,7 @@ mod link;
 mod nonblocking;
 pub mod probe;
 pub mod rendezvous;
+pub mod shm;
 mod stripe;
 pub mod testing;
 pub mod threads;

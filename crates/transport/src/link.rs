@@ -288,6 +288,11 @@ pub trait Link: Send + Sync + std::fmt::Debug {
     fn native_collectives(&self) -> Option<&dyn NativeCollectives> {
         None
     }
+    /// The intra-host shared-memory path over this link's whole world, where the backend set
+    /// one up (every rank on one host): the world communicator's host collectives use it.
+    fn intra_host(&self) -> Option<&crate::shm::ShmGroup> {
+        None
+    }
 }
 
 /// Completion of a non-blocking send. Dropping it does not cancel the send.
