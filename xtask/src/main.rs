@@ -265,6 +265,10 @@ fn bench_collectives(ranks: &[usize], sizes: &str, ops: &str, min_time: &str, re
             .filter(|r| r["peer"] == "ironweave-tcp" && r["ranks"].as_u64() == Some(n as u64) && r["round"] == json!(0));
         for r in firsts {
             let (op, bytes) = (r["op"].as_str().unwrap_or(""), r["bytes"].as_u64().unwrap_or(0));
+            if bytes == 0 {
+                // A size below one element per rank rounds to nothing for the gathers: no row.
+                continue;
+            }
             let latency = bytes <= 4096;
             let key = if latency { "time_us" } else { "busbw_gbps" };
             let [it, ot, is, od] = sides.map(|p| median(p, op, bytes, n, key));
