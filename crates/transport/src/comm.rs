@@ -883,7 +883,8 @@ impl Communicator {
             };
             let (so, ro) = (offsets(send_counts), offsets(recv_counts));
             if let Some(g) = self.shm() {
-                // The counts travel first: a disagreement is a typed error on every rank.
+                // The counts ride on the first window: a count this rank did not expect is a
+                // typed error here (and the abort that follows stops the others).
                 return g.all_to_all_v(sb, &so, rb, &ro, dl);
             }
             let r = self.me;

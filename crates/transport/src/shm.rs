@@ -1,5 +1,5 @@
 //! Intra-host collectives through one shared-memory segment: the path ranks on one host take
-//! by default (the TCP backend sets it up when every rank of the job is on one host).
+//! by default (the TCP and UCX backends set it up when every rank of the job is on one host).
 //!
 //! Why: over sockets the kernel copies every byte twice and each message wakes a reader thread;
 //! between processes on one host a shared segment lets a rank read (and reduce straight out
