@@ -62,6 +62,9 @@ pub struct TcpConfig {
     /// The intra-host shared-memory path for the world's collectives when every rank is on
     /// one host (`IRONWEAVE_SHM`, `IRONWEAVE_SHM_SLOT_BYTES`).
     pub shm: ShmConfig,
+    /// A caller waiting for a message yields its core for up to 200 µs before it sleeps
+    /// (`IRONWEAVE_TCP_POLL`, default on): one wake-up per small message instead of two.
+    pub poll: bool,
 }
 
 impl Default for TcpConfig {
@@ -75,6 +78,7 @@ impl Default for TcpConfig {
             linger: Duration::from_secs(10),
             timeout: ironweave_transport::DEFAULT_TIMEOUT,
             shm: ShmConfig::default(),
+            poll: true,
         }
     }
 }
@@ -88,7 +92,7 @@ fn env_num<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
 
 impl TcpConfig {
     /// Reads `IRONWEAVE_TCP_LINKS` (`name=ip,name=ip`), `IRONWEAVE_TCP_CONNS`,
-    /// `IRONWEAVE_TCP_STRIPE_MIN`, `IRONWEAVE_TCP_LINGER_S`, `IRONWEAVE_TIMEOUT_S` and the
+    /// `IRONWEAVE_TCP_STRIPE_MIN`, `IRONWEAVE_TCP_LINGER_S`, `IRONWEAVE_TCP_POLL`, `IRONWEAVE_TIMEOUT_S` and the
     /// shared-memory path's `IRONWEAVE_SHM*` ([`ShmConfig::from_env`]).
     pub fn from_env() -> Result<Self> {
         let mut c = TcpConfig::default();
@@ -109,6 +113,13 @@ impl TcpConfig {
         }
         c.timeout = CommOptions::from_env()?.timeout;
         c.shm = ShmConfig::from_env()?;
+        if let Ok(v) = std::env::var("IRONWEAVE_TCP_POLL") {
+            c.poll = match v.trim() {
+                "0" | "off" | "false" | "no" => false,
+                "1" | "on" | "true" | "yes" | "" => true,
+                _ => return Err(Error::Config(format!("IRONWEAVE_TCP_POLL={v:?}: use 1 (yield before sleeping) or 0"))),
+            };
+        }
         Ok(c)
     }
 }
@@ -424,6 +435,15 @@ impl TcpLink {
             cause_sent: Mutex::new(false),
             cfg: cfg.clone(),
         });
+        // A waiting caller yields its core for a short while before it sleeps: the reader thread
+        // that delivers its message runs at once (on this core if need be), and the caller
+        // notices without a second wake-up.
+        if cfg.poll {
+            shared.mailbox.set_progress(Box::new(|| {
+                std::thread::yield_now();
+                false
+            }));
+        }
         let mut readers = Vec::new();
         for (p, s) in read_halves {
             let sh = shared.clone();
