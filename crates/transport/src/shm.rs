@@ -662,7 +662,7 @@ impl Chan<'_> {
             }
             if theirs[1] != desc[1] {
                 return Err(Error::LengthMismatch {
-                    op: op_static(desc[0]),
+                    op: op_name(desc[0]),
                     peer: p,
                     expected: desc[1] as usize,
                     got: theirs[1] as usize,
@@ -717,7 +717,7 @@ impl Chan<'_> {
     /// Like [`Chan::sync_first`], running `between` after publishing and before waiting: work
     /// that needs no peer (this rank's own block) hides the wait for the slowest peer.
     fn sync_around(&self, st: &mut State, checked: &mut bool, desc: [u64; 4], dl: Instant, between: impl FnOnce()) -> Result<()> {
-        let what = op_static(desc[0]);
+        let what = op_name(desc[0]);
         st.phase += 1;
         self.publish(st.phase);
         between();
@@ -1047,10 +1047,6 @@ impl Chan<'_> {
         }
         Ok(())
     }
-}
-
-fn op_static(code: u64) -> &'static str {
-    op_name(code)
 }
 
 /// `count` elements of `es` bytes split into `n` near-equal pieces, as byte ranges.
