@@ -113,12 +113,8 @@ impl TcpConfig {
         }
         c.timeout = CommOptions::from_env()?.timeout;
         c.shm = ShmConfig::from_env()?;
-        if let Ok(v) = std::env::var("IRONWEAVE_TCP_POLL") {
-            c.poll = match v.trim() {
-                "0" | "off" | "false" | "no" => false,
-                "1" | "on" | "true" | "yes" | "" => true,
-                _ => return Err(Error::Config(format!("IRONWEAVE_TCP_POLL={v:?}: use 1 (yield before sleeping) or 0"))),
-            };
+        if let Some(on) = ironweave_transport::shm::env_flag("IRONWEAVE_TCP_POLL", " (yield before sleeping)")? {
+            c.poll = on;
         }
         Ok(c)
     }
@@ -176,8 +172,7 @@ pub fn local_world(n: usize, cfg: &TcpConfig, opts: CommOptions) -> Result<Vec<C
 pub fn connect(env: &JobEnv, cfg: &TcpConfig, opts: CommOptions) -> Result<Communicator> {
     let mut rv = Rendezvous::connect(env, cfg.timeout)?;
     let links = connect_links(env, &mut rv, cfg)?;
-    let mailbox = links[0].shared.mailbox.clone();
-    let health: ironweave_transport::shm::Health = Box::new(move || mailbox.failure().map_or(Ok(()), Err));
+    let health = ironweave_transport::shm::mailbox_health(links[0].shared.mailbox.clone());
     if let Some(g) = ironweave_transport::shm::join_job(env, &mut rv, &cfg.shm, health)? {
         let _ = links[0].shm.set(g);
     }

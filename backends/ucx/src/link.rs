@@ -307,8 +307,7 @@ impl Link for UcxLink {
 impl UcxLink {
     /// The link's health for the shared-memory path's waiters: its first failure, if any.
     pub(crate) fn health(&self) -> ironweave_transport::shm::Health {
-        let mailbox = self.shared.mailbox.clone();
-        Box::new(move || mailbox.failure().map_or(Ok(()), Err))
+        ironweave_transport::shm::mailbox_health(self.shared.mailbox.clone())
     }
 
     /// Attaches the intra-host path (once).

@@ -143,14 +143,8 @@ impl ShmConfig {
     /// `IRONWEAVE_SHM_SINGLE_COPY` and `IRONWEAVE_SHM_DIR`.
     pub fn from_env() -> Result<Self> {
         let mut c = ShmConfig::default();
-        if let Ok(v) = std::env::var("IRONWEAVE_SHM") {
-            c.enabled = match v.trim() {
-                "0" | "off" | "false" | "no" => false,
-                "1" | "on" | "true" | "yes" | "" => true,
-                _ => {
-                    return Err(Error::Config(format!("IRONWEAVE_SHM={v:?}: use 1 (shared memory between ranks on a host) or 0")))
-                }
-            };
+        if let Some(on) = env_flag("IRONWEAVE_SHM", " (shared memory between ranks on a host)")? {
+            c.enabled = on;
         }
         if let Ok(v) = std::env::var("IRONWEAVE_SHM_SLOT_BYTES") {
             c.slot_bytes = v
@@ -168,12 +162,8 @@ impl ShmConfig {
                 .filter(|&b: &usize| (1..=MAX_CHANNELS).contains(&b))
                 .ok_or_else(|| Error::Config(format!("IRONWEAVE_SHM_CHANNELS={v:?}: use 1 to {MAX_CHANNELS}")))?;
         }
-        if let Ok(v) = std::env::var("IRONWEAVE_SHM_SINGLE_COPY") {
-            c.single_copy = match v.trim() {
-                "0" | "off" | "false" | "no" => false,
-                "1" | "on" | "true" | "yes" | "" => true,
-                _ => return Err(Error::Config(format!("IRONWEAVE_SHM_SINGLE_COPY={v:?}: use 1 or 0"))),
-            };
+        if let Some(on) = env_flag("IRONWEAVE_SHM_SINGLE_COPY", "")? {
+            c.single_copy = on;
         }
         if let Ok(v) = std::env::var("IRONWEAVE_SHM_DIR") {
             c.dir = PathBuf::from(v);
@@ -199,6 +189,22 @@ pub fn host_key() -> String {
 
 /// A link's health, asked while waiting: `Err` once the link failed (a peer lost or aborted).
 pub type Health = Box<dyn Fn() -> Result<()> + Send + Sync>;
+
+/// The health of a link whose receive side is `mailbox`: its first failure, if any.
+pub fn mailbox_health(mailbox: std::sync::Arc<crate::Mailbox>) -> Health {
+    Box::new(move || mailbox.failure().map_or(Ok(()), Err))
+}
+
+/// An on/off setting from the environment: `None` when unset, else `1`/`on`/`true`/`yes`/empty
+/// or `0`/`off`/`false`/`no`; anything else is a `Config` error saying `use 1{hint} or 0`.
+pub fn env_flag(key: &str, hint: &str) -> Result<Option<bool>> {
+    let Ok(v) = std::env::var(key) else { return Ok(None) };
+    match v.trim() {
+        "0" | "off" | "false" | "no" => Ok(Some(false)),
+        "1" | "on" | "true" | "yes" | "" => Ok(Some(true)),
+        _ => Err(Error::Config(format!("{key}={v:?}: use 1{hint} or 0"))),
+    }
+}
 
 struct Mapping {
     base: *mut u8,
@@ -878,7 +884,6 @@ impl Chan<'_> {
             }
             // Each slot holds one region per other rank: block q's window goes to region j(q).
             let c = (g.slot / (n - 1) / es).max(1) * es;
-            let region = |owner: usize, q: usize| if q < owner { q } else { q - 1 };
             let mut at = 0;
             loop {
                 let end = (at + c).min(m);
@@ -927,8 +932,6 @@ impl Chan<'_> {
             // Buffer layout: one data region per other rank, then counts and starts (n u64 each).
             let meta = g.slot - 16 * n;
             let c = (meta / (n - 1).max(1)).max(1);
-            let region = |owner: usize, q: usize| if q < owner { q } else { q - 1 };
-            let window = |r: &std::ops::Range<usize>, at: usize| (r.start + at).min(r.end)..(r.start + at + c).min(r.end);
             let word = |p: usize, b: usize, i: usize| -> u64 {
                 u64::from_le_bytes(g.peer_buf(p, b, meta + i * 8..meta + i * 8 + 8).try_into().unwrap_or([0; 8]))
             };
@@ -955,7 +958,6 @@ impl Chan<'_> {
                     g.own_buf(b, meta + (n + q) * 8..meta + (n + q) * 8 + 8).copy_from_slice(&(r.start as u64).to_le_bytes());
                 }
             };
-            let mut at = 0;
             if g.single_copy() && n > 1 {
                 // The counts alone first: large blocks then move in one copy each.
                 let b = Self::next_buffer(st);
@@ -973,36 +975,19 @@ impl Chan<'_> {
                     // Every send buffer stays untouched until all readers are done.
                     return g.sync(st, dl, "all_to_all_v");
                 }
-                return g.a2a_windows(st, ck, desc, dl, send, so, recv, ro, longest, c, None);
+                return g.a2a_windows(st, ck, desc, dl, (send, so), (recv, ro), longest, c, 0);
             }
             // Slots only: the counts ride on the first window.
-            let b = Self::next_buffer(st);
-            write_meta(b);
-            for q in (0..n).filter(|&q| q != me) {
-                let w = window(&so[q], at);
-                let j = region(me, q);
-                g.own_buf(b, j * c..j * c + w.len()).copy_from_slice(&send[w]);
-            }
-            let (ow, rw) = (window(&so[me], at), window(&ro[me], at));
-            let stream = recv.len() >= stream_min();
-            let own = &mut recv[rw.start..rw.start + ow.len().min(rw.len())];
-            g.sync_around(st, ck, desc, dl, || {
-                let k = own.len();
-                put(own, &send[ow.start..ow.start + k], stream);
+            let mut longest = 0;
+            g.a2a_window(st, ck, desc, dl, (send, so), (&mut *recv, ro), c, 0, write_meta, |b| {
+                longest = learn(b)?;
+                Ok(())
             })?;
-            let longest = learn(b)?;
-            for p in (1..n).map(|k| (me + k) % n) {
-                let w = window(&ro[p], at);
-                let j = region(p, me);
-                let len = w.len();
-                put(&mut recv[w], g.peer_buf(p, b, j * c..j * c + len), stream);
-            }
-            at += c;
-            g.a2a_windows(st, ck, desc, dl, send, so, recv, ro, longest, c, Some(at))
+            g.a2a_windows(st, ck, desc, dl, (send, so), (recv, ro), longest, c, c)
         })
     }
 
-    /// The remaining windows of an all-to-all (from `from`, or all of them).
+    /// The windows of an all-to-all from byte `from` of every block on.
     #[allow(clippy::too_many_arguments)]
     fn a2a_windows(
         &self,
@@ -1010,42 +995,70 @@ impl Chan<'_> {
         ck: &mut bool,
         desc: [u64; 4],
         dl: Instant,
-        send: &[u8],
-        so: &[std::ops::Range<usize>],
-        recv: &mut [u8],
-        ro: &[std::ops::Range<usize>],
+        (send, so): (&[u8], &[std::ops::Range<usize>]),
+        (recv, ro): (&mut [u8], &[std::ops::Range<usize>]),
         longest: usize,
         c: usize,
-        from: Option<usize>,
+        from: usize,
     ) -> Result<()> {
-        let (n, me) = (self.size, self.rank);
-        let region = |owner: usize, q: usize| if q < owner { q } else { q - 1 };
-        let window = |r: &std::ops::Range<usize>, at: usize| (r.start + at).min(r.end)..(r.start + at + c).min(r.end);
-        let mut at = from.unwrap_or(0);
-        if from.is_none() && longest == 0 {
-            return Ok(());
-        }
+        let mut at = from;
         while at < longest {
-            let b = Self::next_buffer(st);
-            for q in (0..n).filter(|&q| q != me) {
-                let w = window(&so[q], at);
-                let j = region(me, q);
-                self.own_buf(b, j * c..j * c + w.len()).copy_from_slice(&send[w]);
-            }
-            // Our own block's window moves while the peers catch up (equal lengths: checked).
-            let (ow, rw) = (window(&so[me], at), window(&ro[me], at));
-            let stream = recv.len() >= stream_min();
-            let own = &mut recv[rw];
-            self.sync_around(st, ck, desc, dl, || put(own, &send[ow], stream))?;
-            for p in (1..n).map(|k| (me + k) % n) {
-                let w = window(&ro[p], at);
-                let j = region(p, me);
-                let len = w.len();
-                put(&mut recv[w], self.peer_buf(p, b, j * c..j * c + len), stream);
-            }
+            self.a2a_window(st, ck, desc, dl, (send, so), (&mut *recv, ro), c, at, |_| {}, |_| Ok(()))?;
             at += c;
         }
         Ok(())
+    }
+
+    /// One all-to-all window: bytes `at..at + c` of every block. `fill` writes more into this
+    /// rank's buffer before the phase is published, `check` reads the peers' buffers after it
+    /// (the first window carries the counts).
+    #[allow(clippy::too_many_arguments)]
+    fn a2a_window(
+        &self,
+        st: &mut State,
+        ck: &mut bool,
+        desc: [u64; 4],
+        dl: Instant,
+        (send, so): (&[u8], &[std::ops::Range<usize>]),
+        (recv, ro): (&mut [u8], &[std::ops::Range<usize>]),
+        c: usize,
+        at: usize,
+        fill: impl FnOnce(usize),
+        check: impl FnOnce(usize) -> Result<()>,
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let window = |r: &std::ops::Range<usize>| (r.start + at).min(r.end)..(r.start + at + c).min(r.end);
+        let b = Self::next_buffer(st);
+        fill(b);
+        for q in (0..n).filter(|&q| q != me) {
+            let w = window(&so[q]);
+            let j = region(me, q);
+            self.own_buf(b, j * c..j * c + w.len()).copy_from_slice(&send[w]);
+        }
+        // Our own block's window moves while the peers catch up (the shorter of the two until
+        // the first window's counts proved them equal).
+        let (ow, rw) = (window(&so[me]), window(&ro[me]));
+        let k = ow.len().min(rw.len());
+        let stream = recv.len() >= stream_min();
+        let own = &mut recv[rw.start..rw.start + k];
+        self.sync_around(st, ck, desc, dl, || put(own, &send[ow.start..ow.start + k], stream))?;
+        check(b)?;
+        for p in (1..n).map(|k| (me + k) % n) {
+            let w = window(&ro[p]);
+            let j = region(p, me);
+            let len = w.len();
+            put(&mut recv[w], self.peer_buf(p, b, j * c..j * c + len), stream);
+        }
+        Ok(())
+    }
+}
+
+/// Where a slot's owner keeps the region meant for rank `q` (one region per other rank).
+fn region(owner: usize, q: usize) -> usize {
+    if q < owner {
+        q
+    } else {
+        q - 1
     }
 }
 
