@@ -57,6 +57,8 @@ struct SendOp {
     header: [u8; HDR],
     hlen: usize,
     send: PendingSend,
+    /// The link's mailbox: a send UCX cancels reports the failure that made the link cancel it.
+    mailbox: Arc<Mailbox>,
 }
 
 /// The engine behind the shared lock.
@@ -244,7 +246,7 @@ impl Link for UcxLink {
         }
         // SAFETY: we block below until the send completes or the link let go of `data`.
         let (send, h) = unsafe { PendingSend::borrowed(data) };
-        sh.issue(Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send }))?;
+        sh.issue(Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send, mailbox: sh.mailbox.clone() }))?;
         // Drive the engine while the send is in flight (MPI-style), then sleep on the handle.
         // A rendezvous send completes only once the peer has pulled the data, during which
         // nothing happens here: keep polling about as long as the copy takes (4 GB/s).
@@ -276,7 +278,7 @@ impl Link for UcxLink {
             return Ok(SendHandle::ready(Ok(data)));
         }
         let (send, h) = PendingSend::owned(data);
-        sh.issue(Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send }))?;
+        sh.issue(Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send, mailbox: sh.mailbox.clone() }))?;
         Ok(h)
     }
 
@@ -449,7 +451,12 @@ fn finish_send(op: SendOp, status: sys::ucs_status_t) {
     let peer = op.peer;
     let r = match status {
         sys::UCS_OK => Ok(()),
-        sys::UCS_ERR_CANCELED => Err(Error::Aborted { reason: "the UCX link was aborted while the send was in flight".into() }),
+        // UCX cancels a send only once this link failed (an abort, a closed or failed
+        // endpoint): report what failed it — a lost or aborting peer — not the cancellation.
+        sys::UCS_ERR_CANCELED => Err(op
+            .mailbox
+            .failure()
+            .unwrap_or_else(|| Error::Aborted { reason: "the UCX link was aborted while the send was in flight".into() })),
         s => Err(Error::PeerLost { rank: peer, detail: format!("UCX send failed: {}", ucp::status_text(s)) }),
     };
     op.send.finish(r);
@@ -667,7 +674,8 @@ impl Engine {
     fn control(&self, id: u32, peer: usize, payload: Vec<u8>) {
         let mut header = [0u8; HDR];
         header[..4].copy_from_slice(&(self.me as u32).to_le_bytes());
-        let op = Box::new(SendOp { peer, header, hlen: 4, send: PendingSend::detached(payload) });
+        let op =
+            Box::new(SendOp { peer, header, hlen: 4, send: PendingSend::detached(payload), mailbox: self.cb.mailbox.clone() });
         self.issue_send(id, op);
     }
 
