@@ -74,6 +74,8 @@ enum BenchCmd {
         sizes: String,
         #[arg(long, default_value = "1")]
         min_time: String,
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
     },
     /// ironweave-ucx links vs ucx_perftest; 2-rank collectives vs OpenMPI's default path.
     Transport {
@@ -126,7 +128,7 @@ fn main() -> Result<()> {
         Cmd::Bench(BenchCmd::Collectives { ranks, sizes, ops, min_time, repeat }) => {
             bench_collectives(&ranks, &sizes, &ops, &min_time, repeat)
         }
-        Cmd::Bench(BenchCmd::Links { topology, sizes, min_time }) => bench_links(&topology, &sizes, &min_time),
+        Cmd::Bench(BenchCmd::Links { topology, sizes, min_time, repeat }) => bench_links(&topology, &sizes, &min_time, repeat),
         Cmd::Bench(BenchCmd::Transport { repeat, min_time }) => bench_transport(repeat, &min_time),
         Cmd::Bench(BenchCmd::Snapshot { bytes, repeat }) => bench_snapshot(&bytes, repeat),
         Cmd::Bench(BenchCmd::Train { config, iters, threads }) => bench_train(&config, iters, threads),
@@ -295,10 +297,11 @@ fn bench_collectives(ranks: &[usize], sizes: &str, ops: &str, min_time: &str, re
     Ok(())
 }
 
-/// `cargo xtask bench links [--topology FILE] [--sizes 16M,64M] [--min-time S]` (root): on the
-/// emulated cluster, all-gather and reduce-scatter between two hosts over link A alone, link B
-/// alone and both (striped by rate), with iperf3 on each link and the probe as references.
-fn bench_links(topo: &str, sizes: &str, min_time: &str) -> Result<()> {
+/// `cargo xtask bench links [--topology FILE] [--sizes 16M,64M] [--min-time S] [--repeat N]`
+/// (root): on the emulated cluster, all-gather and reduce-scatter between two hosts over link A
+/// alone, link B alone, both split by their rates (static) and both balanced dynamically, in
+/// `repeat` interleaved rounds, with iperf3 on each link and the probe as references.
+fn bench_links(topo: &str, sizes: &str, min_time: &str, repeat: usize) -> Result<()> {
     let out_dir = bench_dir()?;
     let iw = build_ironweave()?;
     let topo_path = root().join(topo);
@@ -362,35 +365,138 @@ fn bench_links(topo: &str, sizes: &str, min_time: &str) -> Result<()> {
         let probe_path = out_dir.join("probe.json");
         run(Command::new(&iw).args(["cluster", "probe", "--topology", &topo_arg, "--json"]).arg(&probe_path))?;
         let probes: Vec<Value> = serde_json::from_slice(&std::fs::read(&probe_path)?)?;
-        let mut rows: Vec<(String, Vec<Value>)> = Vec::new();
-        for sel in [links[0].0.as_str(), links[1].0.as_str(), "all"] {
-            eprintln!("xtask: ironweave over {sel}");
-            let path = out_dir.join(format!("links-{sel}.json"));
-            run(Command::new(&iw)
-                .args(["bench", "collectives", "--topology", &topo_arg, "--ranks-per-host", "1", "--link", sel])
-                .args(["--ops", "allgather,reducescatter", "--sizes", sizes, "--min-time", min_time, "--json"])
-                .arg(&path))?;
-            rows.push((sel.to_string(), serde_json::from_slice(&std::fs::read(&path)?)?));
+        // Interleaved rounds: every side once per round, so drift hits all sides alike.
+        let sides = [links[0].0.as_str(), links[1].0.as_str(), "all-static", "all"];
+        let mut samples: Vec<Vec<Vec<Value>>> = vec![Vec::new(); sides.len()];
+        for round in 0..repeat.max(1) {
+            for (i, sel) in sides.iter().enumerate() {
+                eprintln!("xtask: round {}/{}: ironweave over {sel}", round + 1, repeat.max(1));
+                let path = out_dir.join(format!("links-{sel}-{round}.json"));
+                run(Command::new(&iw)
+                    .args(["bench", "collectives", "--topology", &topo_arg, "--ranks-per-host", "1", "--link", sel])
+                    .args(["--ops", "allgather,reducescatter", "--sizes", sizes, "--min-time", min_time, "--json"])
+                    .arg(&path))?;
+                samples[i].push(serde_json::from_slice(&std::fs::read(&path)?)?);
+            }
         }
+        // The same two splits while link A also carries a competing TCP flow (iperf3, host 0 ->
+        // host 1): the link is slower than its declared rate, which a fixed split cannot know.
+        let contended = ["all-static", "all"];
+        let mut busy: Vec<Vec<Vec<Value>>> = vec![Vec::new(); contended.len()];
+        let (a_src, a_dst) = ("10.231.1.1", "10.231.1.2");
+        run(Command::new("ip").args(["netns", "exec", &ns(1), "iperf3", "-s", "-D", "-B", a_dst, "-p", "5298"]))?;
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let mut flow = Command::new("ip")
+            .args(["netns", "exec", &ns(0), "iperf3", "-c", a_dst, "-B", a_src, "-p", "5298", "-t", "3600"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .context("starting the competing iperf3 flow")?;
+        std::thread::sleep(std::time::Duration::from_secs(1));
+        let contended_runs = (|| -> Result<()> {
+            for round in 0..repeat.max(1) {
+                for (i, sel) in contended.iter().enumerate() {
+                    eprintln!(
+                        "xtask: round {}/{}: ironweave over {sel}, link {} shared with iperf3",
+                        round + 1,
+                        repeat.max(1),
+                        links[0].0
+                    );
+                    let path = out_dir.join(format!("links-busy-{sel}-{round}.json"));
+                    run(Command::new(&iw)
+                        .args(["bench", "collectives", "--topology", &topo_arg, "--ranks-per-host", "1", "--link", sel])
+                        .args(["--ops", "allgather,reducescatter", "--sizes", sizes, "--min-time", min_time, "--json"])
+                        .arg(&path))?;
+                    busy[i].push(serde_json::from_slice(&std::fs::read(&path)?)?);
+                }
+            }
+            Ok(())
+        })();
+        let _ = flow.kill();
+        let _ = flow.wait();
+        let _ = Command::new("ip").args(["netns", "exec", &ns(1), "pkill", "-f", "iperf3 -s -D -B 10.231.1.2"]).status();
+        contended_runs?;
+        std::fs::write(
+            out_dir.join("links.json"),
+            serde_json::to_vec_pretty(
+                &json!({ "sides": sides, "rounds": samples, "contended_sides": contended, "contended_rounds": busy }),
+            )?,
+        )?;
+        let med = |mut v: Vec<f64>| -> f64 {
+            v.retain(|x| x.is_finite());
+            v.sort_by(|a, b| a.total_cmp(b));
+            v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+        };
+        // side i, row k: the median over rounds of a field, and whether every round verified
+        let stat = |i: usize, k: usize, f: &dyn Fn(&Value) -> Option<f64>| {
+            med(samples[i].iter().filter_map(|r| r.get(k).and_then(f)).collect())
+        };
+        let verified =
+            |k: usize| samples.iter().all(|side| side.iter().all(|r| r.get(k).is_some_and(|x| x["verified"] == json!(true))));
         // Declared rates as the links themselves report them (parsed once, by the CLI).
         let declared = |i: usize| probes.get(i).and_then(|p| p["declared_bytes_per_s"].as_f64()).unwrap_or(f64::NAN) / 1e9;
         let (ra, rb) = (declared(0), declared(1));
         let mut t = format!(
-            "Link rates: {} = {} ({ra:.4} GB/s), {} = {} ({rb:.4} GB/s); iperf3 one direction: {:.4} and {:.4} GB/s. busbw in GB/s.\n\n",
-            links[0].0, links[0].1, links[1].0, links[1].1, iperf[0], iperf[1]
+            "Link rates: {} = {} ({ra:.4} GB/s), {} = {} ({rb:.4} GB/s); iperf3 one direction: {:.4} and {:.4} GB/s. \
+             busbw in GB/s, median of {} interleaved rounds; share = the part of rank 0's bytes that went over {}.\n\n",
+            links[0].0,
+            links[0].1,
+            links[1].0,
+            links[1].1,
+            iperf[0],
+            iperf[1],
+            repeat.max(1),
+            links[1].0
         );
-        t.push_str(&format!("| op | size | {} alone | {} alone | both (striped by rate) | both / (rate A + rate B) | both / (iperf A + iperf B) | both / faster single | verified |\n|---|---:|---:|---:|---:|---:|---:|---:|---|\n", links[0].0, links[1].0));
-        for (k, r) in rows[0].1.iter().enumerate() {
-            let bw = |i: usize| rows[i].1[k]["busbw_gbps"].as_f64().unwrap_or(f64::NAN);
-            let ok = (0..3).all(|i| rows[i].1[k]["verified"] == json!(true));
-            let (a, b, both) = (bw(0), bw(1), bw(2));
+        t.push_str(&format!(
+            "| op | size | {a} alone | {b} alone | both, static split | both, dynamic | dynamic / (rate {A} + rate {B}) | dynamic / (iperf {A} + iperf {B}) | dynamic / faster single | dynamic / static | {b} share static, dynamic | verified |\n\
+             |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|\n",
+            a = links[0].0,
+            b = links[1].0,
+            A = links[0].0.to_uppercase(),
+            B = links[1].0.to_uppercase()
+        ));
+        let first = samples[0].first().cloned().unwrap_or_default();
+        for (k, r) in first.iter().enumerate() {
+            let bw = |i: usize| stat(i, k, &|row| row["busbw_gbps"].as_f64());
+            let share = |i: usize| stat(i, k, &|row| row["link_share"].get(1).and_then(Value::as_f64));
+            let (a, b, fixed, both) = (bw(0), bw(1), bw(2), bw(3));
             t.push_str(&format!(
-                "| {} | {} | {a:.4} | {b:.4} | {both:.4} | {:.2}x | {:.2}x | {:.2}x | {} |\n",
+                "| {} | {} | {a:.4} | {b:.4} | {fixed:.4} | {both:.4} | {:.2}x | {:.2}x | {:.2}x | {:.2}x | {:.1}%, {:.1}% | {} |\n",
                 r["op"].as_str().unwrap_or(""),
                 human(r["bytes"].as_u64().unwrap_or(0)),
                 both / (ra + rb),
                 both / (iperf[0] + iperf[1]),
                 both / a.max(b),
+                both / fixed,
+                share(2) * 100.0,
+                share(3) * 100.0,
+                if verified(k) { "yes" } else { "NO" }
+            ));
+        }
+        t.push_str(&format!(
+            "\nWith link {a} shared by a competing TCP flow (iperf3 host 0 -> host 1, running through every call), \
+             median of {} interleaved rounds:\n\n| op | size | both, static split | both, dynamic | dynamic / static | {b} share static, dynamic | verified |\n|---|---:|---:|---:|---:|---|---|\n",
+            repeat.max(1),
+            a = links[0].0,
+            b = links[1].0
+        ));
+        let bstat = |i: usize, k: usize, f: &dyn Fn(&Value) -> Option<f64>| {
+            med(busy[i].iter().filter_map(|r| r.get(k).and_then(f)).collect())
+        };
+        for (k, r) in first.iter().enumerate() {
+            let bw = |i: usize| bstat(i, k, &|row| row["busbw_gbps"].as_f64());
+            let share = |i: usize| bstat(i, k, &|row| row["link_share"].get(1).and_then(Value::as_f64));
+            let ok = busy.iter().all(|side| side.iter().all(|r| r.get(k).is_some_and(|x| x["verified"] == json!(true))));
+            t.push_str(&format!(
+                "| {} | {} | {:.4} | {:.4} | {:.2}x | {:.1}%, {:.1}% | {} |\n",
+                r["op"].as_str().unwrap_or(""),
+                human(r["bytes"].as_u64().unwrap_or(0)),
+                bw(0),
+                bw(1),
+                bw(1) / bw(0),
+                share(0) * 100.0,
+                share(1) * 100.0,
                 if ok { "yes" } else { "NO" }
             ));
         }

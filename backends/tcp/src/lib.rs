@@ -463,6 +463,20 @@ impl TcpLink {
     }
 }
 
+/// Bytes in `s`'s send queue: not yet sent, or sent and not yet acknowledged (`SIOCOUTQ`).
+fn queued_bytes(s: &TcpStream) -> std::io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let mut n: libc::c_int = 0;
+    // SAFETY: `s` owns a valid socket descriptor for the call; SIOCOUTQ (TIOCOUTQ on Linux)
+    // writes one c_int through the pointer, which points at `n`.
+    let r = unsafe { libc::ioctl(s.as_raw_fd(), libc::TIOCOUTQ, std::ptr::from_mut(&mut n)) };
+    if r == 0 {
+        Ok(usize::try_from(n).unwrap_or(0))
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 fn reader(sh: Arc<Shared>, p: usize, mut s: TcpStream) {
     let lost = |detail: String| {
         if !sh.closing.load(Ordering::SeqCst) {
@@ -729,13 +743,30 @@ impl Link for TcpLink {
     fn intra_host(&self) -> Option<&ShmGroup> {
         self.shm.get()
     }
+    fn unacked_bytes(&self, p: usize) -> Option<usize> {
+        let peer = self.shared.peers.get(p)?.as_ref()?;
+        peer.conns.iter().map(|c| queued_bytes(&c.control).ok()).sum()
+    }
+
     fn abort(&self, reason: &str) {
+        self.fail_because(Error::Aborted { reason: reason.into() });
+    }
+
+    fn abort_with(&self, cause: &Error) {
+        self.fail_because(cause.clone());
+    }
+}
+
+impl TcpLink {
+    /// Fails the link with `err` (told to the peers if it is the link's first failure) and
+    /// shuts every socket.
+    fn fail_because(&self, err: Error) {
         if let Some(g) = self.shm.get() {
-            g.abort(reason);
+            g.abort(&err.to_string());
         }
         // Only the first failure is told to the peers; the sockets are shut in any case, so
         // that no reader or writer of ours stays inside a transfer.
-        self.shared.fail_with(Error::Aborted { reason: reason.into() }, None);
+        self.shared.fail_with(err, None);
         // Shut every socket so that our own writers stuck on a peer return at once.
         self.shared.closing.store(true, Ordering::SeqCst);
         for peer in self.shared.peers.iter().flatten() {

@@ -39,6 +39,11 @@ pub struct Row {
     /// intra-host segment (its collective counter grew by at least the call count), else `link`.
     #[serde(default)]
     pub path: String,
+    /// On a striped communicator: the share of the bytes rank 0 sent on each link during the
+    /// row's calls (all-gather and reduce-scatter count them), which shows how a dynamic split
+    /// fell and that a static one held.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub link_share: Option<Vec<f64>>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub error: Option<String>,
 }
@@ -131,17 +136,19 @@ pub fn worker(
     Ok(())
 }
 
-/// `""`: the communicator as it is; `all`: striped over every link (fractions from the
-/// links' rates); a link name: only that link.
+/// `""`: the communicator as it is; `all`: striped over every link (all-gather and
+/// reduce-scatter balance dynamically over two links, the rest splits by the links' rates);
+/// `all-static`: striped, every collective split by the links' rates; `all:F1,F2`: striped,
+/// every collective split by these fractions; a link name: only that link.
 pub fn select_link(world: &Communicator, link: &str) -> Result<Communicator> {
     match link {
         "" => Ok(world.on_link(0)?),
         "all" => Ok(world.striped(None)?),
-        // `all:0.7,0.3`: striped with explicit fractions.
+        "all-static" => Ok(world.striped(None)?.with_static_split()),
         l if l.starts_with("all:") => {
             let f: Vec<f64> =
                 l[4..].split(',').map(|x| x.trim().parse().context("--link all:F1,F2,...")).collect::<Result<_>>()?;
-            Ok(world.striped(Some(f))?)
+            Ok(world.striped(Some(f))?.with_static_split())
         }
         name => {
             let infos = world.links();
@@ -201,8 +208,14 @@ fn collective_row<T: Element>(c: &Communicator, op: &str, case: Case, bytes: usi
     let mut flag = [i32::from(check.is_ok())];
     c.all_reduce(&mut flag, ReduceOp::Min)?;
     let before = c.shared_memory_collectives().unwrap_or(0);
+    let lanes_before = c.stripe_bytes_sent();
     let (iters, secs) = time_op::<T>(c, case, count, min_time)?;
     let through_shm = c.shared_memory_collectives().unwrap_or(0) - before;
+    let link_share = lanes_before.zip(c.stripe_bytes_sent()).and_then(|(a, b)| {
+        let d: Vec<f64> = b.iter().zip(&a).map(|(b, a)| (b - a) as f64).collect();
+        let sum: f64 = d.iter().sum();
+        (sum > 0.0).then(|| d.iter().map(|x| x / sum).collect())
+    });
     Ok(Row {
         path: if through_shm >= iters as u64 && iters > 0 { "shm" } else { "link" }.into(),
         op: op.into(),
@@ -217,6 +230,7 @@ fn collective_row<T: Element>(c: &Communicator, op: &str, case: Case, bytes: usi
         busbw_gbps: (count * es) as f64 / secs / 1e9 * bus_factor(op, n),
         memcpy_gbps: 0.0,
         verified: flag[0] == 1,
+        link_share,
         error: check.err().map(|e| e.to_string()),
     })
 }
@@ -299,6 +313,7 @@ fn p2p_row(c: &Communicator, op: &str, bytes: usize, backend: &str, min_time: f6
         memcpy_gbps: 0.0,
         verified: flag[0] == 1,
         path: "link".into(),
+        link_share: None,
         error: (!ok).then(|| "received bytes differ from the pattern".to_string()),
     })
 }

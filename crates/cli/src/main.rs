@@ -283,7 +283,10 @@ enum BenchCmd {
         /// Ranks per emulated host (with --topology).
         #[arg(long, default_value_t = 1)]
         ranks_per_host: usize,
-        /// Which link: a link name, `all` (striped over every link by rate), or the default link.
+        /// Which link: a link name; `all` (striped over every link: all-gather and
+        /// reduce-scatter balance dynamically over two links, the rest splits by rate);
+        /// `all-static` (every collective split by rate); `all:F1,F2` (split by these
+        /// fractions); or the default link.
         #[arg(long, default_value = "")]
         link: String,
     },

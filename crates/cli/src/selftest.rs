@@ -19,7 +19,8 @@ pub fn run(scenario: &str, backend: &str) -> Result<()> {
         "stream" => stream(&comm),
         "idle-wait" => idle_wait(&comm),
         "iloop" => nonblocking_loop(&comm),
-        other => bail!("unknown selftest scenario {other:?} (ok, loop, iloop, mismatch, stream, idle-wait)"),
+        "sloop" => striped_loop(&comm),
+        other => bail!("unknown selftest scenario {other:?} (ok, loop, iloop, sloop, mismatch, stream, idle-wait)"),
     };
     if let Err(e) = r {
         fail(&e);
@@ -48,6 +49,22 @@ fn looping(c: &Communicator) -> ironweave_transport::Result<()> {
     let mut v = vec![1.0f32; 4 << 20];
     for i in 0.. {
         c.all_reduce(&mut v, ReduceOp::Avg)?;
+        println!("iter {i}");
+    }
+    Ok(())
+}
+
+/// All-gathers and reduce-scatters on a communicator striped over every link (over two links
+/// they balance dynamically, segment by segment).
+fn striped_loop(c: &Communicator) -> ironweave_transport::Result<()> {
+    let s = c.striped(None)?;
+    eprintln!("selftest striped over {} links, dynamic {}", s.links().len(), s.stripe_is_dynamic());
+    let input = vec![1.0f32; 1 << 20];
+    let mut all = vec![0.0f32; s.size() << 20];
+    let mut mine = vec![0.0f32; 1 << 20];
+    for i in 0.. {
+        s.all_gather(&input, &mut all)?;
+        s.reduce_scatter(&all, &mut mine, ReduceOp::Sum)?;
         println!("iter {i}");
     }
     Ok(())

@@ -129,6 +129,21 @@ fn peer_killed_while_a_nonblocking_collective_is_in_flight_is_a_typed_error() {
 }
 
 #[test]
+fn peer_killed_mid_striped_collective_fails_every_survivor_with_peer_lost() {
+    // Two loopback links; all-gather and reduce-scatter balance dynamically over both, each
+    // link's thread waiting on its own receives (and on its socket draining) when rank 1 dies.
+    for (r, o) in kill_rank_1_in("sloop", |c| {
+        c.env("IRONWEAVE_TCP_LINKS", "a=127.0.0.1,b=127.0.0.1");
+    }) {
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(3), "rank {r} should fail with a typed error:\n{t}");
+        assert!(t.contains("selftest striped over 2 links, dynamic true"), "rank {r} should balance over both links:\n{t}");
+        assert!(t.contains("PeerLost { rank: 1"), "rank {r} should name the lost rank:\n{t}");
+        assert!(!t.contains("Timeout"), "rank {r} only noticed through the deadline:\n{t}");
+    }
+}
+
+#[test]
 fn ucx_tcp_link_reports_a_killed_peer_as_lost() {
     let outs = kill_rank_1_mid_collective(|c| {
         // IRONWEAVE_SHM=0: the collectives stay on UCX (the segment has its own test above).

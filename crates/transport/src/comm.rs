@@ -85,13 +85,13 @@ fn mix(a: u32, b: u64) -> u32 {
 pub struct Communicator {
     pub(crate) links: Arc<[Arc<dyn Link>]>,
     link: usize,
-    members: Arc<[usize]>,
-    me: usize,
+    pub(crate) members: Arc<[usize]>,
+    pub(crate) me: usize,
     ctx: u32,
     splits: AtomicU32,
     pub(crate) opts: CommOptions,
-    /// Fractions per link when collectives are split over all links (see `stripe.rs`).
-    pub(crate) stripe: Option<Arc<[f64]>>,
+    /// How collectives are split over all links, when they are (see `stripe.rs`).
+    pub(crate) stripe: Option<Arc<crate::stripe::Stripe>>,
     /// The thread that runs non-blocking collectives, started on first use (`nonblocking.rs`).
     pub(crate) nb: std::sync::OnceLock<Result<crate::nonblocking::CollExecutor>>,
     /// The intra-host channel this communicator claimed (decided on first use).
@@ -185,7 +185,7 @@ impl Communicator {
         })
     }
 
-    fn l(&self) -> &dyn Link {
+    pub(crate) fn l(&self) -> &dyn Link {
         &*self.links[self.link]
     }
 
@@ -217,7 +217,7 @@ impl Communicator {
         self.links[0].intra_host().map(|g| g.collectives_run())
     }
 
-    fn deadline(&self) -> Instant {
+    pub(crate) fn deadline(&self) -> Instant {
         Instant::now() + self.opts.timeout
     }
 
@@ -228,7 +228,7 @@ impl Communicator {
         Ok(Tag((u64::from(self.ctx) << 32) | u64::from(tag)))
     }
 
-    fn coll_tag(&self) -> Tag {
+    pub(crate) fn coll_tag(&self) -> Tag {
         Tag((u64::from(self.ctx) << 32) | COLL_BIT)
     }
 
@@ -293,7 +293,7 @@ impl Communicator {
     // ---------------------------------------------------------------- helpers
 
     /// Runs a collective; on failure, aborts the link so that peers fail fast too.
-    fn guarded<R>(&self, op: &str, f: impl FnOnce(Instant) -> Result<R>) -> Result<R> {
+    pub(crate) fn guarded<R>(&self, op: &str, f: impl FnOnce(Instant) -> Result<R>) -> Result<R> {
         let r = f(self.deadline());
         if let Err(e) = &r {
             if !from_peer(e) {
@@ -303,11 +303,11 @@ impl Communicator {
         r
     }
 
-    fn csend(&self, peer: usize, data: &[u8], dl: Instant) -> Result<()> {
+    pub(crate) fn csend(&self, peer: usize, data: &[u8], dl: Instant) -> Result<()> {
         self.l().send(self.members[peer], self.coll_tag(), data, dl)
     }
 
-    fn cpost(&self, peer: usize) -> Result<RecvHandle> {
+    pub(crate) fn cpost(&self, peer: usize) -> Result<RecvHandle> {
         self.l().irecv(self.members[peer], self.coll_tag())
     }
 

@@ -35,6 +35,7 @@
 //! });
 //! ```
 
+mod balance;
 mod comm;
 mod dtype;
 mod error;

@@ -284,6 +284,13 @@ pub trait Link: Send + Sync + std::fmt::Debug {
     /// Makes every pending and future operation on this link fail, here and at every peer
     /// (best effort), with `reason`.
     fn abort(&self, reason: &str);
+    /// Like [`Link::abort`], for a failure another link of the same communicator saw first (a
+    /// lost or aborting peer): a backend that tells its peers about failures passes `cause` on
+    /// as it is, so that every rank names the root cause on every link. The default aborts
+    /// with its text.
+    fn abort_with(&self, cause: &Error) {
+        self.abort(&cause.to_string());
+    }
     /// Native collectives, for backends that have them.
     fn native_collectives(&self) -> Option<&dyn NativeCollectives> {
         None
@@ -291,6 +298,14 @@ pub trait Link: Send + Sync + std::fmt::Debug {
     /// The intra-host shared-memory path over this link's whole world, where the backend set
     /// one up (every rank on one host): the world communicator's host collectives use it.
     fn intra_host(&self) -> Option<&crate::shm::ShmGroup> {
+        None
+    }
+    /// Bytes sent to `peer` that the peer has not acknowledged yet (the kernel's send queues
+    /// for TCP), where the backend can tell; `None` otherwise. A send returns once its bytes
+    /// are handed over, which can be long before they cross a link with a deep queue: this is
+    /// how a caller sharing work between links sees how far behind each really is.
+    fn unacked_bytes(&self, peer: usize) -> Option<usize> {
+        let _ = peer;
         None
     }
 }

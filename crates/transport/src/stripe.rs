@@ -1,21 +1,42 @@
 //! Several links at once. A *striped* communicator splits every collective — and typed
-//! point-to-point transfers — over all its links by fractions, drives the parts concurrently
-//! (one thread per link, each on its own link view with its own tag space) and joins them.
-//! This is HSDP's mechanism: links are independent, so their bandwidths add up. The fractions
-//! come from the caller (a planner) or default to the links' declared or probed bandwidths.
+//! point-to-point transfers — over all its links, drives the parts concurrently (one thread per
+//! link, each on its own link view with its own tag space) and joins them. This is HSDP's
+//! mechanism: links are independent, so their bandwidths add up.
+//!
+//! How the bytes are split: with two links, all-gather and reduce-scatter balance *dynamically*
+//! (`balance.rs`): each link takes the next segment as it frees up, so a link that runs slow in
+//! this very call carries less of it. Everything else — and every collective of a communicator
+//! made with [`Communicator::with_static_split`] or over more than two links — splits by fixed
+//! fractions, from the caller (a planner) or the links' declared or probed bandwidths.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::link::BufMut;
 
+/// How a striped communicator splits its collectives.
+#[derive(Debug)]
+pub(crate) struct Stripe {
+    /// Fixed fractions per link (normalised): the static split, and the largest one picks the
+    /// link of small collectives.
+    pub(crate) fractions: Vec<f64>,
+    /// All-gather and reduce-scatter over two links balance segment by segment.
+    pub(crate) dynamic: bool,
+    /// Bytes this rank sent on each link through striped collectives: the counter that shows
+    /// how a dynamic split actually fell.
+    pub(crate) sent: Vec<AtomicU64>,
+}
+
 impl Communicator {
-    /// A view of this group that splits collectives over all its links: `fractions[i]` of the
+    /// A view of this group that splits collectives over all its links. `fractions[i]` of the
     /// bytes travel on link i (normalised; `None` means proportional to each link's
-    /// bandwidth). Collectives of at most `small_bytes` use only the link with the largest
-    /// fraction. `split` keeps the striping.
+    /// bandwidth) for collectives split statically; over two links, all-gather and
+    /// reduce-scatter balance dynamically instead (see [`Communicator::with_static_split`]).
+    /// Collectives of at most `small_bytes` use only the link with the largest fraction.
+    /// `split` and `dup` keep the striping.
     pub fn striped(&self, fractions: Option<Vec<f64>>) -> Result<Communicator> {
         let k = self.links.len();
         let f = fractions.unwrap_or_else(|| self.links.iter().map(|l| l.info().bandwidth_bytes_per_s).collect());
@@ -26,19 +47,56 @@ impl Communicator {
         }
         let sum: f64 = f.iter().sum();
         let mut c = self.view(0, 0xfffe_0000)?;
-        c.stripe = Some(f.iter().map(|x| x / sum).collect::<Vec<_>>().into());
+        c.stripe = Some(
+            Stripe {
+                fractions: f.iter().map(|x| x / sum).collect(),
+                dynamic: k == 2,
+                sent: (0..k).map(|_| AtomicU64::new(0)).collect(),
+            }
+            .into(),
+        );
         Ok(c)
     }
 
-    /// The fractions of a striped communicator.
+    /// The same striped communicator with every collective split by its fixed fractions (no
+    /// dynamic balancing): for a planner that wants exactly its split, and for comparisons.
+    /// Every member must make the same choice. A no-op on an unstriped communicator.
+    pub fn with_static_split(mut self) -> Communicator {
+        if let Some(s) = &self.stripe {
+            let sent = (0..s.sent.len()).map(|_| AtomicU64::new(0)).collect();
+            self.stripe = Some(Stripe { fractions: s.fractions.clone(), dynamic: false, sent }.into());
+        }
+        self
+    }
+
+    /// The fixed fractions of a striped communicator.
     pub fn stripe_fractions(&self) -> Option<&[f64]> {
-        self.stripe.as_deref()
+        self.stripe.as_ref().map(|s| &s.fractions[..])
+    }
+
+    /// Whether all-gather and reduce-scatter balance dynamically over the links.
+    pub fn stripe_is_dynamic(&self) -> bool {
+        self.stripe.as_ref().is_some_and(|s| s.dynamic)
+    }
+
+    /// Bytes this rank has sent on each link through this striped communicator's collectives
+    /// (shared with its splits and dups); `None` when it is not striped. Differences between
+    /// two readings show how a dynamic split fell.
+    pub fn stripe_bytes_sent(&self) -> Option<Vec<u64>> {
+        self.stripe.as_ref().map(|s| s.sent.iter().map(|a| a.load(Ordering::Relaxed)).collect())
+    }
+
+    /// Counts `bytes` sent on link `i` by a striped collective.
+    pub(crate) fn count_lane_bytes(&self, i: usize, bytes: usize) {
+        if let Some(a) = self.stripe.as_ref().and_then(|s| s.sent.get(i)) {
+            a.fetch_add(bytes as u64, Ordering::Relaxed);
+        }
     }
 
     /// Splits `count` units by the fractions: floors, then the remainder to the largest
     /// fractional parts (ties to the lower link). Every rank computes the same split.
     pub fn stripe_counts(&self, count: usize) -> Vec<usize> {
-        let Some(f) = self.stripe.as_deref() else { return vec![count] };
+        let Some(f) = self.stripe_fractions() else { return vec![count] };
         let exact: Vec<f64> = f.iter().map(|x| x * count as f64).collect();
         let mut out: Vec<usize> = exact.iter().map(|x| x.floor() as usize).collect();
         let mut order: Vec<usize> = (0..f.len()).collect();
@@ -56,12 +114,12 @@ impl Communicator {
 
     /// The link a small striped collective uses alone.
     fn main_lane(&self) -> usize {
-        let f = self.stripe.as_deref().unwrap_or(&[1.0]);
+        let f = self.stripe_fractions().unwrap_or(&[1.0]);
         (0..f.len()).fold(0, |best, i| if f[i] > f[best] { i } else { best })
     }
 
     /// The striped communicator's per-link view (its own tag space, no striping).
-    fn lane(&self, i: usize) -> Result<Communicator> {
+    pub(crate) fn lane(&self, i: usize) -> Result<Communicator> {
         self.view(i, 0xfffd_0000)
     }
 
@@ -74,7 +132,11 @@ impl Communicator {
 
     /// Runs `f(lane, i)` for every link `i` in `active` on its own thread. The first failure
     /// aborts every link, so no lane waits for a part that will never come.
-    fn run_lanes<'s>(&'s self, active: &[bool], f: impl Fn(&Communicator, usize) -> Result<()> + Sync + 's) -> Result<()> {
+    pub(crate) fn run_lanes<'s>(
+        &'s self,
+        active: &[bool],
+        f: impl Fn(&Communicator, usize) -> Result<()> + Sync + 's,
+    ) -> Result<()> {
         let lanes: Vec<Communicator> = (0..self.links.len()).map(|i| self.lane(i)).collect::<Result<_>>()?;
         let results: Vec<Result<()>> = std::thread::scope(|s| {
             let hs: Vec<_> = lanes
@@ -86,8 +148,16 @@ impl Communicator {
                     s.spawn(move || {
                         let r = f(lane, i);
                         if let Err(e) = &r {
+                            // A peer's failure travels on as itself (every link names the lost
+                            // rank); our own is said with the link it happened on.
+                            let peer_caused =
+                                matches!(e, Error::PeerLost { .. } | Error::PeerAborted { .. } | Error::PeerClosed { .. });
                             for l in self.links.iter() {
-                                l.abort(&format!("striped collective failed on link {i}: {e}"));
+                                if peer_caused {
+                                    l.abort_with(e);
+                                } else {
+                                    l.abort(&format!("striped collective failed on link {i}: {e}"));
+                                }
                             }
                         }
                         r
@@ -131,6 +201,13 @@ impl Communicator {
 
     pub(crate) fn striped_all_gather(&self, inb: &[u8], outb: &mut [u8]) -> Result<()> {
         let (n, m, k) = (self.size(), inb.len(), self.links.len());
+        if self.stripe_is_dynamic() {
+            outb[self.rank() * m..(self.rank() + 1) * m].copy_from_slice(inb);
+            if n == 1 {
+                return Ok(());
+            }
+            return crate::balance::run(self, crate::balance::Op::Gather { out: outb }, m);
+        }
         let ranges = self.stripe_ranges(m, 1);
         let active: Vec<bool> = ranges.iter().map(|r| !r.is_empty()).collect();
         // Lane i owns piece i of every rank's block: strided, disjoint, no staging copy.
@@ -146,19 +223,35 @@ impl Communicator {
         let lanes: Vec<std::sync::Mutex<Vec<&mut [u8]>>> = lanes.into_iter().map(std::sync::Mutex::new).collect();
         self.run_lanes(&active, |lane, i| {
             let mut pieces = lanes[i].lock().unwrap_or_else(|e| e.into_inner());
-            lane.all_gather_pieces(&inb[ranges[i].clone()], &mut pieces)
+            lane.all_gather_pieces(&inb[ranges[i].clone()], &mut pieces)?;
+            self.count_lane_bytes(i, (n - 1) * ranges[i].len());
+            Ok(())
         })
     }
 
     pub(crate) fn striped_reduce_scatter(&self, inb: &[u8], outb: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let (n, m) = (self.size(), outb.len());
+        if self.stripe_is_dynamic() {
+            if n == 1 {
+                outb.copy_from_slice(inb);
+            } else {
+                let blocks: Vec<&[u8]> = (0..n).map(|j| &inb[j * m..(j + 1) * m]).collect();
+                crate::balance::run(self, crate::balance::Op::Reduce { blocks, out: &mut *outb, dtype, op }, m)?;
+            }
+            if op == ReduceOp::Avg {
+                crate::dtype::finish_avg(dtype, outb, n);
+            }
+            return Ok(());
+        }
         let ranges = self.stripe_ranges(m / dtype.size(), dtype.size());
         let active: Vec<bool> = ranges.iter().map(|r| !r.is_empty()).collect();
         let pieces = Mut(split_by(outb, &ranges));
         self.run_lanes(&active, |lane, i| {
             let r = &ranges[i];
             let blocks: Vec<&[u8]> = (0..n).map(|j| &inb[j * m + r.start..j * m + r.end]).collect();
-            lane.reduce_scatter_blocks(&blocks, pieces.take(i), dtype, op)
+            lane.reduce_scatter_blocks(&blocks, pieces.take(i), dtype, op)?;
+            self.count_lane_bytes(i, (n - 1) * r.len());
+            Ok(())
         })
     }
 

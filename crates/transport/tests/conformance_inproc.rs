@@ -106,8 +106,9 @@ mod native {
 
 /// The same contract on a striped communicator over two in-process links (70% / 30%).
 mod striped {
-    use ironweave_transport::{inproc, CommOptions, Communicator};
-    use std::time::Duration;
+    use ironweave_transport::testing::{self, Case};
+    use ironweave_transport::{inproc, CommOptions, Communicator, Link, LinkInfo, RecvHandle, ReduceOp, Result, SendHandle, Tag};
+    use std::time::{Duration, Instant};
 
     fn make(n: usize) -> Vec<Communicator> {
         let opts = CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() };
@@ -137,5 +138,106 @@ mod striped {
         assert!(two.striped(Some(vec![-1.0, 2.0])).is_err());
         assert!(two.striped(Some(vec![0.0, 0.0])).is_err());
         assert_eq!(two.striped(None).unwrap().stripe_fractions(), Some(&[0.5, 0.5][..]));
+    }
+
+    /// Link 1 of every rank, with each send held up by `delay` (a slow or busy link).
+    #[derive(Debug)]
+    struct Slow {
+        inner: std::sync::Arc<dyn Link>,
+        delay: Duration,
+    }
+
+    impl Link for Slow {
+        fn info(&self) -> &LinkInfo {
+            self.inner.info()
+        }
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn size(&self) -> usize {
+            self.inner.size()
+        }
+        fn send(&self, peer: usize, tag: Tag, data: &[u8], deadline: Instant) -> Result<()> {
+            std::thread::sleep(self.delay);
+            self.inner.send(peer, tag, data, deadline)
+        }
+        fn isend(&self, peer: usize, tag: Tag, data: Vec<u8>) -> Result<SendHandle> {
+            std::thread::sleep(self.delay);
+            self.inner.isend(peer, tag, data)
+        }
+        fn irecv(&self, peer: usize, tag: Tag) -> Result<RecvHandle> {
+            self.inner.irecv(peer, tag)
+        }
+        fn abort(&self, reason: &str) {
+            self.inner.abort(reason)
+        }
+    }
+
+    /// Two ranks over a fast link 0 and a link 1 whose sends each take `delay`, split 50/50.
+    fn lopsided(delay: Duration) -> Vec<Communicator> {
+        let opts = CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() };
+        inproc::world(2)
+            .into_iter()
+            .zip(inproc::world(2))
+            .map(|(fast, slow)| {
+                let slow: std::sync::Arc<dyn Link> = std::sync::Arc::new(Slow { inner: slow, delay });
+                Communicator::new(vec![fast, slow], opts.clone()).unwrap().striped(Some(vec![0.5, 0.5])).unwrap()
+            })
+            .collect()
+    }
+
+    /// Runs an all-gather and a reduce-scatter of 4 MiB on every rank; returns each rank's bytes
+    /// sent per link.
+    fn gather_and_reduce(comms: Vec<Communicator>) -> Vec<Vec<u64>> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let n = 1 << 20; // f32 elements: 4 MiB
+                        for (case, salt) in [(Case::AllGather, 11), (Case::ReduceScatter, 12)] {
+                            testing::check_collective::<f32>(&c, case, n, ReduceOp::Sum, salt, true).unwrap();
+                        }
+                        c.stripe_bytes_sent().unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn a_slow_link_carries_less_of_a_dynamic_split_and_exactly_its_fraction_of_a_static_one() {
+        // Each send on link 1 takes 5 ms; one on link 0 takes microseconds. Link 0 should take
+        // most of the 2 x 64 segments of each block (a static split would give link 1 half).
+        let dynamic = gather_and_reduce(lopsided(Duration::from_millis(5)));
+        for (r, sent) in dynamic.iter().enumerate() {
+            let total = (sent[0] + sent[1]) as f64;
+            assert_eq!(total, 2.0 * 2.0 * (1 << 20) as f64, "rank {r}: every byte of both collectives counted once: {sent:?}");
+            assert!((sent[1] as f64) < 0.25 * total, "rank {r}: the slow link carried {sent:?}");
+        }
+        // The static split puts exactly half on each link, however slow.
+        let fixed = gather_and_reduce(lopsided(Duration::from_millis(1)).into_iter().map(|c| c.with_static_split()).collect());
+        for sent in fixed {
+            assert_eq!(sent, vec![2 << 20, 2 << 20]);
+        }
+    }
+
+    #[test]
+    fn the_static_split_gathers_and_reduces_on_three_ranks() {
+        let comms: Vec<Communicator> = make(3).into_iter().map(|c| c.with_static_split()).collect();
+        assert!(comms.iter().all(|c| !c.stripe_is_dynamic()));
+        std::thread::scope(|s| {
+            for c in &comms {
+                s.spawn(move || {
+                    for (case, salt) in [(Case::AllGather, 5), (Case::ReduceScatter, 6)] {
+                        for n in [(1 << 18) + 3, 3 << 18] {
+                            testing::check_collective::<f32>(c, case, n, ReduceOp::Sum, salt, true).unwrap();
+                            testing::check_collective::<i64>(c, case, n, ReduceOp::Max, salt, true).unwrap();
+                        }
+                    }
+                });
+            }
+        });
     }
 }
