@@ -5,16 +5,19 @@
 //! Each rank opens one listener per configured link (one link per interface) and, through the
 //! rendezvous, `conns_per_peer` connections to every other rank on every link (the higher rank
 //! connects). Every connection is authenticated by the handshake in
-//! [`ironweave_transport::handshake`]. Per connection a *reader* thread decodes frames
-//! ([`ironweave_transport::wire::FrameHeader`]) into the shared [`Mailbox`]; blocking sends are
-//! written by the calling thread straight from the caller's buffer (zero copy), large messages
-//! striped over all connections of the peer at once; non-blocking sends of owned buffers go
-//! through one sender thread per peer. A peer whose connection closes without a goodbye fails
-//! every pending and future operation with `PeerLost`.
+//! [`ironweave_transport::handshake`]. Frames ([`ironweave_transport::wire::FrameHeader`]) are
+//! decoded into the shared [`Mailbox`] by whichever thread is there first (`rx.rs`): a caller
+//! waiting for a message reads the link's sockets itself, MPI-style, and so does a sender whose
+//! socket is full; a reader thread per connection takes over when nobody waits. Blocking sends
+//! are written by the calling thread straight from the caller's buffer (zero copy), large
+//! messages striped over all connections of the peer at once; non-blocking sends of owned
+//! buffers go through one sender thread per peer. A peer whose connection closes without a
+//! goodbye fails every pending and future operation with `PeerLost`.
 
+mod rx;
 pub mod topology;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -62,8 +65,8 @@ pub struct TcpConfig {
     /// The intra-host shared-memory path for the world's collectives when every rank is on
     /// one host (`IRONWEAVE_SHM`, `IRONWEAVE_SHM_SLOT_BYTES`).
     pub shm: ShmConfig,
-    /// A caller waiting for a message yields its core for up to 200 µs before it sleeps
-    /// (`IRONWEAVE_TCP_POLL`, default on): one wake-up per small message instead of two.
+    /// A caller waiting for a message reads the link's sockets itself (`IRONWEAVE_TCP_POLL`,
+    /// default on; off: reader threads deliver everything).
     pub poll: bool,
 }
 
@@ -365,6 +368,11 @@ struct Shared {
     rank: usize,
     info: LinkInfo,
     peers: Vec<Option<Peer>>,
+    /// Every connection's decoder (`rx.rs`), and the epoll set over them.
+    slots: Vec<Arc<rx::Slot>>,
+    ready: rx::Ready,
+    /// Callers driving the decoders themselves (the reader threads park meanwhile).
+    drivers: rx::Drivers,
     mailbox: Arc<Mailbox>,
     seqs: SeqTable,
     closing: AtomicBool,
@@ -420,32 +428,34 @@ impl TcpLink {
             speed_source: if spec.rate_bytes_per_s.is_some() { SpeedSource::Declared } else { SpeedSource::Unknown },
             memory: vec![MemKind::Host],
         };
+        let slots: Vec<Arc<rx::Slot>> = read_halves.into_iter().map(|(p, s)| Arc::new(rx::Slot::new(p, s))).collect();
+        let ready = rx::Ready::new(&slots).map_err(|e| Error::io("epoll set of the link's connections", &e))?;
         let shared = Arc::new(Shared {
             rank,
             info,
             peers,
+            slots,
+            ready,
+            drivers: rx::Drivers::default(),
             mailbox: Arc::new(Mailbox::new(rank, size, conns, cfg.buffer_cap_bytes)),
             seqs: SeqTable::default(),
             closing: AtomicBool::new(false),
             cause_sent: Mutex::new(false),
             cfg: cfg.clone(),
         });
-        // A waiting caller yields its core for a short while before it sleeps: the reader thread
-        // that delivers its message runs at once (on this core if need be), and the caller
-        // notices without a second wake-up.
+        // A waiting caller reads the link's sockets itself (MPI-style) before it sleeps: no
+        // reader thread has to be scheduled between a message's arrival and its receiver.
         if cfg.poll {
-            shared.mailbox.set_progress(Box::new(|| {
-                std::thread::yield_now();
-                false
-            }));
+            shared.mailbox.set_progress_driver(Box::new(rx::Driver { shared: Arc::downgrade(&shared) }));
         }
         let mut readers = Vec::new();
-        for (p, s) in read_halves {
-            let sh = shared.clone();
+        for slot in &shared.slots {
+            let (sh, slot) = (shared.clone(), slot.clone());
+            let p = slot.peer();
             readers.push(
                 std::thread::Builder::new()
                     .name(format!("iw-tcp-rx-{p}"))
-                    .spawn(move || reader(sh, p, s))
+                    .spawn(move || rx::reader(sh, slot))
                     .map_err(|e| Error::io("spawn reader", &e))?,
             );
         }
@@ -474,83 +484,6 @@ fn queued_bytes(s: &TcpStream) -> std::io::Result<usize> {
         Ok(usize::try_from(n).unwrap_or(0))
     } else {
         Err(std::io::Error::last_os_error())
-    }
-}
-
-fn reader(sh: Arc<Shared>, p: usize, mut s: TcpStream) {
-    let lost = |detail: String| {
-        if !sh.closing.load(Ordering::SeqCst) {
-            sh.fail_with(Error::PeerLost { rank: p, detail }, Some(p));
-        }
-    };
-    let mut said_goodbye = false;
-    loop {
-        let mut hb = [0u8; HEADER_LEN];
-        if let Err(e) = s.read_exact(&mut hb) {
-            if !said_goodbye {
-                lost(format!("connection closed: {e}"));
-            }
-            return;
-        }
-        let h = match FrameHeader::decode(&hb, sh.cfg.max_message_bytes) {
-            Ok(h) => h,
-            Err(e) => {
-                sh.fail_with(Error::Protocol { from: format!("rank {p}"), detail: e.to_string() }, Some(p));
-                let _ = s.shutdown(Shutdown::Both);
-                return;
-            }
-        };
-        let len = h.len as usize;
-        if h.kind == FrameKind::Data {
-            // Straight into the receiver's memory when it posted a landing zone.
-            match sh.mailbox.land(p, Tag(h.tag), h.seq, h.total as usize, h.offset as usize, len) {
-                Ok(Some(ptr)) => {
-                    // SAFETY: `land` granted `ptr..ptr+len` inside a zone whose owner keeps it
-                    // valid and untouched until `land_done` is called for this grant (the
-                    // owner's handle waits for writers before releasing the memory, see
-                    // `Mailbox::post_into`), and granted ranges never overlap, so this is the
-                    // only live reference to these bytes.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
-                    let r = s.read_exact(dst);
-                    sh.mailbox.land_done(p, Tag(h.tag), h.seq, len, r.is_ok());
-                    if let Err(e) = r {
-                        return lost(format!("connection closed inside a {len}-byte payload: {e}"));
-                    }
-                    continue;
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    sh.fail_with(e, Some(p));
-                    let _ = s.shutdown(Shutdown::Both);
-                    return;
-                }
-            }
-            if !sh.mailbox.reserve(len) {
-                return;
-            }
-        }
-        // The claimed size passed the receiver's limit (and, for data, the buffering budget)
-        // before anything is allocated; control frames are at most 4 KiB.
-        let mut body = if h.kind == FrameKind::Data { sh.mailbox.buffer(len) } else { vec![0u8; len] };
-        if let Err(e) = s.read_exact(&mut body) {
-            return lost(format!("connection closed inside a {len}-byte payload: {e}"));
-        }
-        match h.kind {
-            FrameKind::Data => {
-                if let Err(e) = sh.mailbox.deliver(p, Tag(h.tag), h.seq, h.total as usize, h.offset as usize, body) {
-                    sh.fail_with(e, Some(p));
-                    return;
-                }
-            }
-            FrameKind::Goodbye => {
-                said_goodbye = true;
-                sh.mailbox.goodbye(p);
-            }
-            FrameKind::Abort => {
-                sh.fail_with(decode_cause(p, &body), None);
-                return;
-            }
-        }
     }
 }
 
@@ -591,7 +524,14 @@ impl Shared {
             let h = FrameHeader { kind: FrameKind::Data, tag: tag.0, seq, total, offset: off as u64, len: part.len() as u64 };
             // The writer is released before the error is handled: failing the link tells the
             // peers, which needs the writers.
-            let written = write_frame(&mut c.writer.lock().unwrap_or_else(|e| e.into_inner()), &h, part, deadline);
+            let written = {
+                let mut w = c.writer.lock().unwrap_or_else(|e| e.into_inner());
+                if self.cfg.poll {
+                    rx::send_frame(self, &w, &h, part, deadline)
+                } else {
+                    write_frame(&mut w, &h, part, deadline)
+                }
+            };
             written.map_err(|e| {
                 // A partly written frame leaves the stream unusable: fail the link.
                 let err = if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {

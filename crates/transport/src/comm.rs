@@ -888,7 +888,6 @@ impl Communicator {
                 return g.all_to_all_v(sb, &so, rb, &ro, dl);
             }
             let r = self.me;
-            rb[ro[r].clone()].copy_from_slice(&sb[so[r].clone()]);
             if send_counts[r] != recv_counts[r] {
                 return Err(Error::LengthMismatch {
                     op: "all_to_all_v",
@@ -897,15 +896,25 @@ impl Communicator {
                     got: send_counts[r] * es,
                 });
             }
+            let (own_from, own_to) = (so[r].clone(), ro[r].clone());
             let mut landing = Landing::new(self, rb);
+            // Blocks travel in segments, like ring chunks: large blocks pipeline through the
+            // sockets instead of going as one message (which a backend may stripe over its
+            // connections with helper threads); a block's segment count follows from its
+            // length, so the receiver posts exactly what the sender sends.
             for p in (1..n).map(|k| (r + n - k) % n) {
-                landing.post(p, ro[p].clone())?;
+                for seg in self.segments(ro[p].len()) {
+                    landing.post(p, ro[p].start + seg.start..ro[p].start + seg.end)?;
+                }
             }
             // Pairwise order spreads the load: at step k everybody sends to rank + k.
             for k in 1..n {
                 let p = (r + k) % n;
-                self.csend(p, &sb[so[p].clone()], dl)?;
+                self.send_segmented(p, &sb[so[p].clone()], dl)?;
             }
+            // The own block is copied while the peers' blocks are on their way (it is off the
+            // critical path there), through the landing guard that owns the buffer meanwhile.
+            landing.copy_in(own_to, &sb[own_from]);
             landing.finish("all_to_all_v", dl)
         })
     }
@@ -1045,6 +1054,14 @@ impl<'a> Landing<'a> {
         let h = unsafe { c.l().irecv_into(c.members[peer], c.coll_tag(), self.base.add(range.start), range.len()) }?;
         self.pending.push((peer, range, h));
         Ok(())
+    }
+
+    /// Copies `src` into `range` of the buffer, which no posted receive covers.
+    fn copy_in(&mut self, range: Range<usize>, src: &[u8]) {
+        assert!(range.end <= self.len && !self.pending.iter().any(|(_, r, _)| r.start < range.end && range.start < r.end));
+        // SAFETY: `range` lies inside the buffer borrowed for 'a (asserted) and overlaps no
+        // landing zone, so no backend writes these bytes; `src` is another buffer.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(range.start), range.len()) }.copy_from_slice(src);
     }
 
     /// Waits for every receive, copying the ones the backend could not land.

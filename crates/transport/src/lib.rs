@@ -57,6 +57,6 @@ pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use link::{
     join_until, wait_blocking_send, Buf, BufMut, DeviceSlice, Link, LinkInfo, Mailbox, MemKind, NativeCollectives, PendingSend,
-    RecvBuf, RecvHandle, SendCompleter, SendHandle, SeqTable, SpeedSource, Tag, PROGRESS_SPIN,
+    Progress, RecvBuf, RecvHandle, SendCompleter, SendHandle, SeqTable, SpeedSource, Tag, PROGRESS_SPIN,
 };
 pub use nonblocking::CollHandle;

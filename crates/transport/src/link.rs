@@ -625,12 +625,55 @@ impl std::fmt::Debug for PostHook {
     }
 }
 
-/// Drives the backend from a waiting thread (see [`Mailbox::set_progress`]).
-struct ProgressHook(Box<dyn Fn() -> bool + Send + Sync>);
+/// A backend driven by the threads that wait on its mailbox (MPI-style progress): see
+/// [`Mailbox::set_progress_driver`].
+pub trait Progress: Send + Sync {
+    /// A waiter starts driving the backend (before its first [`Progress::poll`]).
+    fn begin(&self) {}
+    /// One round of progress; returns whether anything happened.
+    fn poll(&self) -> bool;
+    /// The waiter stops driving: it has its message or failed (`to_sleep` false), or it is
+    /// about to sleep until the backend's own threads deliver (`to_sleep` true). Called once
+    /// per `begin`.
+    fn end(&self, to_sleep: bool) {
+        let _ = to_sleep;
+    }
+}
+
+/// A closure as a [`Progress`] without begin or end.
+struct PollFn(Box<dyn Fn() -> bool + Send + Sync>);
+
+impl Progress for PollFn {
+    fn poll(&self) -> bool {
+        (self.0)()
+    }
+}
+
+/// Drives the backend from a waiting thread (see [`Mailbox::set_progress_driver`]).
+struct ProgressHook(Box<dyn Progress>);
 
 impl std::fmt::Debug for ProgressHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("ProgressHook")
+    }
+}
+
+/// Ends a waiter's driving of the backend on every way out of the wait.
+struct Driving<'a> {
+    hook: Option<&'a ProgressHook>,
+}
+
+impl Driving<'_> {
+    fn stop(&mut self, to_sleep: bool) {
+        if let Some(h) = self.hook.take() {
+            h.0.end(to_sleep);
+        }
+    }
+}
+
+impl Drop for Driving<'_> {
+    fn drop(&mut self) {
+        self.stop(false);
     }
 }
 
@@ -652,7 +695,13 @@ impl Mailbox {
     /// anything happened; after [`PROGRESS_SPIN`] without progress the waiter sleeps. Only the
     /// first hook installed is kept.
     pub fn set_progress(&self, f: Box<dyn Fn() -> bool + Send + Sync>) {
-        let _ = self.progress.set(ProgressHook(f));
+        self.set_progress_driver(Box::new(PollFn(f)));
+    }
+
+    /// Like [`Mailbox::set_progress`], for a backend that needs to know when waiters start and
+    /// stop driving it (for example to keep its own threads out of the way meanwhile).
+    pub fn set_progress_driver(&self, d: Box<dyn Progress>) {
+        let _ = self.progress.set(ProgressHook(d));
     }
 
     fn posted_hook(&self) {
@@ -716,6 +765,21 @@ impl Mailbox {
     /// A buffer of `len` bytes to receive into (contents unspecified), recycled when possible.
     pub fn buffer(&self, len: usize) -> Vec<u8> {
         self.pool.take(len)
+    }
+
+    /// Reserves `len` more bytes of buffering if that needs no wait: `Some(true)` when
+    /// reserved, `None` when the budget is full (try again later, or [`Mailbox::reserve`] from
+    /// a thread that may block), `Some(false)` when the mailbox failed.
+    pub fn try_reserve(&self, len: usize) -> Option<bool> {
+        let mut st = lock(&self.state);
+        if st.fatal.is_some() {
+            return Some(false);
+        }
+        if st.buffered > 0 && st.buffered + len > self.cap_bytes {
+            return None;
+        }
+        st.buffered += len;
+        Some(true)
     }
 
     /// Waits until `len` more bytes may be buffered. Returns `false` when the mailbox failed.
@@ -880,6 +944,8 @@ impl Mailbox {
     fn wait(&self, src: usize, tag: Tag, seq: u64, deadline: Instant) -> Result<RecvBuf> {
         let start = Instant::now();
         let mut last_progress = start;
+        // Declared before the lock guard, so that a driver's `end` runs after it is released.
+        let mut driving = Driving { hook: None };
         let mut st = lock(&self.state);
         loop {
             if let Some(q) = st.queues.get_mut(&(src, tag)) {
@@ -908,11 +974,22 @@ impl Mailbox {
             }
             if let Some(p) = self.progress.get().filter(|_| now.duration_since(last_progress) < PROGRESS_SPIN) {
                 drop(st);
-                if (p.0)() {
+                if driving.hook.is_none() {
+                    p.0.begin();
+                    driving.hook = Some(p);
+                }
+                if p.0.poll() {
                     last_progress = Instant::now();
                 } else {
                     std::hint::spin_loop();
                 }
+                st = lock(&self.state);
+                continue;
+            }
+            if driving.hook.is_some() {
+                // The backend's own threads deliver from here on: let them know first.
+                drop(st);
+                driving.stop(true);
                 st = lock(&self.state);
                 continue;
             }
