@@ -527,6 +527,9 @@ impl Shared {
             let written = {
                 let mut w = c.writer.lock().unwrap_or_else(|e| e.into_inner());
                 if self.cfg.poll {
+                    // While its socket is full this thread decodes what arrives, and may find
+                    // the link failed there: `fail_with` must not wait for this writer then.
+                    let _held = rx::HoldingWriter::new(c);
                     rx::send_frame(self, &w, &h, part, deadline)
                 } else {
                     write_frame(&mut w, &h, part, deadline)
@@ -591,6 +594,11 @@ impl Shared {
             for (q, peer) in self.peers.iter().enumerate() {
                 let Some(peer) = peer.as_ref().filter(|_| Some(q) != culprit) else { continue };
                 for c in &peer.conns {
+                    // A frame of this thread's is half written there: the cause cannot go on
+                    // this connection (the peer drains our others before it blames us).
+                    if rx::HoldingWriter::is_held_here(c) {
+                        continue;
+                    }
                     // A writer busy with a stuck write is skipped after a short wait.
                     let until = Instant::now() + Duration::from_millis(500);
                     loop {
@@ -685,6 +693,12 @@ impl Link for TcpLink {
     }
     fn unacked_bytes(&self, p: usize) -> Option<usize> {
         let peer = self.shared.peers.get(p)?.as_ref()?;
+        // A reset connection keeps reporting what it never got acknowledged: once the link
+        // failed, or a connection to this peer ended, there is no answer (and the caller's next
+        // operation gets the link's error).
+        if self.shared.mailbox.failure().is_some() || self.shared.slots.iter().any(|s| s.peer() == p && s.has_ended()) {
+            return None;
+        }
         peer.conns.iter().map(|c| queued_bytes(&c.control).ok()).sum()
     }
 

@@ -76,6 +76,11 @@ impl Slot {
         self.peer
     }
 
+    /// The connection closed, failed or was garbled: nobody reads it again.
+    pub(crate) fn has_ended(&self) -> bool {
+        self.ended.load(Ordering::SeqCst)
+    }
+
     pub(crate) fn new(peer: usize, stream: TcpStream) -> Self {
         let fd = stream.as_raw_fd();
         Slot {
@@ -85,6 +90,51 @@ impl Slot {
             peer,
         }
     }
+}
+
+thread_local! {
+    /// The connection whose writer this thread holds while it drives receives (see
+    /// [`send_frame`]), by address.
+    static HOLDING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// This thread is draining a peer's other connections before blaming it (no nesting).
+    static DRAINING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks, for as long as it lives, that this thread holds `c`'s writer.
+pub(crate) struct HoldingWriter(usize);
+
+impl HoldingWriter {
+    pub(crate) fn new(c: &crate::Conn) -> Self {
+        let prev = HOLDING.with(|h| h.replace(std::ptr::from_ref(c) as usize));
+        HoldingWriter(prev)
+    }
+
+    /// Whether this thread holds `c`'s writer (in the middle of one of its frames).
+    pub(crate) fn is_held_here(c: &crate::Conn) -> bool {
+        HOLDING.with(|h| h.get()) == std::ptr::from_ref(c) as usize
+    }
+}
+
+impl Drop for HoldingWriter {
+    fn drop(&mut self) {
+        HOLDING.with(|h| h.set(self.0));
+    }
+}
+
+/// Before peer `p` is blamed for a connection that closed without a goodbye: a rank that fails
+/// on purpose sends its cause on its other connections before it exits, and one of them may
+/// still hold it unread (connections are not ordered with each other). Decodes what they hold.
+fn drain_peer(sh: &Shared, p: usize, except: RawFd) {
+    if DRAINING.with(|d| d.replace(true)) {
+        return;
+    }
+    for slot in sh.slots.iter().filter(|s| s.peer == p && s.fd != except) {
+        // One another thread holds is being decoded by it, cause included.
+        if let Ok(mut c) = slot.conn.try_lock() {
+            c.pump(sh, &slot.ended, false);
+        }
+    }
+    DRAINING.with(|d| d.set(false));
 }
 
 /// What one `recv` gave.
@@ -128,6 +178,7 @@ impl RxConn {
         let fd = self.stream.as_raw_fd();
         let lost = |detail: String| {
             if !sh.closing.load(Ordering::SeqCst) {
+                drain_peer(sh, p, fd);
                 sh.fail_with(Error::PeerLost { rank: p, detail }, Some(p));
             }
         };

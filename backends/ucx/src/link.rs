@@ -91,6 +91,9 @@ struct Shared {
     signal: Mutex<Option<Signal>>,
     /// Rendezvous messages waiting for their receive (the post hook wakes the thread then).
     held: std::sync::atomic::AtomicUsize,
+    /// Callers driving the engine from their waits; the progress thread parks meanwhile.
+    drivers: std::sync::atomic::AtomicUsize,
+    park: (Mutex<()>, std::sync::Condvar),
 }
 
 impl Shared {
@@ -122,6 +125,43 @@ impl Shared {
     fn issue(&self, op: Box<SendOp>) -> Result<()> {
         // Without an engine the op is dropped here, which fails the caller's handle.
         self.with_engine(|e| e.issue_send(AM_DATA, op))
+    }
+}
+
+/// How long the parked progress thread waits before it looks at the link again.
+const PARK_CHECK: Duration = Duration::from_millis(20);
+
+/// The progress driver on the link's mailbox: a waiting caller drives the engine itself, and
+/// the progress thread stays parked while any caller does. Otherwise the thread, asleep on the
+/// worker's event descriptor, wakes on every arrival and takes the engine from the caller that
+/// was about to find the message itself (one more thread on the cores per message).
+struct Driver {
+    shared: std::sync::Weak<Shared>,
+}
+
+impl ironweave_transport::Progress for Driver {
+    fn begin(&self) {
+        if let Some(sh) = self.shared.upgrade() {
+            sh.drivers.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        }
+    }
+
+    fn poll(&self) -> bool {
+        self.shared.upgrade().is_some_and(|sh| sh.progress_once())
+    }
+
+    fn end(&self, to_sleep: bool) {
+        if let Some(sh) = self.shared.upgrade() {
+            let last = sh.drivers.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1;
+            // One that got its message lets the thread notice by itself (the next wait usually
+            // follows at once); one that goes to sleep needs it now.
+            if last && to_sleep {
+                let _g = lock(&sh.park.0);
+                sh.park.1.notify_all();
+                drop(_g);
+                sh.wake();
+            }
+        }
     }
 }
 
@@ -182,9 +222,10 @@ impl UcxLink {
             closing: std::sync::atomic::AtomicBool::new(false),
             signal: Mutex::new(None),
             held: std::sync::atomic::AtomicUsize::new(0),
+            drivers: std::sync::atomic::AtomicUsize::new(0),
+            park: (Mutex::new(()), std::sync::Condvar::new()),
         });
-        let weak = Arc::downgrade(&shared);
-        shared.mailbox.set_progress(Box::new(move || weak.upgrade().is_some_and(|sh| sh.progress_once())));
+        shared.mailbox.set_progress_driver(Box::new(Driver { shared: Arc::downgrade(&shared) }));
         let weak = Arc::downgrade(&shared);
         shared.mailbox.set_on_post(Box::new(move || {
             if let Some(sh) = weak.upgrade() {
@@ -251,12 +292,14 @@ impl Link for UcxLink {
         // A rendezvous send completes only once the peer has pulled the data, during which
         // nothing happens here: keep polling about as long as the copy takes (4 GB/s).
         let budget = PROGRESS_SPIN + Duration::from_nanos(data.len() as u64 / 4);
-        let mut last = Instant::now();
-        while !h.is_done() && last.elapsed() < budget && Instant::now() < deadline {
-            if sh.progress_once() {
-                last = Instant::now();
-            } else {
-                std::hint::spin_loop();
+        if !h.is_done() {
+            let mut last = Instant::now();
+            while !h.is_done() && last.elapsed() < budget && Instant::now() < deadline {
+                if sh.progress_once() {
+                    last = Instant::now();
+                } else {
+                    std::hint::spin_loop();
+                }
             }
         }
         let r = wait_blocking_send(h, deadline, self.linger + Duration::from_secs(10), || {
@@ -821,6 +864,17 @@ fn run(shared: &Shared, efd: i32, tuning: &Tuning) {
     let mut last_busy = Instant::now();
     let mut closing: Option<Instant> = None;
     loop {
+        if closing.is_none()
+            && !shared.closing.load(std::sync::atomic::Ordering::Acquire)
+            && shared.drivers.load(std::sync::atomic::Ordering::Acquire) > 0
+        {
+            // Callers drive the engine while they wait: stay out of their way.
+            let g = lock(&shared.park.0);
+            if shared.drivers.load(std::sync::atomic::Ordering::Acquire) > 0 {
+                let _ = shared.park.1.wait_timeout(g, PARK_CHECK);
+            }
+            continue;
+        }
         let mut g = lock(&shared.core);
         let Some(Core(eng)) = g.as_mut() else { return };
         if closing.is_none() && shared.closing.load(std::sync::atomic::Ordering::Acquire) {

@@ -11,13 +11,13 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::comm::Communicator;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{Error, Result};
-use crate::link::{lock, take_when_filled};
+use crate::link::{lock, Filled};
 
 type Job = Box<dyn FnOnce(&Communicator) + Send>;
 
@@ -56,7 +56,7 @@ impl CollExecutor {
         timeout: Duration,
         f: impl FnOnce(&Communicator) -> Result<R> + Send + 'static,
     ) -> Result<CollHandle<R>> {
-        let slot = Arc::new(Slot { value: Mutex::new(None), cv: Condvar::new() });
+        let slot: Arc<Slot<R>> = Arc::new(Filled::default());
         let ahead = self.pending.fetch_add(1, Ordering::SeqCst);
         // each operation ahead, and this one, ends within the communicator's timeout (plus a
         // margin for the abort that a failed operation sends)
@@ -66,8 +66,7 @@ impl CollExecutor {
             let started = Instant::now();
             let r = f(c).map(|v| (v, started, Instant::now()));
             pending.fetch_sub(1, Ordering::SeqCst);
-            *lock(&done.value) = Some(r);
-            done.cv.notify_all();
+            done.fill(r);
         });
         if lock(&self.tx).send(job).is_err() {
             self.pending.fetch_sub(1, Ordering::SeqCst);
@@ -77,11 +76,8 @@ impl CollExecutor {
     }
 }
 
-struct Slot<R> {
-    /// The result with when the collective thread started and finished the operation.
-    value: Mutex<Option<Result<(R, Instant, Instant)>>>,
-    cv: Condvar,
-}
+/// The result with when the collective thread started and finished the operation.
+type Slot<R> = Filled<(R, Instant, Instant)>;
 
 /// The result of a non-blocking collective, to wait for. Dropping it does not cancel the
 /// operation (every rank must still run it); its result is then discarded.
@@ -100,7 +96,7 @@ impl<R> std::fmt::Debug for CollHandle<R> {
 impl<R> CollHandle<R> {
     /// Whether the operation has finished (successfully or not).
     pub fn test(&self) -> bool {
-        lock(&self.slot.value).is_some()
+        self.slot.is_filled()
     }
 
     /// Waits for the result; bounded by the communicator's timeout per operation queued.
@@ -119,7 +115,7 @@ impl<R> CollHandle<R> {
     /// finished the operation (what an overlap schedule measures: the time on the wire, not
     /// the time the caller waited).
     pub fn wait_timed(self, deadline: Instant) -> Result<(R, Instant, Instant)> {
-        take_when_filled(&self.slot.value, &self.slot.cv, deadline, "a non-blocking collective")
+        self.slot.take(deadline, "a non-blocking collective")
     }
 
     /// When the operation must have ended: the communicator's timeout for each operation
