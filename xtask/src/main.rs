@@ -8,7 +8,8 @@
 //!
 //! `cargo xtask bench transport [--repeat 3] [--min-time S]` runs, interleaved in one
 //! invocation, ironweave's UCX backend on its shared-memory and TCP links beside
-//! `ucx_perftest` restricted to the same UCX transports (4 MiB `tag_bw`, 8-byte `tag_lat`), and
+//! `ucx_perftest` restricted to the same UCX transports (4 MiB `tag_bw`, 8-byte `tag_lat`; the
+//! same with `ucp_am_*`, the API we use, as reference columns), and
 //! 2-rank collectives over ironweave-ucx beside OpenMPI's default (shared memory) path;
 //! `target/bench/transport.json` and a table.
 //!
@@ -593,6 +594,12 @@ fn bench_transport(repeat: usize, min_time: &str) -> Result<()> {
             rows.push(json!({"peer": format!("ucx_perftest:{link}"), "op": "stream", "bytes": 4u64 << 20, "bw": bw, "verified": true, "round": round}));
             let (lat, _) = perftest(tls, "tag_lat", 8, 100_000, port + 1)?;
             rows.push(json!({"peer": format!("ucx_perftest:{link}"), "op": "pingpong", "bytes": 8, "time_us": lat, "verified": true, "round": round}));
+            // The same API as ours (UCP active messages): what UCX itself gets without tag
+            // matching, a reference column beside the target's tag_* figures.
+            let (_, bw) = perftest(tls, "ucp_am_bw", 4 << 20, 1000, port + 2)?;
+            rows.push(json!({"peer": format!("ucx_perftest_am:{link}"), "op": "stream", "bytes": 4u64 << 20, "bw": bw, "verified": true, "round": round}));
+            let (lat, _) = perftest(tls, "ucp_am_lat", 8, 100_000, port + 3)?;
+            rows.push(json!({"peer": format!("ucx_perftest_am:{link}"), "op": "pingpong", "bytes": 8, "time_us": lat, "verified": true, "round": round}));
         }
         eprintln!("xtask: round {}/{repeat}: collectives, ironweave-ucx (shm link) and OpenMPI default", round + 1);
         let path = out_dir.join("transport-coll.json");
@@ -632,17 +639,27 @@ fn bench_transport(repeat: usize, min_time: &str) -> Result<()> {
     };
     let all_ok = |peer: &str| rows.iter().filter(|r| r["peer"] == peer).all(|r| r["verified"] == json!(true));
     let mut t = format!("Median of {repeat} interleaved rounds; bandwidth in GB/s (10^9 B/s), latency one way in us.\n\n");
-    t.push_str("| link | ironweave-ucx 4 MiB bw | ucx_perftest tag_bw | ratio | ironweave-ucx 8 B latency | ucx_perftest tag_lat | ratio (perftest / ours) | verified |\n");
-    t.push_str("|---|---:|---:|---:|---:|---:|---:|---|\n");
+    t.push_str("| link | ironweave-ucx 4 MiB bw | ucx_perftest tag_bw | ratio | ucp_am_bw (same API) | ironweave-ucx 8 B latency | ucx_perftest tag_lat | ratio (perftest / ours) | ucp_am_lat (same API) | verified |\n");
+    t.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     for (link, _) in links {
-        let (ours, peer) = (format!("ironweave-ucx:{link}"), format!("ucx_perftest:{link}"));
-        let (bw, pbw) = (median(&ours, "stream", 4 << 20, "bw"), median(&peer, "stream", 4 << 20, "bw"));
-        let (lat, plat) = (median(&ours, "pingpong", 8, "time_us"), median(&peer, "pingpong", 8, "time_us"));
+        let (ours, peer, am) =
+            (format!("ironweave-ucx:{link}"), format!("ucx_perftest:{link}"), format!("ucx_perftest_am:{link}"));
+        let (bw, pbw, abw) = (
+            median(&ours, "stream", 4 << 20, "bw"),
+            median(&peer, "stream", 4 << 20, "bw"),
+            median(&am, "stream", 4 << 20, "bw"),
+        );
+        let (lat, plat, alat) = (
+            median(&ours, "pingpong", 8, "time_us"),
+            median(&peer, "pingpong", 8, "time_us"),
+            median(&am, "pingpong", 8, "time_us"),
+        );
         t.push_str(&format!(
-            "| {link} | {:.3} | {:.3} | {:.2}x | {lat:.2} | {plat:.2} | {:.2}x | {} |\n",
+            "| {link} | {:.3} | {:.3} | {:.2}x | {:.3} | {lat:.2} | {plat:.2} | {:.2}x | {alat:.2} | {} |\n",
             bw / 1e9,
             pbw / 1e9,
             bw / pbw,
+            abw / 1e9,
             plat / lat,
             if all_ok(&ours) { "yes" } else { "NO" }
         ));

@@ -285,6 +285,16 @@ impl Link for UcxLink {
         if peer == sh.rank {
             return self.loopback(tag, seq, data.to_vec());
         }
+        if data.len() <= IMMEDIATE_MAX {
+            // Most small messages go out at once (UCX's short or eager protocols): without a
+            // request, a completion callback or a handle to wait on.
+            let hdr = header(sh.rank, tag, seq);
+            match sh.with_engine(|e| e.send_now(peer, &hdr, data))? {
+                Some(Err(e @ Error::PeerLost { .. })) => return Err(self.cause_of_lost_send(e)),
+                Some(r) => return r,
+                None => {}
+            }
+        }
         // SAFETY: we block below until the send completes or the link let go of `data`.
         let (send, h) = unsafe { PendingSend::borrowed(data) };
         sh.issue(Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send, mailbox: sh.mailbox.clone() }))?;
@@ -535,22 +545,9 @@ unsafe extern "C" fn on_data(
     }
     // SAFETY: eager data: `len` bytes at `data`, valid during this callback.
     let bytes = if len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) } };
-    let mb = &cb.mailbox;
-    match mb.land(src, tag, seq, len, 0, len) {
-        Ok(Some(dst)) => {
-            // SAFETY: the mailbox granted `len` writable bytes at `dst` until land_done.
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, len) };
-            mb.land_done(src, tag, seq, len, true);
-        }
-        Ok(None) => {
-            mb.reserve(len);
-            let mut buf = mb.buffer(len);
-            buf.copy_from_slice(bytes);
-            if let Err(e) = mb.deliver(src, tag, seq, len, 0, buf) {
-                cb.fail(e);
-            }
-        }
-        Err(e) => cb.fail(e),
+    // Into the posted landing zone, or a buffer, under one mailbox lock.
+    if let Err(e) = cb.mailbox.deliver_copy(src, tag, seq, bytes) {
+        cb.fail(e);
     }
     sys::UCS_OK
 }
@@ -623,7 +620,62 @@ struct Engine {
     me: usize,
 }
 
+/// Sends up to this size first try to complete at once (see [`Engine::send_now`]).
+const IMMEDIATE_MAX: usize = 8 << 10;
+
 impl Engine {
+    /// Sends a data message only if UCX can complete it at once (`FORCE_IMM_CMPL`): `None`
+    /// when it cannot now (the caller takes the usual path), else the outcome.
+    fn send_now(&self, peer: usize, hdr: &[u8; HDR], data: &[u8]) -> Option<Result<()>> {
+        let ep = self.eps.get(peer).and_then(Option::as_ref)?;
+        let param = sys::ucp_request_param_t { op_attr_mask: sys::UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL, ..Default::default() };
+        // SAFETY: live endpoint; header and data are borrowed for the call only: with
+        // FORCE_IMM_CMPL the operation completes before returning or is not started.
+        let req = unsafe {
+            self.worker.lib().ucp_am_send_nbx(
+                ep.raw(),
+                AM_DATA,
+                hdr.as_ptr().cast(),
+                HDR,
+                data.as_ptr().cast(),
+                data.len(),
+                &param,
+            )
+        };
+        if sys::ucs_ptr_is_ptr(req) {
+            // Not expected with FORCE_IMM_CMPL; should it happen, finish it here (the data is
+            // borrowed) before it is freed.
+            let lib = self.worker.lib();
+            // SAFETY: `req` is a live request of this worker; checked, progressed, freed once.
+            let mut status = unsafe { lib.ucp_request_check_status(req) };
+            while status == sys::UCS_INPROGRESS {
+                self.worker.progress();
+                // SAFETY: as above.
+                status = unsafe { lib.ucp_request_check_status(req) };
+            }
+            // SAFETY: as above.
+            unsafe { lib.ucp_request_free(req) };
+            return Some(self.send_status(peer, status));
+        }
+        match sys::ucs_ptr_status(req) {
+            sys::UCS_ERR_NO_RESOURCE => None,
+            s => Some(self.send_status(peer, s)),
+        }
+    }
+
+    /// A finished send's status as the caller's result (see `finish_send`).
+    fn send_status(&self, peer: usize, status: sys::ucs_status_t) -> Result<()> {
+        match status {
+            sys::UCS_OK => Ok(()),
+            sys::UCS_ERR_CANCELED => Err(self
+                .cb
+                .mailbox
+                .failure()
+                .unwrap_or_else(|| Error::Aborted { reason: "the UCX link was aborted while the send was in flight".into() })),
+            s => Err(Error::PeerLost { rank: peer, detail: format!("UCX send failed: {}", ucp::status_text(s)) }),
+        }
+    }
+
     fn issue_send(&self, id: u32, op: Box<SendOp>) {
         let Some(ep) = self.eps.get(op.peer).and_then(Option::as_ref) else {
             let e = self.cb.mailbox.failure().unwrap_or(Error::Aborted { reason: "the UCX endpoint is closed".into() });

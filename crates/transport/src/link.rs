@@ -686,6 +686,8 @@ pub struct Mailbox {
     space: Condvar,
     on_post: std::sync::OnceLock<PostHook>,
     progress: std::sync::OnceLock<ProgressHook>,
+    /// Set when the mailbox fails: the send path's check needs no lock.
+    failed: std::sync::atomic::AtomicBool,
 }
 
 /// Called after every receive is posted (see [`Mailbox::set_on_post`]).
@@ -804,6 +806,7 @@ impl Mailbox {
             space: Condvar::new(),
             on_post: std::sync::OnceLock::new(),
             progress: std::sync::OnceLock::new(),
+            failed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -819,7 +822,60 @@ impl Mailbox {
     /// before it starts a send.
     pub fn check_peer(&self, peer: usize) -> Result<()> {
         self.check_rank(peer)?;
+        if !self.failed.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(());
+        }
         self.failure().map_or(Ok(()), Err)
+    }
+
+    /// Backend side: message `seq` from `src` on `tag` arrived whole, as `bytes` the backend
+    /// still owns: copied straight into its posted landing zone when there is one (and of its
+    /// length), else into a buffer. Under one lock what `land`/`land_done` or
+    /// `reserve`/`deliver` take two for — small messages, such as UCX's eager ones. The buffered
+    /// bytes count against the budget without waiting for it.
+    pub fn deliver_copy(&self, src: usize, tag: Tag, seq: u64, bytes: &[u8]) -> Result<()> {
+        let len = bytes.len();
+        let mut st = lock(&self.state);
+        let stp = &mut *st;
+        let q = stp.queues.entry((src, tag)).or_default();
+        let p = q.msgs.entry(seq).or_default();
+        if p.frames > 0 || p.landed || p.buffering {
+            return Err(Error::Protocol {
+                from: format!("rank {src}"),
+                detail: format!("message {seq} on tag {:#x} arrived twice", tag.0),
+            });
+        }
+        p.total = len;
+        p.got = len;
+        p.frames = 1;
+        match p.zone.filter(|&(_, zlen)| zlen == len && !p.abandoned) {
+            Some((base, _)) => {
+                // SAFETY: the zone was granted by `post_into`, whose caller keeps `len` bytes at
+                // `base` valid and untouched until its handle completes or is dropped; both
+                // need this lock, which we hold, and no other writer exists (the message came
+                // whole, once).
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base as *mut u8, len) };
+                p.landed = true;
+            }
+            None => {
+                p.buffering = true;
+                if len > 0 {
+                    let mut v = self.pool.take(len);
+                    v.copy_from_slice(bytes);
+                    p.parts.push((0, v));
+                    p.buffered += len;
+                    stp.buffered += len;
+                }
+                if p.abandoned {
+                    stp.buffered -= p.buffered;
+                    q.msgs.remove(&seq);
+                }
+            }
+        }
+        if stp.sleepers > 0 {
+            self.cv.notify_all();
+        }
+        Ok(())
     }
 
     /// Delivers a whole message from `src` (reserving its bytes first): a send to oneself, or
@@ -1129,6 +1185,7 @@ impl Mailbox {
         let first = st.fatal.is_none();
         if first {
             st.fatal = Some(err);
+            self.failed.store(true, std::sync::atomic::Ordering::Release);
         }
         drop(st);
         self.cv.notify_all();
