@@ -4,7 +4,9 @@
 //! runs, in one invocation, ironweave's TCP backend, OpenMPI forced onto TCP
 //! (`--mca btl tcp,self`), OpenMPI's default shared-memory path, and a single-process memcpy
 //! of the same size; writes `target/bench/collectives.json` and prints a Markdown table for
-//! docs/BENCHMARKS.md.
+//! docs/BENCHMARKS.md. As root it sets the system's default TCP congestion control to `reno`
+//! for the run (restored after), the algorithm ironweave sets on its own connections within
+//! one host, so that OpenMPI's TCP side is not paced by BBR while ours is not.
 //!
 //! `cargo xtask bench transport [--repeat 3] [--min-time S]` runs, interleaved in one
 //! invocation, ironweave's UCX backend on its shared-memory and TCP links beside
@@ -180,8 +182,52 @@ fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"))
 }
 
+const CC_PATH: &str = "/proc/sys/net/ipv4/tcp_congestion_control";
+
+/// The system's default TCP congestion control set to `reno` for one benchmark and put back
+/// when dropped. ironweave sets `reno` on its own connections within one host
+/// (`TcpConfig::local_congestion`); OpenMPI has no such setting and takes the system default,
+/// so without this its TCP side would run under BBR's pacing and ours not.
+struct RenoForTheRun {
+    restore: Option<String>,
+    /// What OpenMPI's sockets ran with, for the table.
+    note: String,
+}
+
+impl RenoForTheRun {
+    fn set() -> Self {
+        match std::fs::read_to_string(CC_PATH).map(|s| s.trim().to_string()) {
+            Ok(was) if was == "reno" => RenoForTheRun { restore: None, note: "reno (the system default)".into() },
+            Ok(was) => {
+                match std::fs::write(CC_PATH, "reno") {
+                    Ok(()) => RenoForTheRun {
+                        note: format!("reno, set for the run (the system default, {was}, is restored after)"),
+                        restore: Some(was),
+                    },
+                    Err(e) => {
+                        eprintln!("xtask: warning: could not set {CC_PATH} to reno ({e}; needs root): OpenMPI's TCP side runs under {was}");
+                        RenoForTheRun { restore: None, note: format!("{was}, the system default (setting reno needs root)") }
+                    }
+                }
+            }
+            Err(e) => RenoForTheRun { restore: None, note: format!("the system default ({CC_PATH}: {e})") },
+        }
+    }
+}
+
+impl Drop for RenoForTheRun {
+    fn drop(&mut self) {
+        if let Some(was) = self.restore.take() {
+            if let Err(e) = std::fs::write(CC_PATH, &was) {
+                eprintln!("xtask: warning: could not restore {CC_PATH} to {was}: {e}");
+            }
+        }
+    }
+}
+
 fn bench_collectives(ranks: &[usize], sizes: &str, ops: &str, min_time: &str, repeat: usize) -> Result<()> {
     let out_dir = bench_dir()?;
+    let cc = RenoForTheRun::set();
 
     let iw = build_ironweave()?;
 
@@ -258,7 +304,10 @@ fn bench_collectives(ranks: &[usize], sizes: &str, ops: &str, min_time: &str, re
     let sides = ["ironweave-tcp", "ompi-tcp", "ironweave-shm", "ompi-default"];
     let mut table = format!(
         "Median of {repeat} interleaved rounds, busbw in GB/s (nccl-tests definition); rows of at most 4 KiB \
-         are latency rows: time per call in us, and the ratio is OpenMPI's time / ours (above 1: we are faster).\n\n"
+         are latency rows: time per call in us, and the ratio is OpenMPI's time / ours (above 1: we are faster). \
+         TCP congestion control of OpenMPI's sockets: {}; ironweave's connections within one host use reno \
+         on their own.\n\n",
+        cc.note
     );
     table.push_str("| op | size | ranks | ironweave tcp | OpenMPI tcp | vs OpenMPI tcp | ironweave default (shm path) | OpenMPI default (vader) | vs OpenMPI default | memcpy | shm path taken | all verified |\n");
     table.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|\n");
