@@ -501,18 +501,21 @@ unsafe extern "C" fn recv_done(req: *mut c_void, status: sys::ucs_status_t, _len
 }
 
 fn finish_send(op: SendOp, status: sys::ucs_status_t) {
-    let peer = op.peer;
-    let r = match status {
+    let r = send_result(&op.mailbox, op.peer, status);
+    op.send.finish(r);
+}
+
+/// A finished send's status as the caller's result.
+fn send_result(mailbox: &Mailbox, peer: usize, status: sys::ucs_status_t) -> Result<()> {
+    match status {
         sys::UCS_OK => Ok(()),
         // UCX cancels a send only once this link failed (an abort, a closed or failed
         // endpoint): report what failed it — a lost or aborting peer — not the cancellation.
-        sys::UCS_ERR_CANCELED => Err(op
-            .mailbox
+        sys::UCS_ERR_CANCELED => Err(mailbox
             .failure()
             .unwrap_or_else(|| Error::Aborted { reason: "the UCX link was aborted while the send was in flight".into() })),
         s => Err(Error::PeerLost { rank: peer, detail: format!("UCX send failed: {}", ucp::status_text(s)) }),
-    };
-    op.send.finish(r);
+    }
 }
 
 unsafe extern "C" fn on_data(
@@ -655,24 +658,11 @@ impl Engine {
             }
             // SAFETY: as above.
             unsafe { lib.ucp_request_free(req) };
-            return Some(self.send_status(peer, status));
+            return Some(send_result(&self.cb.mailbox, peer, status));
         }
         match sys::ucs_ptr_status(req) {
             sys::UCS_ERR_NO_RESOURCE => None,
-            s => Some(self.send_status(peer, s)),
-        }
-    }
-
-    /// A finished send's status as the caller's result (see `finish_send`).
-    fn send_status(&self, peer: usize, status: sys::ucs_status_t) -> Result<()> {
-        match status {
-            sys::UCS_OK => Ok(()),
-            sys::UCS_ERR_CANCELED => Err(self
-                .cb
-                .mailbox
-                .failure()
-                .unwrap_or_else(|| Error::Aborted { reason: "the UCX link was aborted while the send was in flight".into() })),
-            s => Err(Error::PeerLost { rank: peer, detail: format!("UCX send failed: {}", ucp::status_text(s)) }),
+            s => Some(send_result(&self.cb.mailbox, peer, s)),
         }
     }
 

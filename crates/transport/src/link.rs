@@ -652,6 +652,12 @@ impl Partial {
     fn complete(&self) -> bool {
         self.frames > 0 && self.got == self.total
     }
+
+    /// Where a message of `total` bytes may be written straight: the posted zone, if it is of
+    /// exactly that length, still wanted, and the message has not taken the buffered path.
+    fn zone_for(&self, total: usize) -> Option<usize> {
+        self.zone.filter(|&(_, zlen)| zlen == total && !self.abandoned && !self.buffering).map(|(base, _)| base)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -848,8 +854,8 @@ impl Mailbox {
         p.total = len;
         p.got = len;
         p.frames = 1;
-        match p.zone.filter(|&(_, zlen)| zlen == len && !p.abandoned) {
-            Some((base, _)) => {
+        match p.zone_for(len) {
+            Some(base) => {
                 // SAFETY: the zone was granted by `post_into`, whose caller keeps `len` bytes at
                 // `base` valid and untouched until its handle completes or is dropped; both
                 // need this lock, which we hold, and no other writer exists (the message came
@@ -1000,8 +1006,7 @@ impl Mailbox {
     pub fn land(&self, src: usize, tag: Tag, seq: u64, total: usize, offset: usize, len: usize) -> Result<Option<*mut u8>> {
         let mut st = lock(&self.state);
         let p = st.queues.entry((src, tag)).or_default().msgs.entry(seq).or_default();
-        let zone = p.zone.filter(|&(_, zlen)| zlen == total && !p.abandoned && !p.buffering);
-        let Some((base, _)) = zone else {
+        let Some(base) = p.zone_for(total) else {
             if !p.landed {
                 // Decided under the lock: this message is buffered, whatever is posted later.
                 p.buffering = true;
