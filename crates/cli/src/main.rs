@@ -5,25 +5,10 @@
 //! and links; `doctor` lists backends; `selftest` holds the small rank programs the fault tests
 //! run. Backends are reached only through the `ironweave` facade.
 
-mod backend;
-mod bench;
-mod chaos;
-mod ckpt_bench;
-mod ckpt_replay;
-mod ckpt_selftest;
-mod cluster;
-mod launch;
-mod overlap;
-mod plan;
-mod progress;
-mod report;
-mod scaling;
-mod sdp;
-mod sdp_bench;
-mod selftest;
-mod simulate;
-mod snapbench;
-mod train;
+use ironweave_ops::{
+    backend, bench, chaos, ckpt_bench, ckpt_replay, ckpt_selftest, cluster, launch, overlap, plan, progress, report, scaling,
+    sdp, sdp_bench, selftest, simulate, snapbench, train,
+};
 
 use std::time::Duration;
 
@@ -93,7 +78,7 @@ enum Cmd {
     },
     /// Train the MoE workload across local ranks (expert and data parallel) with a checkpoint
     /// every iteration; prints loss and tokens/s, writes report.json, trace.json, timeline.svg.
-    Train(train::TrainArgs),
+    Train(ironweave_ops::run::TrainArgs),
     /// Per-rank body of `train` (started by it).
     #[command(hide = true)]
     TrainWorker(train::WorkerArgs),
@@ -641,7 +626,7 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Cmd::Cluster { what } => cluster_cmd(what),
-        Cmd::Train(args) => train::run(&args),
+        Cmd::Train(args) => Ok(ironweave_ops::train(&args)?),
         Cmd::Report { dir, out } => {
             let p = report::write(&dir, out.as_deref())?;
             println!("{}", p.display());

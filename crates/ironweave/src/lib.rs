@@ -20,13 +20,17 @@
 //! ```
 
 mod backend;
+#[cfg(feature = "candle")]
+pub mod candle;
 mod doctor;
+pub mod elastic;
 
 pub use backend::{connect, init, init_from_env, Backend};
 pub use doctor::{doctor, BackendReport, LinkReport};
 pub use ironweave_ckpt as ckpt;
 pub use ironweave_plan as plan;
 pub use ironweave_profile as profile;
+pub use ironweave_shard as shard;
 pub use ironweave_transport as transport;
 pub use ironweave_transport::rendezvous::JobEnv;
 pub use ironweave_transport::{CommOptions, Communicator, Error, ReduceOp, Result};

@@ -18,8 +18,14 @@
 //!   groups' collectives run **at the same time on different links** — each group is a
 //!   communicator on its own link (`on_link` + `split`), with its own collective thread.
 //!
+//! [`ddp`] is the `replicated` strategy's other form, for models that compute whole gradients:
+//! gradients averaged in buckets while the backward pass runs (PyTorch DDP's design).
+//!
 //! Where it sits: above `ironweave-transport` (groups, non-blocking collectives), below the
-//! trainer and the CLI. No IO besides the collectives; no clock.
+//! trainer, the candle adapter of the `ironweave` facade and the CLI. No IO besides the
+//! collectives; no clock.
+
+pub mod ddp;
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;

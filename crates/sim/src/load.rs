@@ -4,34 +4,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, SimError};
 
-/// SplitMix64: a tiny, well-mixed, seedable generator (no dependency, same numbers everywhere).
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    /// Seeded generator.
-    pub fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
-    }
-    /// Next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    /// Standard normal (Box-Muller).
-    pub fn normal(&mut self) -> f64 {
-        let u1 = self.unit().max(1e-300);
-        let u2 = self.unit();
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-    }
-}
+/// SplitMix64 (seeded, the same on every machine).
+pub use ironweave_units::SplitMix64 as Rng;
 
 /// Parameters of the synthetic expert-load process: per MoE layer, expert popularity logits
 /// follow `x ← a·x + (1-a)·μ + σ·ε`, and with probability `shift_prob` per iteration a layer's

@@ -1,20 +1,17 @@
-//! Data-parallel gradients averaged in buckets during the backward pass (PyTorch DDP's design):
-//! dense gradients are grouped into buckets in the order backward finishes them (head, last
-//! layer, ..., first layer, embeddings); a bucket's average starts on a communication thread
-//! as soon as its last gradient is final and travels while the remaining layers compute.
-//!
-//! Every element is averaged in rank order, `((g0 + g1) + g2 + ...) / n`, whatever bucket it
-//! falls in ([`ordered_avg`]): bucketed and single-bucket runs are bit-identical, for any world
-//! size (a ring all-reduce sums an element in an order that depends on where its chunk falls,
-//! so two bucketings would differ in the last bits).
-
-use ironweave_transport::Communicator;
+//! The GPT's backward stages for the bucketed data-parallel averaging of
+//! [`ironweave_shard::ddp`] (one implementation, shared with the candle adapter): dense
+//! gradients are grouped into buckets in the order backward finishes them (head, last layer,
+//! ..., first layer, embeddings); a bucket's average starts on a communication thread as soon
+//! as its last gradient is final and travels while the remaining layers compute. Bucketed and
+//! single-bucket runs are bit-identical ([`ordered_avg`] sums every element in rank order).
 
 use crate::error::{Result, TrainError};
 
 /// Default bucket size. DDP's 25 MB is a few percent of a BERT-scale gradient; ours are a few
 /// MB (moe-small's dense gradients: ~2.4 MB), so 512 KiB gives the backward several buckets.
-pub const DEFAULT_BUCKET_KB: usize = 512;
+pub const DEFAULT_BUCKET_KB: usize = ironweave_shard::ddp::DEFAULT_BUCKET_BYTES >> 10;
+
+pub use ironweave_shard::ddp::{ordered_avg, Bucket, GradSyncStats};
 
 /// Position in the backward pass after which a parameter's gradient is final:
 /// 0 = the head (`lnf.*`, `head`), 1 + (L - 1 - l) = layer `l`, L + 1 = the embeddings.
@@ -34,84 +31,19 @@ pub fn backward_stage(name: &str, layers: usize) -> Result<usize> {
     Ok(1 + (layers - 1 - l))
 }
 
-/// One bucket: parameter indices in the order their gradients are packed, and the backward
-/// stage after which all of them are final.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Bucket {
-    pub params: Vec<usize>,
-    pub ready_after: usize,
-    /// Floats in the bucket.
-    pub len: usize,
-}
-
-/// Groups the parameters `(index, name, floats)` into buckets of at most `bucket_bytes`
-/// (a larger parameter gets a bucket of its own), in backward order; `None`: one bucket, ready
-/// after the whole backward (the unbucketed baseline).
+/// Groups the GPT's parameters `(index, name, floats)` into buckets of at most `bucket_bytes`
+/// in backward order ([`ironweave_shard::ddp::plan_buckets`] with the stages of
+/// [`backward_stage`]); `None`: one bucket, ready after the whole backward.
 pub fn plan_buckets(params: &[(usize, &str, usize)], layers: usize, bucket_bytes: Option<usize>) -> Result<Vec<Bucket>> {
-    let mut order: Vec<(usize, usize, usize)> = Vec::with_capacity(params.len());
+    let mut staged = Vec::with_capacity(params.len());
     for &(i, name, n) in params {
-        order.push((backward_stage(name, layers)?, i, n));
+        staged.push((i, backward_stage(name, layers)?, n));
     }
-    order.sort_unstable();
-    let cap = bucket_bytes.map(|b| (b / 4).max(1));
-    let mut out: Vec<Bucket> = Vec::new();
-    for (stage, i, n) in order {
-        match out.last_mut() {
-            Some(b) if cap.is_none_or(|c| b.len + n <= c) => {
-                b.params.push(i);
-                b.len += n;
-                b.ready_after = stage;
-            }
-            _ => out.push(Bucket { params: vec![i], ready_after: stage, len: n }),
-        }
-    }
-    if bucket_bytes.is_none() {
-        if let Some(b) = out.last_mut() {
-            b.ready_after = layers + 1;
-        }
-    }
-    Ok(out)
-}
-
-/// Averages `buf` over the group so that every element is summed in rank order: a direct
-/// reduce-scatter (element chunk `j` goes to rank `j`, which adds the n parts in rank order),
-/// then an all-gather. Moves the same bytes as a ring all-reduce.
-pub fn ordered_avg(comm: &Communicator, buf: &mut [f32]) -> ironweave_transport::Result<()> {
-    let n = comm.size();
-    if n == 1 || buf.is_empty() {
-        return Ok(());
-    }
-    let c = buf.len().div_ceil(n);
-    let mut send = vec![0f32; n * c];
-    send[..buf.len()].copy_from_slice(buf);
-    let mut parts = vec![0f32; n * c];
-    comm.all_to_all(&send, &mut parts)?;
-    let mut acc = parts[..c].to_vec();
-    for k in 1..n {
-        for (a, p) in acc.iter_mut().zip(&parts[k * c..(k + 1) * c]) {
-            *a += *p;
-        }
-    }
-    let inv = n as f32;
-    acc.iter_mut().for_each(|a| *a /= inv);
-    comm.all_gather(&acc, &mut send)?;
-    buf.copy_from_slice(&send[..buf.len()]);
-    Ok(())
+    Ok(ironweave_shard::ddp::plan_buckets(&staged, bucket_bytes, layers + 1))
 }
 
 /// Seconds of `a` covered by `b` (the overlap scheduler's measure, shared).
 pub use ironweave_overlap::covered_s;
-
-/// What the data-parallel gradient averaging of one iteration did.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct GradSyncStats {
-    /// Buckets averaged.
-    pub buckets: usize,
-    /// Seconds the communication thread spent averaging.
-    pub comm_s: f64,
-    /// Of those, seconds during which this rank's backward pass computed.
-    pub hidden_s: f64,
-}
 
 #[cfg(test)]
 mod tests {

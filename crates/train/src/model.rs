@@ -13,28 +13,7 @@ use crate::error::Result;
 use crate::gelu::gelu;
 
 /// SplitMix64 (seeded, the same on every machine).
-#[derive(Debug, Clone)]
-pub struct Rng(pub u64);
-
-impl Rng {
-    /// Next 64 bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    /// Standard normal.
-    pub fn normal(&mut self) -> f64 {
-        let u1 = self.unit().max(1e-300);
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * self.unit()).cos()
-    }
-}
+pub use ironweave_units::SplitMix64 as Rng;
 
 /// One named parameter with its AdamW moments.
 #[derive(Debug, Clone)]

@@ -1,13 +1,13 @@
 //! The training loop of one rank: alone (every expert local) or one rank of an expert- and
 //! data-parallel job.
 
-use std::sync::mpsc;
 use std::time::Instant;
 
-use ironweave_profile::{CommKind, ExpertLoad, MonotonicClock, Phase, Profiler};
+use ironweave_profile::{ExpertLoad, MonotonicClock, Phase, Profiler};
+use ironweave_shard::ddp::backward_with_buckets;
 use ironweave_transport::Communicator;
 
-use crate::buckets::{covered_s, ordered_avg, plan_buckets, Bucket, GradSyncStats};
+use crate::buckets::{plan_buckets, Bucket, GradSyncStats};
 use crate::config::TrainConfig;
 use crate::data::Corpus;
 use crate::dist::Dist;
@@ -163,91 +163,29 @@ impl Trainer {
             None => (no_buckets, None),
         };
         let dprof = self.dist.as_ref().and_then(|d| d.prof.clone());
-        let mut compute: Vec<(Instant, Instant)> = Vec::with_capacity(layers + 2);
-        let mut stats = GradSyncStats::default();
-        let loss = std::thread::scope(|s| -> Result<f32> {
-            // The communication thread averages buckets in the order they are handed over
-            // (the same on every rank) and hands each back with its span.
-            type Done = (usize, Vec<f32>, Instant, Instant);
-            let (to_comm, from_main) = mpsc::channel::<(usize, Vec<f32>)>();
-            let (to_main, from_comm) = mpsc::channel::<ironweave_transport::Result<Done>>();
-            let worker = grad_comm.map(|comm| {
-                let prof = dprof.clone();
-                s.spawn(move || {
-                    for (k, mut flat) in from_main {
-                        let t0 = Instant::now();
-                        let r = {
-                            let _c = prof.as_ref().map(|p| p.comm(0, CommKind::Training, (flat.len() * 4) as u64));
-                            ordered_avg(comm, &mut flat)
-                        };
-                        let failed = r.is_err();
-                        let _ = to_main.send(r.map(|()| (k, flat, t0, Instant::now())));
-                        if failed {
-                            break;
-                        }
-                    }
-                })
-            });
-            let mut next = 0;
-            let mut hand_over = |stage: usize, grads: &[Vec<f32>]| -> Result<()> {
-                while worker.is_some() && next < buckets.len() && buckets[next].ready_after <= stage {
-                    let bk = &buckets[next];
-                    let mut flat = Vec::with_capacity(bk.len);
-                    for &i in &bk.params {
-                        flat.extend_from_slice(&grads[i]);
-                    }
-                    if to_comm.send((next, flat)).is_err() {
-                        // the thread stops only after a failed average: report that failure
-                        return Err(match from_comm.try_iter().find_map(|r| r.err()) {
-                            Some(e) => e.into(),
-                            None => TrainError::Config("the gradient communication thread stopped early".into()),
-                        });
-                    }
-                    next += 1;
-                }
-                Ok(())
-            };
+        let hook = &self.backward_hook;
+        let step = self.params.step + 1;
+        let (loss, stats) = backward_with_buckets(grad_comm, buckets, dprof.as_ref(), &mut grads, |grads, h| -> Result<f32> {
             let t0 = Instant::now();
-            let (loss, mut g) = model.head(&x, &y_tok, &mut grads)?;
-            compute.push((t0, Instant::now()));
-            hand_over(0, &grads)?;
+            let (loss, mut g) = model.head(&x, &y_tok, grads)?;
+            h.computed(t0, Instant::now());
+            h.stage_done(0, grads)?;
             for l in (0..layers).rev() {
-                if let Some(h) = &self.backward_hook {
-                    h(self.params.step + 1, l);
+                if let Some(f) = hook {
+                    f(step, l);
                 }
                 let t0 = Instant::now();
                 {
                     let _t = prof.map(|p| p.layer(l as u32, Phase::Backward));
-                    g = model.backward_layer(l, &inputs[l], routings[l].as_ref(), eps[l].as_ref(), &g, &mut grads)?;
+                    g = model.backward_layer(l, &inputs[l], routings[l].as_ref(), eps[l].as_ref(), &g, grads)?;
                 }
-                compute.push((t0, Instant::now()));
-                hand_over(1 + (layers - 1 - l), &grads)?;
+                h.computed(t0, Instant::now());
+                h.stage_done(1 + (layers - 1 - l), grads)?;
             }
             let t0 = Instant::now();
-            model.embed_backward(&x_tok, b, &g, &mut grads)?;
-            compute.push((t0, Instant::now()));
-            hand_over(layers + 1, &grads)?;
-            drop(to_comm);
-            if worker.is_some() {
-                let mut spans = Vec::with_capacity(buckets.len());
-                for _ in 0..next {
-                    let (k, flat, c0, c1) = from_comm
-                        .recv()
-                        .map_err(|_| TrainError::Config("the gradient communication thread ended without answering".into()))??;
-                    let mut off = 0;
-                    for &i in &buckets[k].params {
-                        let n = grads[i].len();
-                        grads[i].copy_from_slice(&flat[off..off + n]);
-                        off += n;
-                    }
-                    spans.push((c0, c1));
-                }
-                stats = GradSyncStats {
-                    buckets: spans.len(),
-                    comm_s: spans.iter().map(|(a, b)| (*b - *a).as_secs_f64()).sum(),
-                    hidden_s: covered_s(&spans, &compute),
-                };
-            }
+            model.embed_backward(&x_tok, b, &g, grads)?;
+            h.computed(t0, Instant::now());
+            h.stage_done(layers + 1, grads)?;
             Ok(loss)
         })?;
         drop(model);

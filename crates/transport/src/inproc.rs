@@ -16,6 +16,13 @@ pub struct InProcLink {
     seqs: SeqTable,
 }
 
+/// The communicators of an `n`-rank in-process world with default options: give communicator
+/// `i` to the thread of rank `i` (`communicators(1)` is a world of one, for code that runs the
+/// same alone and in a job).
+pub fn communicators(n: usize) -> Result<Vec<crate::Communicator>> {
+    world(n).into_iter().map(|l| crate::Communicator::new(vec![l], crate::CommOptions::default())).collect()
+}
+
 /// Creates the links of an `n`-rank in-process world; give link i to the thread of rank i.
 pub fn world(n: usize) -> Vec<Arc<dyn Link>> {
     let boxes: Arc<Vec<Arc<Mailbox>>> = Arc::new((0..n).map(|r| Arc::new(Mailbox::new(r, n, 1, usize::MAX))).collect());

@@ -143,3 +143,43 @@ mod tests {
         assert!("gather".parse::<Coll>().is_err());
     }
 }
+
+/// SplitMix64: a tiny, well-mixed, seedable generator — the same numbers on every machine, no
+/// dependency. The one generator of the workspace (workloads, simulator, chaos campaigns, the
+/// candle adapter's seeded initialisation). `SplitMix64(state)` starts from a raw state;
+/// [`SplitMix64::new`] mixes a seed first.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    /// A generator for `seed` (mixed, so that small seeds do not start close together).
+    pub fn new(seed: u64) -> Self {
+        SplitMix64(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, n)` (`n = 0` is taken as 1).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box-Muller).
+    pub fn normal(&mut self) -> f64 {
+        let u1 = self.unit().max(1e-300);
+        let u2 = self.unit();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+}

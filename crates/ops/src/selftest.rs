@@ -1,6 +1,6 @@
 //! `ironweave selftest SCENARIO`: small rank programs the fault tests start as real processes.
 
-use anyhow::{bail, Result};
+use crate::error::{bail, Result};
 use ironweave_transport::{Communicator, ReduceOp};
 
 /// Runs one scenario on this rank; errors are printed with their `Debug` form (the tests look

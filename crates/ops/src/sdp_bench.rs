@@ -11,14 +11,14 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use crate::error::{bail, Context, Result};
 use ironweave_plan::{sdp as psdp, ClusterDesc, CostModel, MeasuredOp, ModelDesc, ProfileTable};
 use serde::{Deserialize, Serialize};
 
-use crate::ckpt_bench::median_after;
 use crate::progress::{Mode, Progress};
-use crate::sdp::SdpReport;
-use crate::train::TrainArgs;
+use crate::run::median_after;
+use crate::run::SdpReport;
+use crate::run::TrainArgs;
 
 /// `ironweave bench sdp`'s options.
 #[derive(Debug, Clone, clap::Args)]
@@ -167,7 +167,7 @@ fn run_all(a: &SdpBenchArgs, topo: &crate::cluster::Topology, model: &ModelDesc)
     let probe_path = a.out.join("probe.json");
     probe(a, &probe_path)?;
     progress.step(1, &format!("probed the links ({})", probe_path.display()));
-    let rates: Vec<f64> = topo.links.iter().map(|l| crate::overlap::tc_rate_bytes(&l.rate)).collect::<Result<_>>()?;
+    let rates: Vec<f64> = topo.links.iter().map(|l| crate::run::tc_rate_bytes(&l.rate)).collect::<Result<_>>()?;
     let plan_path = a.out.join("plan.json");
     let mut measured: Vec<(SdpReport, Vec<u64>)> = Vec::new();
     let mut planned: Option<(ClusterDesc, ProfileTable, psdp::SdpPlan)> = None;

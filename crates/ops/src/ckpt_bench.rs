@@ -8,11 +8,12 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use crate::error::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::progress::{Mode, Progress};
-use crate::train::{parse_strategy, run, Report, TrainArgs};
+use crate::run::{median_after, parse_strategy, Report, TrainArgs};
+use crate::train::run;
 
 /// The five strategies of the paper's comparison.
 pub const FIVE: [&str; 5] = ["none", "blocking", "async", "gemini", "capricorn"];
@@ -70,21 +71,6 @@ pub struct Row {
     pub last_committed_iter: Option<u64>,
 }
 
-/// Median of `v` after `skip` warm-up entries (of all when too short).
-pub fn median_after(v: &[f64], skip: usize) -> f64 {
-    let mut s: Vec<f64> = if v.len() > skip { v[skip..].to_vec() } else { v.to_vec() };
-    if s.is_empty() {
-        return 0.0;
-    }
-    s.sort_by(f64::total_cmp);
-    let n = s.len();
-    if n % 2 == 1 {
-        s[n / 2]
-    } else {
-        (s[n / 2 - 1] + s[n / 2]) / 2.0
-    }
-}
-
 /// The strategies to run, `none` first (the others' baseline and the storage rate's).
 pub fn expand(strategies: &[String], links: usize) -> Result<Vec<String>> {
     let mut out: Vec<String> = Vec::new();
@@ -134,7 +120,8 @@ pub fn bench(a: &CkptBenchArgs) -> Result<Vec<Row>> {
         "unlimited" => Some(None),
         r => {
             // bytes per second
-            let rate = ironweave_tcp::parse_rate(r).map_err(|e| anyhow::anyhow!("--storage-rate: {e} (or auto, unlimited)"))?;
+            let rate =
+                ironweave_tcp::parse_rate(r).map_err(|e| crate::error::err!("--storage-rate: {e} (or auto, unlimited)"))?;
             if rate == 0 {
                 bail!("--storage-rate must be above 0");
             }

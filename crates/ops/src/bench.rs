@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use crate::error::{bail, Context, Result};
 use ironweave_transport::testing::{check_collective, Case};
 use ironweave_transport::{bf16, f16, Communicator, DType, Element, ReduceOp};
 use serde::{Deserialize, Serialize};

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use crate::error::{bail, Context, Result};
 use ironweave_plan::chain::Method;
 use ironweave_plan::{sdp as psdp, tmp, CostModel};
 use ironweave_sim::ckpt::{self, CkptOptions, Strategy};

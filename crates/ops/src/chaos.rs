@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use crate::error::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::progress::{Mode, Progress};
@@ -108,21 +108,7 @@ pub struct RunResult {
     pub fault_fired: bool,
 }
 
-/// splitmix64: a small, seedable generator.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+use ironweave_units::SplitMix64 as Rng;
 
 /// One drawn fault: its description and how to inject it.
 #[derive(Debug, Clone)]
@@ -469,11 +455,11 @@ fn campaign(a: &ChaosArgs, kinds: &[String], topo: Option<&ironweave_tcp::topolo
     if a.ranks < 2 {
         bail!("--ranks {}: a campaign needs at least 2 ranks (a replica lives on another rank)", a.ranks);
     }
-    let choice = crate::train::parse_strategy(&a.ckpt)?;
+    let choice = crate::run::parse_strategy(&a.ckpt)?;
     if !choice.strategy.in_memory() {
         bail!("--ckpt {}: the campaign kills ranks and expects in-memory recovery; use capricorn or gemini", a.ckpt);
     }
-    let (cfg, _) = crate::train::load_config(&a.config)?;
+    let (cfg, _) = crate::run::load_config(&a.config)?;
     let iters = a.iters.unwrap_or(cfg.train.iters);
     if iters < 4 {
         bail!("--iters {iters}: a campaign needs at least 4 iterations");

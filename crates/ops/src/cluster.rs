@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{bail, Context, Result};
+use crate::error::{bail, Context, Result};
 pub use ironweave_tcp::topology::Topology;
 
 /// Where `up` records the namespaces it made.

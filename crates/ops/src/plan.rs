@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use crate::error::{bail, Context, Result};
 use ironweave_plan::chain::{Method, SolvedBy};
 use ironweave_plan::{sdp, tmp, ClusterDesc, CostModel, ModelDesc, ProfileTable};
 
@@ -34,7 +34,7 @@ pub fn apply_probe(cluster: &mut ClusterDesc, probe: Option<&Path>) -> Result<()
         let short = p.name.rsplit(':').next().unwrap_or(&p.name);
         let Some(link) = cluster.links.iter_mut().find(|l| l.name == p.name || l.name == short) else {
             let names: Vec<&str> = cluster.links.iter().map(|l| l.name.as_str()).collect();
-            anyhow::bail!(
+            crate::error::bail!(
                 "probe of link `{}` matches no link of cluster `{}` (its links: {})",
                 p.name,
                 cluster.name,
@@ -46,7 +46,7 @@ pub fn apply_probe(cluster: &mut ClusterDesc, probe: Option<&Path>) -> Result<()
             && p.bandwidth_bytes_per_s.is_finite()
             && p.bandwidth_bytes_per_s > 0.0)
         {
-            anyhow::bail!("probe of link `{}` has no usable figures", p.name);
+            crate::error::bail!("probe of link `{}` has no usable figures", p.name);
         }
         eprintln!(
             "link {}: measured {:.1} us, {:.3} GB/s (description said {:.1} us, {:.3} GB/s)",
@@ -83,7 +83,7 @@ pub fn load_profile(path: Option<&Path>, model: &ModelDesc) -> Result<Option<Pro
     let Some(path) = path else { return Ok(None) };
     let report = if path.is_dir() { path.join("report.json") } else { path.to_path_buf() };
     if report.extension().is_some_and(|e| e == "json") {
-        let r: crate::overlap::TpReport = serde_json::from_slice(
+        let r: crate::run::TpReport = serde_json::from_slice(
             &std::fs::read(&report).with_context(|| format!("reading the run's report {}", report.display()))?,
         )
         .with_context(|| format!("{} is not the report of a tensor-parallel run (`ironweave train --tp`)", report.display()))?;
@@ -99,7 +99,7 @@ pub fn load_profile(path: Option<&Path>, model: &ModelDesc) -> Result<Option<Pro
 /// backward of 3x forward with recomputation), so the model's compute per sub-layer is the
 /// measured one. The MLP's backward is taken from the layers below the last (whose backward
 /// stage also runs the head).
-pub fn profile_from_run(r: &crate::overlap::TpReport, model: &ModelDesc) -> Result<ProfileTable> {
+pub fn profile_from_run(r: &crate::run::TpReport, model: &ModelDesc) -> Result<ProfileTable> {
     let layers = model.layers as usize;
     if r.stage_compute_s.len() != 4 * layers + 1 || r.degrees.iter().any(|&d| d != r.tp) {
         bail!(

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use crate::error::{bail, Context, Result};
 use ironweave_ckpt::{Dtype, Engine, EngineConfig, Registry, TensorSpec};
 use ironweave_profile::CommKind;
 use ironweave_transport::rendezvous::JobEnv;

@@ -7,20 +7,20 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
-use ironweave_ckpt::engine::Strategy as CkptStrategy;
-use ironweave_ckpt::{Engine, EngineConfig, Registry};
+use ironweave::ckpt::engine::Strategy as CkptStrategy;
+use ironweave::ckpt::{EngineConfig, Snapshot, TensorSpec};
+use ironweave::elastic::{self, BoxError, Generation, Iteration, Job, Recovery, Step, StepContext, Worker};
+use ironweave::Communicator;
 use ironweave_overlap::trace::{chrome_trace, svg_lanes, to_records, SpanRec};
 use ironweave_shard::{Groups, Strategy};
-use ironweave_train::sdp::SdpTrainer;
-use ironweave_transport::rendezvous::JobEnv;
-use ironweave_transport::CommOptions;
-use serde::{Deserialize, Serialize};
+use ironweave_train::data::Corpus;
+use ironweave_train::sdp::{SdpStep, SdpTrainer};
+use ironweave_train::TrainConfig;
 
+use crate::error::{bail, Context, Result};
 use crate::progress::{Mode, Progress};
-use crate::train::{load_config, mark_recovery, TrainArgs};
+use crate::run::{load_config, SdpReport, TrainArgs};
 
 /// The per-rank options `train` hands to `sdp-worker`.
 #[derive(Debug, Clone, clap::Args)]
@@ -52,49 +52,6 @@ pub struct SdpWorkerArgs {
     pub persist_every: u64,
 }
 
-/// What a sharded run's `report.json` holds (rank 0's view).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct SdpReport {
-    pub config: String,
-    /// The sharding strategy (`replicated`, `full`, `hybrid`, `hsdp`).
-    pub sdp: String,
-    pub ranks: usize,
-    pub ranks_per_host: usize,
-    pub iterations: u64,
-    pub iter_time_s: Vec<f64>,
-    pub loss: Vec<f32>,
-    /// Parameters, gradients and both Adam moments each rank holds between iterations.
-    pub state_bytes_per_rank: u64,
-    /// The links the two parts' groups used: (all-rank part, cross-host all-reduce).
-    pub links: (String, String),
-    pub fractions: Vec<f64>,
-    /// Rank 0's compute per iteration (forward, backward, optimizer), seconds.
-    #[serde(default)]
-    pub compute_s: Vec<f64>,
-    /// Seconds rank 0's compute waited for collectives, per iteration.
-    #[serde(default)]
-    pub wait_s: Vec<f64>,
-    /// Seconds per iteration during which at least one of rank 0's collectives was on the wire.
-    #[serde(default)]
-    pub comm_busy_s: Vec<f64>,
-    /// Seconds per iteration each of rank 0's lanes was busy: [all-rank group, host group,
-    /// cross-host group].
-    #[serde(default)]
-    pub lane_busy_s: Vec<[f64; 3]>,
-    /// The checkpoint strategy of the shards.
-    #[serde(default)]
-    pub ckpt: String,
-    /// Recoveries (re-formations after a failure).
-    #[serde(default)]
-    pub recoveries: u64,
-    /// The last iteration committed by the checkpoint engine.
-    #[serde(default)]
-    pub last_committed_iter: Option<u64>,
-    /// SHA-256 over every rank's state digest (its shards and step), in rank order.
-    #[serde(default)]
-    pub final_state_sha256: String,
-}
-
 /// Lanes of the trace: compute, then one per group (each on its own link).
 pub const LANES: [&str; 3] = ["all-rank", "host", "cross-host"];
 
@@ -110,27 +67,147 @@ fn link_index(comm: &ironweave_transport::Communicator, name: &str, default: usi
 
 const SPANS_TAG: u32 = 0x5D95;
 
-/// The per-rank program: a generation loop like `train`'s worker (a failed collective re-forms
-/// the job; the shards come back from the checkpoint engine, registered like any rank's state).
-pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
-    let base = JobEnv::from_env()?;
-    if let Some(choice) = ironweave_transport::threads::apply_to_process(base.local_world_size)? {
-        if base.rank == 0 {
-            eprintln!("ironweave train: {choice}");
+/// A rank of a sharded run as an elastic worker: a fresh trainer per generation (its groups
+/// are new) holding the seed's initial shards, then the restored ones — the shards are
+/// registered with the checkpoint engine like any rank's state.
+struct SdpWorker<'a> {
+    a: &'a SdpWorkerArgs,
+    cfg: TrainConfig,
+    corpus: Corpus,
+    strategy: Strategy,
+    rank: usize,
+    iters: u64,
+    fail: Option<(Vec<usize>, u64)>,
+    links: (String, String),
+    tr: Option<SdpTrainer>,
+    progress: Option<Progress>,
+    step: [u8; 8],
+    seed: [u8; 8],
+    /// This rank's lanes of the last iteration, for the timeline.
+    last_spans: Vec<SpanRec>,
+}
+
+impl SdpWorker<'_> {
+    fn trainer(&mut self) -> Result<&mut SdpTrainer, BoxError> {
+        self.tr.as_mut().ok_or_else(|| "the trainer joins no generation yet".into())
+    }
+}
+
+impl Worker for SdpWorker<'_> {
+    type Output = SdpStep;
+
+    fn join(&mut self, g: &Generation<'_>) -> Result<(), BoxError> {
+        let comm = g.comm;
+        let last = comm.links().len().saturating_sub(1);
+        let (fl, il) = (link_index(comm, &self.a.full_link, 0)?, link_index(comm, &self.a.inter_link, last)?);
+        let names = comm.links();
+        self.links = (names[fl].name.clone(), names[il].name.clone());
+        let groups = Groups::new(comm, self.a.ranks_per_host, fl, il)?;
+        let mut tr = SdpTrainer::new(self.cfg.clone(), self.corpus.clone(), comm, groups, self.strategy, &self.a.fractions)?;
+        if let Some((ranks, fi)) = &self.fail {
+            let armed = g.number == 0 && ranks.contains(&self.rank);
+            tr.set_backward_hook(crate::run::kill_hook(armed, self.rank, *fi, self.cfg.model.layers / 2));
+        }
+        self.step = (tr.iter() as i64).to_le_bytes();
+        self.tr = Some(tr);
+        Ok(())
+    }
+
+    fn state_specs(&self) -> Vec<TensorSpec> {
+        self.tr.as_ref().map(SdpTrainer::state_specs).unwrap_or_default()
+    }
+
+    fn state(&self) -> Vec<&[u8]> {
+        let Some(tr) = &self.tr else { return Vec::new() };
+        let (mut v, _, _) = tr.state_bufs();
+        v.push(&self.step);
+        v.push(&self.seed);
+        v
+    }
+
+    fn restore(&mut self, s: &Snapshot) -> Result<(), BoxError> {
+        let tr = self.trainer()?;
+        tr.load_state(|name| s.tensor(name).map(<[u8]>::to_vec))?;
+        let it = tr.iter();
+        self.step = (it as i64).to_le_bytes();
+        Ok(())
+    }
+
+    fn start_over(&mut self) -> Result<(), BoxError> {
+        // the generation's fresh trainer holds the seed's initial shards
+        Ok(())
+    }
+
+    fn step(&mut self, it: u64, _cx: &StepContext<'_>) -> Result<Step<SdpStep>, BoxError> {
+        let iters = self.iters;
+        let tr = self.trainer()?;
+        let s = tr.step_timed()?;
+        let done = tr.iter();
+        self.step = (done as i64).to_le_bytes();
+        if it == iters {
+            // the compute lane shows compute; its waits are in the report (`wait_s`)
+            let shown: Vec<_> =
+                s.spans.iter().filter(|x| !(x.lane == ironweave_overlap::Lane::Compute && x.name == "wait")).cloned().collect();
+            self.last_spans = to_records(&shown);
+        }
+        Ok(Step::new(s))
+    }
+
+    fn on_start(&mut self, first_iter: u64, _comm: &Arc<Communicator>) -> Result<(), BoxError> {
+        self.progress = (self.rank == 0).then(|| Progress::new("iter", first_iter - 1, self.iters, Mode::detect()));
+        Ok(())
+    }
+
+    fn on_iteration(&mut self, it: &Iteration<'_, SdpStep>) -> Result<(), BoxError> {
+        if self.rank != 0 {
+            return Ok(());
+        }
+        let (s, dt) = (it.output, it.elapsed.as_secs_f64());
+        let lanes: Vec<f64> = (0..3).map(|l| s.lane_busy_s(l)).collect();
+        let line = serde_json::json!({"iter": it.iter, "time": dt, "loss": s.loss, "committed": it.committed, "compute": s.compute_s(),
+            "wait": s.wait_s(), "busy": s.comm_busy_s(), "lanes": lanes});
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(self.a.report_dir.join("iterations.jsonl"))?;
+        writeln!(f, "{line}")?;
+        if let Some(p) = &self.progress {
+            p.step(
+                it.iter,
+                &format!(
+                    "loss {:.4}  comm {:>6.1} ms busy, compute waited {:>6.1} ms  committed {}",
+                    s.loss,
+                    s.comm_busy_s() * 1e3,
+                    s.wait_s() * 1e3,
+                    it.committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    fn on_recovery(&mut self, r: &Recovery, _comm: &Arc<Communicator>) -> Result<(), BoxError> {
+        if self.rank == 0 {
+            crate::run::say_recovery(r, &self.a.report_dir)?;
+        }
+        Ok(())
+    }
+
+    fn on_stop(&mut self) {
+        if let Some(p) = self.progress.take() {
+            p.finish();
         }
     }
+}
+
+/// The per-rank program of `train --sdp`, on the elastic runtime (a failed collective re-forms
+/// the job; the shards come back from the checkpoint engine).
+pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
     let (cfg, corpus) = load_config(&a.config)?;
     let iters = a.iters.unwrap_or(cfg.train.iters);
     let strategy = Strategy::parse(&a.strategy)?;
-    let choice = crate::train::parse_strategy(&a.ckpt)?;
+    let choice = crate::run::parse_strategy(&a.ckpt)?;
     if choice.multilink {
         bail!("sharded runs checkpoint over the first link (their groups keep the others busy): use --ckpt capricorn");
     }
-    let fail = a.fail.as_deref().map(crate::train::parse_fail).transpose()?;
-    let backend = ironweave::Backend::from_env()?;
-    let mut gen: u16 = std::env::var("IRONWEAVE_GENERATION").ok().and_then(|g| g.parse().ok()).unwrap_or(0);
-    let start_gen = gen;
-    let rank = base.rank;
+    let fail = a.fail.as_deref().map(crate::run::parse_fail).transpose()?;
     let dir = &a.report_dir;
     std::fs::create_dir_all(dir)?;
     let ecfg = EngineConfig {
@@ -142,13 +219,33 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         } else {
             0
         },
-        timeout: Duration::from_secs(60),
         host: ironweave_transport::rendezvous::host_name(),
         drift_threshold: if choice.always_profile { 0.0 } else { EngineConfig::default().drift_threshold },
         ..EngineConfig::default()
     };
-    let mut engine: Option<Engine> = None;
-    let mut need_restore = gen > 0;
+    let job = Job::from_env(elastic::Config::new(iters, ecfg))?;
+    let rank = job.rank();
+    if let (0, Some(t)) = (rank, job.threads()) {
+        eprintln!("ironweave train: {t}");
+    }
+    let mut w = SdpWorker {
+        a,
+        seed: (cfg.train.seed as i64).to_le_bytes(),
+        cfg: cfg.clone(),
+        corpus,
+        strategy,
+        rank,
+        iters,
+        fail,
+        links: Default::default(),
+        tr: None,
+        progress: None,
+        step: [0; 8],
+        last_spans: Vec::new(),
+    };
+    let done = crate::run::run_elastic(job, &mut w)?;
+    let tr = w.tr.take().context("the job ran no generation")?;
+    let comm = done.comm().clone();
     let mut rep = SdpReport {
         config: cfg.name.clone(),
         sdp: strategy.name().into(),
@@ -156,146 +253,15 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         iterations: iters,
         fractions: a.fractions.clone(),
         ckpt: a.ckpt.clone(),
+        recoveries: done.recoveries(),
+        last_committed_iter: done.last_committed(),
+        links: w.links.clone(),
+        ranks: comm.size(),
+        state_bytes_per_rank: tr.state_bytes_per_rank(),
         ..Default::default()
     };
-    let (tr, comm, last_spans) = loop {
-        if gen > start_gen + 8 {
-            bail!("gave up after 8 re-formations");
-        }
-        let mut env = base.clone();
-        env.master.set_port(base.master.port() + gen);
-        env.job_id = format!("{}-g{gen}", base.job_id);
-        let comm = Arc::new(ironweave::connect(
-            backend,
-            &env,
-            CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() },
-        )?);
-        let last = comm.links().len().saturating_sub(1);
-        let (fl, il) = (link_index(&comm, &a.full_link, 0)?, link_index(&comm, &a.inter_link, last)?);
-        let names = comm.links();
-        rep.links = (names[fl].name.clone(), names[il].name.clone());
-        let groups = Groups::new(&comm, a.ranks_per_host, fl, il)?;
-        // a fresh trainer per generation (its groups are new): the seed's initial shards, then
-        // the restored ones
-        let mut tr = SdpTrainer::new(cfg.clone(), corpus.clone(), &comm, groups, strategy, &a.fractions)?;
-        match engine.as_mut() {
-            Some(e) => e.rebind(comm.clone())?,
-            None => engine = Some(Engine::new(comm.clone(), Registry::new(&tr.state_specs())?, ecfg.clone())?),
-        }
-        let e = engine.as_mut().expect("set");
-        if let Some((frs, fi)) = fail.clone() {
-            let mid = cfg.model.layers / 2;
-            let armed = gen == 0 && frs.contains(&rank);
-            tr.set_backward_hook(Box::new(move |it, layer| {
-                if armed && it == fi && layer == mid {
-                    eprintln!("rank {rank}: --fail: killing myself with SIGKILL in the backward of iteration {fi}, layer {mid}");
-                    // SAFETY: kill(2) on our own pid with a valid signal number.
-                    unsafe {
-                        libc::kill(libc::getpid(), libc::SIGKILL);
-                    }
-                }
-            }));
-        }
-        let r = (|| -> Result<Vec<SpanRec>> {
-            let mut start = 1;
-            if need_restore {
-                match e.restore_latest() {
-                    Ok(r) => {
-                        tr.load_state(|name| r.snapshot.tensor(name).map(<[u8]>::to_vec))?;
-                        rep.recoveries += 1;
-                        if rank == 0 {
-                            println!("recovered: every rank restored iteration {} (rank 0 from {:?})", r.iter, r.source);
-                            mark_recovery(dir, r.iter)?;
-                        }
-                        start = r.iter + 1;
-                    }
-                    Err(err @ ironweave_ckpt::CkptError::NothingToRestore { .. }) => {
-                        let mut c = [e.committed().map_or(-1, |i| i as i64)];
-                        e.comm().all_reduce(&mut c, ironweave_transport::ReduceOp::Max)?;
-                        if c[0] >= 0 {
-                            return Err(anyhow::Error::new(err)
-                                .context(format!("iteration {} was committed and every copy of it is gone", c[0])));
-                        }
-                        // nothing committed, nothing lost: the fresh trainer holds the initial state
-                        e.start_over();
-                        rep.recoveries += 1;
-                        if rank == 0 {
-                            println!("recovered: nothing was committed yet; every rank starts over from the initial state");
-                            mark_recovery(dir, 0)?;
-                        }
-                    }
-                    Err(other) => return Err(other.into()),
-                }
-            }
-            let progress = (rank == 0).then(|| Progress::new("iter", start - 1, iters, Mode::detect()));
-            let mut spans = Vec::new();
-            for it in start..=iters {
-                let t0 = Instant::now();
-                e.begin_iteration(it, None);
-                let s = tr.step_timed()?;
-                e.end_iteration();
-                let (mut bufs, step, seed) = tr.state_bufs();
-                bufs.push(&step);
-                bufs.push(&seed);
-                e.checkpoint(it, &bufs)?;
-                let committed = e.commit(false)?;
-                let dt = t0.elapsed().as_secs_f64();
-                if rank == 0 {
-                    let lanes: Vec<f64> = (0..3).map(|l| s.lane_busy_s(l)).collect();
-                    let line = serde_json::json!({"iter": it, "time": dt, "loss": s.loss, "committed": committed, "compute": s.compute_s(),
-                        "wait": s.wait_s(), "busy": s.comm_busy_s(), "lanes": lanes});
-                    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("iterations.jsonl"))?;
-                    writeln!(f, "{line}")?;
-                }
-                if let Some(p) = &progress {
-                    p.step(
-                        it,
-                        &format!(
-                            "loss {:.4}  comm {:>6.1} ms busy, compute waited {:>6.1} ms  committed {}",
-                            s.loss,
-                            s.comm_busy_s() * 1e3,
-                            s.wait_s() * 1e3,
-                            committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
-                        ),
-                    );
-                }
-                if it == iters {
-                    // the compute lane shows compute; its waits are in the report (`wait_s`)
-                    let shown: Vec<_> = s
-                        .spans
-                        .iter()
-                        .filter(|x| !(x.lane == ironweave_overlap::Lane::Compute && x.name == "wait"))
-                        .cloned()
-                        .collect();
-                    spans = to_records(&shown);
-                }
-            }
-            if let Some(p) = &progress {
-                p.finish();
-            }
-            Ok(spans)
-        })();
-        match r {
-            Ok(spans) => break (tr, comm, spans),
-            Err(err) if crate::train::is_unrecoverable(&err) => {
-                // no re-formation brings lost copies back: end the job, saying what was lost
-                if rank == 0 {
-                    eprintln!("rank 0: cannot recover: {err:#}");
-                }
-                std::process::exit(crate::launch::EXIT_UNRECOVERABLE);
-            }
-            Err(err) => {
-                eprintln!("rank {rank}: generation {gen} failed: {err:#}; re-forming the job");
-                gen += 1;
-                need_restore = true;
-            }
-        }
-    };
-    let e = engine.as_mut().expect("ran");
-    rep.last_committed_iter = e.commit(true)?;
-    rep.ranks = comm.size();
-    rep.state_bytes_per_rank = tr.state_bytes_per_rank();
-    rep.final_state_sha256 = crate::train::job_state_sha256(&comm, &tr.state_digest())?;
+    rep.final_state_sha256 = done.job_state_sha256(&tr.state_digest())?;
+    let last_spans = std::mem::take(&mut w.last_spans);
     // every rank's lanes of the last iteration to rank 0 (empty if it ran before a restart)
     let bytes = serde_json::to_vec(&last_spans)?;
     if rank != 0 {
@@ -334,7 +300,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         std::fs::write(dir.join("timeline.svg"), svg_lanes(&lanes, &groups, &title))?;
     }
     comm.barrier()?;
-    engine.take().expect("ran").shutdown()?;
+    done.shutdown()?;
     Ok(())
 }
 
@@ -351,9 +317,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     let chosen = ironweave::Backend::pick(&a.backend)?;
     chosen.usable().with_context(|| format!("--backend {chosen} cannot run here (`ironweave doctor` says more)"))?;
     let (cfg, _) = load_config(&a.config)?;
-    let choice = crate::train::parse_strategy(&a.ckpt)?;
+    let choice = crate::run::parse_strategy(&a.ckpt)?;
     if let Some(f) = &a.fail {
-        crate::train::parse_fail(f)?;
+        crate::run::parse_fail(f)?;
         if choice.strategy == CkptStrategy::None {
             bail!("--fail needs a checkpoint to recover from: drop --ckpt none (capricorn is the default)");
         }
@@ -452,7 +418,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     let rep: SdpReport =
         serde_json::from_slice(&std::fs::read(a.report_dir.join("report.json")).context("reading report.json")?)?;
-    let steady = crate::ckpt_bench::median_after(&rep.iter_time_s, 2);
+    let steady = crate::run::median_after(&rep.iter_time_s, 2);
     if rep.recoveries > 0 {
         println!("recoveries: {}", rep.recoveries);
     }

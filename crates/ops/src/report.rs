@@ -5,17 +5,17 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use crate::error::{bail, Context, Result};
 use plotters::prelude::*;
 use serde_json::Value;
 
-use crate::train::Report;
+use crate::run::Report;
 
 const W: u32 = 760;
 const H: u32 = 300;
 
-fn chart_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
-    anyhow::anyhow!("drawing a chart: {e:?}")
+fn chart_err<E: std::fmt::Debug>(e: E) -> crate::error::Error {
+    crate::error::err!("drawing a chart: {e:?}")
 }
 
 /// Draws one chart into an SVG string: `draw` gets a white W×H canvas and a chart builder with
@@ -131,7 +131,7 @@ pub fn write(dir: &Path, out: Option<&Path>) -> Result<PathBuf> {
         && serde_json::from_slice::<Value>(&std::fs::read(&rp)?)
             .is_ok_and(|v| v.get("schedule").is_some() && v.get("tp").is_some());
     if tp_run {
-        let r: crate::overlap::TpReport =
+        let r: crate::run::TpReport =
             serde_json::from_slice(&std::fs::read(&rp)?).with_context(|| format!("reading {}", rp.display()))?;
         summary = format!(
             "{}: tensor parallel {} x data parallel {}, schedule {} with {} sub-batches, {} iterations, loss {:.3} → {:.3}, median iteration {:.1} ms, {:.0}% of tensor-parallel communication hidden",

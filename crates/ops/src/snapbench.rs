@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use crate::error::{Context, Result};
 use ironweave_ckpt::{persist, Dtype, Registry, SnapshotBuffers, TensorSpec};
 use serde_json::json;
 

@@ -7,17 +7,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use crate::error::{bail, Context, Result};
 use ironweave_overlap::schedule::{predict, CommRef};
 use ironweave_overlap::trace::{chrome_trace, svg_lanes, to_records, SpanRec};
 use ironweave_overlap::{steps, Lane, Schedule};
 use ironweave_train::tp::{TpSpec, TpTrainer};
 use ironweave_transport::rendezvous::JobEnv;
 use ironweave_transport::CommOptions;
-use serde::{Deserialize, Serialize};
 
 use crate::progress::{Mode, Progress};
-use crate::train::{load_config, TrainArgs};
+use crate::run::{load_config, tc_rate_bytes, TpReport, TrainArgs};
 
 /// The per-rank options `train` hands to `tp-worker`.
 #[derive(Debug, Clone, clap::Args)]
@@ -37,77 +36,6 @@ pub struct TpWorkerArgs {
     pub report_dir: PathBuf,
     #[arg(long)]
     pub global_batch: Option<usize>,
-}
-
-/// What a tensor-parallel run's `report.json` holds (rank 0's view).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct TpReport {
-    pub config: String,
-    pub schedule: String,
-    /// The largest tensor-parallel degree (every sub-layer's when uniform).
-    pub tp: usize,
-    /// Each sub-layer's degree (one value: uniform).
-    #[serde(default)]
-    pub degrees: Vec<usize>,
-    /// Data-parallel degree of the head.
-    pub dp: usize,
-    pub sub_batches: usize,
-    pub ranks: usize,
-    pub threads_per_rank: usize,
-    pub iterations: u64,
-    pub iter_time_s: Vec<f64>,
-    pub loss: Vec<f32>,
-    /// Seconds of compute on rank 0's compute lane, per iteration.
-    pub compute_s: Vec<f64>,
-    /// Seconds rank 0's tensor-parallel collectives were on the wire, per iteration.
-    pub tp_comm_s: Vec<f64>,
-    /// Of those, seconds during which rank 0 computed.
-    pub tp_hidden_s: Vec<f64>,
-    /// Seconds rank 0's compute lane waited for collectives.
-    pub wait_s: Vec<f64>,
-    /// Data-parallel gradient averaging on the wire, per iteration.
-    pub dp_comm_s: Vec<f64>,
-    /// Seconds of each iteration outside the scheduled work (loss average, optimizer step).
-    #[serde(default)]
-    pub outside_s: Vec<f64>,
-    /// Mean compute seconds of each stage and sub-batch over the steady iterations.
-    pub stage_compute_s: Vec<Vec<f64>>,
-    /// Mean seconds on the wire of each stage's collective and sub-batch (0: none).
-    pub stage_comm_s: Vec<Vec<f64>>,
-    /// Mean seconds on the wire of each tail (data-parallel gradients).
-    pub tail_comm_s: Vec<f64>,
-    /// SHA-256 over every rank's state digest, in rank order.
-    pub final_state_sha256: String,
-    pub tokens_per_iter: u64,
-}
-
-impl TpReport {
-    fn steady(v: &[f64]) -> f64 {
-        crate::train::Report::steady(v, 2)
-    }
-    /// Median iteration time after two warm-up iterations.
-    pub fn median_iter_s(&self) -> f64 {
-        median(if self.iter_time_s.len() > 2 { &self.iter_time_s[2..] } else { &self.iter_time_s })
-    }
-    /// Tensor-parallel communication per iteration (steady mean).
-    pub fn comm_s(&self) -> f64 {
-        Self::steady(&self.tp_comm_s)
-    }
-    /// Share of it during which compute ran.
-    pub fn hidden_fraction(&self) -> Option<f64> {
-        let c = self.comm_s();
-        (c > 0.0).then(|| Self::steady(&self.tp_hidden_s) / c)
-    }
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => s[n / 2],
-        n => 0.5 * (s[n / 2 - 1] + s[n / 2]),
-    }
 }
 
 const SPANS_TAG: u32 = 0x5A17;
@@ -217,7 +145,7 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
     }
     rep.tail_comm_s.iter_mut().for_each(|x| *x /= norm);
     // every rank's digest and lanes to rank 0
-    rep.final_state_sha256 = crate::train::job_state_sha256(&comm, &tr.state_digest())?;
+    rep.final_state_sha256 = ironweave::elastic::job_state_sha256(&comm, &tr.state_digest())?;
     let bytes = serde_json::to_vec(&last_spans)?;
     if rank != 0 {
         comm.send_bytes(0, SPANS_TAG, &bytes)?;
@@ -475,26 +403,6 @@ pub struct OverlapArgs {
     /// Also write the rows here.
     #[arg(long)]
     pub json: Option<PathBuf>,
-}
-
-/// A `tc` rate (`200mbit`, `10gbit`, `125mbps`) in bytes per second.
-pub fn tc_rate_bytes(rate: &str) -> Result<f64> {
-    let r = rate.trim().to_ascii_lowercase();
-    let split = r.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(r.len());
-    let (num, unit) = r.split_at(split);
-    let v: f64 = num.parse().with_context(|| format!("rate {rate:?}: no number"))?;
-    let bits = match unit {
-        "bit" | "" => 1.0,
-        "kbit" => 1e3,
-        "mbit" => 1e6,
-        "gbit" => 1e9,
-        "bps" => 8.0,
-        "kbps" => 8e3,
-        "mbps" => 8e6,
-        "gbps" => 8e9,
-        _ => bail!("rate {rate:?}: unknown unit {unit:?} (bit, kbit, mbit, gbit, bps, kbps, mbps, gbps)"),
-    };
-    Ok(v * bits / 8.0)
 }
 
 /// One bench row: what ran and how it went.

@@ -5,11 +5,12 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use crate::error::{bail, Context, Result};
 use serde::Serialize;
 
 use crate::progress::{Mode, Progress};
-use crate::train::{run, Report, TrainArgs};
+use crate::run::{Report, TrainArgs};
+use crate::train::run;
 
 /// `ironweave bench scaling`'s options.
 #[derive(Debug, Clone, clap::Args)]

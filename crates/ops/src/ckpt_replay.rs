@@ -13,7 +13,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use crate::error::{bail, Context, Result};
 use ironweave_sim::ckpt::Strategy;
 use ironweave_sim::replay::{replay, Bed, Predicted, Step};
 use serde_json::Value;
@@ -214,7 +214,7 @@ fn socket_cpu_probe() -> Result<f64> {
         s.write_all(&msg)?;
     }
     drop(s);
-    rx.join().map_err(|_| anyhow::anyhow!("socket probe: the receiver panicked"))??;
+    rx.join().map_err(|_| crate::error::err!("socket probe: the receiver panicked"))??;
     Ok((cpu_s() - cpu0) / TOTAL as f64)
 }
 
@@ -314,10 +314,10 @@ fn measured(dir: &Path) -> Result<Measured> {
             link_bytes_per_iter_per_host: (link > 0.0).then(|| link / hosts / iters),
         })
     } else if dir.join("report.json").exists() {
-        let r: crate::train::Report = serde_json::from_value(read_json(&dir.join("report.json"))?)?;
+        let r: crate::run::Report = serde_json::from_value(read_json(&dir.join("report.json"))?)?;
         let topology =
             r.topology.clone().context("the run was not on the emulated cluster (no --topology): a replay needs its links")?;
-        let t = crate::ckpt_bench::median_after(&r.iter_time_s, 2);
+        let t = crate::run::median_after(&r.iter_time_s, 2);
         Ok(Measured {
             rows: vec![(r.strategy.clone(), t)],
             profile_dir: dir.to_path_buf(),

@@ -1,0 +1,696 @@
+//! The candle adapter (feature `candle`): train any candle model's [`VarMap`] data parallel —
+//! gradients averaged in buckets while the backward pass runs — or sharded (`full`, `hybrid`,
+//! `hsdp` through [`ironweave_shard`]), with the whole state (parameters, both Adam moments,
+//! the step) registered with the checkpoint engine in one call ([`Trainer::state_specs`],
+//! [`Trainer::state`], [`Trainer::restore`]), so [`crate::elastic`] can recover it from peers'
+//! memory.
+//!
+//! **Overlap needs stages.** candle computes every gradient in one `backward()` call, with no
+//! hook per parameter. A model that implements [`Staged`] (its forward as a chain of stages,
+//! each a function of the previous stage's output) is run backward stage by stage: the last
+//! stage from the loss, each earlier one from the gradient of its output
+//! (`sum(out * grad)`'s backward gives exactly `grad` at `out`), and a bucket is averaged as
+//! soon as the stage that last touches its parameters is done, while the earlier stages
+//! compute. Which stage touches which parameter is learned in the first step after the trainer
+//! is built or rebound (which averages everything at the end): every rank of a job buckets
+//! alike, a restarted one too. A model that is one [`Whole`] stage gets the same results without
+//! the overlap.
+//!
+//! **The optimizer is ours**: AdamW ([`ironweave_shard::Adam`]) on host copies of the
+//! parameters, the same update element by element as the sharded engine's, so replicated and
+//! sharded runs agree and the moments can be checkpointed (candle-nn's `AdamW` keeps its
+//! moments private). Parameters must be `f32` (on the CPU device; other devices are not
+//! supported by this adapter yet).
+//!
+//! **What sharding saves here**: the state kept between steps and checkpointed — parameter
+//! shards and both moments — is `1/world` of the replicated state under `full`
+//! ([`Trainer::state_bytes`]); the model's own `Var`s still hold the gathered parameters during
+//! a step (candle models own their tensors), like FSDP without resharding after forward.
+//!
+//! ```
+//! use candle_core::{DType, Device, Module, Tensor};
+//! use candle_nn::{VarBuilder, VarMap};
+//! use ironweave::candle::{Layout, Trainer, TrainerConfig, Whole};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // one process is a world of one: the same code runs on every rank of a job
+//! let comm = std::sync::Arc::new(ironweave::transport::inproc::communicators(1)?.remove(0));
+//! let vm = VarMap::new();
+//! let lin = candle_nn::linear(4, 1, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu).pp("lin"))?;
+//! let mut t = Trainer::new(&vm, &comm, Layout::DataParallel, TrainerConfig::default())?;
+//! let x = Tensor::ones((8, 4), DType::F32, &Device::Cpu)?;
+//! let s = t.step(&Whole(&lin), &x, |y| y.sqr()?.mean_all())?;
+//! println!("loss {}", s.loss);
+//! assert_eq!(t.state_specs().len(), 3 * 2 + 1); // weight, bias, their moments, the step
+//! # Ok(()) }
+//! ```
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::VarMap;
+use ironweave_ckpt::{Dtype, Snapshot, TensorSpec};
+use ironweave_shard::ddp::{self, Bucket, GradSyncStats};
+use ironweave_shard::{adam_update, Adam, Groups, ShardEngine, Strategy};
+use ironweave_transport::{Communicator, ReduceOp};
+
+/// Errors of the adapter.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// candle failed (a forward, a backward, a tensor copy).
+    #[error("tensor computation failed: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// A collective failed.
+    #[error(transparent)]
+    Transport(#[from] ironweave_transport::Error),
+    /// The sharded engine refused.
+    #[error(transparent)]
+    Shard(#[from] ironweave_shard::ShardError),
+    /// A model the adapter cannot train, or a checkpoint that does not fit it.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Result of the adapter.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A model whose forward is a chain of stages: stage `k` maps stage `k - 1`'s output (the
+/// input for stage 0) to its own; the last stage's output goes to the loss. Parameters may be
+/// shared between stages.
+pub trait Staged {
+    /// Stages in forward order (at least 1).
+    fn stages(&self) -> usize;
+    /// Stage `k`'s forward.
+    fn forward_stage(&self, k: usize, x: &Tensor) -> candle_core::Result<Tensor>;
+}
+
+/// Any candle [`Module`] as a one-stage model (gradients averaged after the whole backward).
+#[derive(Debug, Clone, Copy)]
+pub struct Whole<'a, M>(pub &'a M);
+
+impl<M: Module> Staged for Whole<'_, M> {
+    fn stages(&self) -> usize {
+        1
+    }
+    fn forward_stage(&self, _k: usize, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.0.forward(x)
+    }
+}
+
+/// How the parameters are held.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Layout {
+    /// Every rank holds everything; gradients averaged in buckets during backward.
+    DataParallel,
+    /// Sharded through [`ShardEngine`]: `full` (over all ranks), `hybrid` (within the host,
+    /// shard gradients all-reduced across hosts) or `hsdp` (each unit split by `fractions`
+    /// between an all-rank part and a host part on different links). `replicated` runs the
+    /// engine's all-reduce instead of the buckets.
+    Sharded {
+        /// The strategy.
+        strategy: Strategy,
+        /// Consecutive ranks per host.
+        ranks_per_host: usize,
+        /// `hsdp`: the share of each unit sharded over all ranks (one per unit, or one for
+        /// all; ignored otherwise).
+        fractions: Vec<f64>,
+        /// Link of the all-rank part (0: the first).
+        full_link: usize,
+        /// Link of the cross-host all-reduce.
+        inter_link: usize,
+    },
+}
+
+impl Layout {
+    /// `strategy` over all ranks of one host group of `ranks_per_host`, on the first link.
+    pub fn sharded(strategy: Strategy, ranks_per_host: usize) -> Layout {
+        Layout::Sharded { strategy, ranks_per_host, fractions: vec![0.5], full_link: 0, inter_link: 0 }
+    }
+}
+
+/// The trainer's settings.
+#[derive(Debug, Clone, Copy)]
+pub struct TrainerConfig {
+    /// AdamW (decoupled weight decay on every parameter).
+    pub adam: Adam,
+    /// Bucket size of the data-parallel averaging and of the sharded units, bytes (`None`:
+    /// one bucket, averaged after the whole backward).
+    pub bucket_bytes: Option<usize>,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        TrainerConfig { adam: Adam::default(), bucket_bytes: Some(ddp::DEFAULT_BUCKET_BYTES) }
+    }
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepStats {
+    /// The loss averaged over ranks.
+    pub loss: f32,
+    /// The data-parallel averaging (buckets, time on the wire, share hidden behind backward).
+    pub sync: GradSyncStats,
+}
+
+/// One parameter of the model.
+#[derive(Debug, Clone)]
+struct Param {
+    name: String,
+    var: Var,
+    shape: Vec<usize>,
+    len: usize,
+}
+
+/// How the state is held.
+#[derive(Debug)]
+enum Holder {
+    /// Host copies of every parameter and both moments.
+    Replicated { w: Vec<Vec<f32>>, m: Vec<Vec<f32>>, v: Vec<Vec<f32>>, comm: Communicator },
+    /// Shards in the engine; units of whole parameters in name order.
+    Sharded { engine: ShardEngine, comm: Arc<Communicator> },
+}
+
+/// Trains one rank's replica or shard of a candle model (see the module documentation).
+#[derive(Debug)]
+pub struct Trainer {
+    params: Vec<Param>,
+    layout: Layout,
+    cfg: TrainerConfig,
+    holder: Holder,
+    /// Sharded units: parameter index ranges in name order.
+    units: Vec<std::ops::Range<usize>>,
+    /// The backward stage after which each parameter's gradient is final (learned in the
+    /// first step: None before it).
+    stage_of: Option<Vec<usize>>,
+    stages: usize,
+    buckets: Vec<Bucket>,
+    /// The initial parameters, to start over from.
+    initial: Vec<Vec<f32>>,
+    step: u64,
+    step_bytes: [u8; 8],
+}
+
+fn to_host(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+}
+
+fn f32_from_le(b: &[u8], name: &str, n: usize) -> Result<Vec<f32>> {
+    if b.len() != n * 4 {
+        return Err(Error::Invalid(format!(
+            "`{name}`: {} bytes restored for {n} floats (a checkpoint of another model or layout)",
+            b.len()
+        )));
+    }
+    Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}
+
+impl Trainer {
+    /// A trainer of every variable of `varmap` (in name order: the same on every rank),
+    /// holding them as `layout` says over `comm`. Collective: every rank calls it, and every
+    /// rank starts from rank 0's parameters (broadcast here, as DDP does), which are also the
+    /// state [`Trainer::start_over`] goes back to.
+    pub fn new(varmap: &VarMap, comm: &Arc<Communicator>, layout: Layout, cfg: TrainerConfig) -> Result<Trainer> {
+        Self::build(varmap, comm, layout, cfg, true)
+    }
+
+    /// The trainer of an elastic job's generation, in [`crate::elastic::Worker::join`]: built
+    /// at the job's first generation (every rank together, as [`Trainer::new`]), built without
+    /// the broadcast by a process the launcher restarted into a later generation (its peers
+    /// are rebinding, not building; its state comes from the restore that follows), and
+    /// rebound ([`Trainer::rebind`]) by a survivor.
+    pub fn join(
+        slot: &mut Option<Trainer>,
+        varmap: &VarMap,
+        generation: &crate::elastic::Generation<'_>,
+        layout: Layout,
+        cfg: TrainerConfig,
+    ) -> Result<()> {
+        match slot {
+            Some(t) => t.rebind(generation.comm),
+            None => {
+                *slot = Some(Self::build(varmap, generation.comm, layout, cfg, generation.number == 0)?);
+                Ok(())
+            }
+        }
+    }
+
+    fn build(varmap: &VarMap, comm: &Arc<Communicator>, layout: Layout, cfg: TrainerConfig, sync: bool) -> Result<Trainer> {
+        let mut named: Vec<(String, Var)> =
+            varmap.data().lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        if named.is_empty() {
+            return Err(Error::Invalid("the VarMap holds no variables: build the model from it first".into()));
+        }
+        let mut params = Vec::with_capacity(named.len());
+        let mut initial = Vec::with_capacity(named.len());
+        for (name, var) in named {
+            let t = var.as_tensor();
+            if t.dtype() != DType::F32 {
+                return Err(Error::Invalid(format!("`{name}` is {:?}: the adapter trains f32 parameters", t.dtype())));
+            }
+            if !matches!(t.device(), Device::Cpu) {
+                return Err(Error::Invalid(format!("`{name}` is not on the CPU: the adapter trains CPU models")));
+            }
+            let shape = t.dims().to_vec();
+            let len = t.elem_count();
+            initial.push(to_host(t)?);
+            params.push(Param { name, var, shape, len });
+        }
+        if sync {
+            broadcast_params(comm, &params, &mut initial)?;
+        }
+        let units = Self::plan_units(&params, cfg.bucket_bytes);
+        let holder = Self::hold(&params, &initial, &units, comm, &layout, cfg)?;
+        let mut t = Trainer {
+            params,
+            layout,
+            cfg,
+            holder,
+            units,
+            stage_of: None,
+            stages: 1,
+            buckets: Vec::new(),
+            initial,
+            step: 0,
+            step_bytes: [0; 8],
+        };
+        t.plan_buckets();
+        Ok(t)
+    }
+
+    /// Units of whole parameters in name order, each at most `bucket_bytes` (one per
+    /// parameter above it; one unit for everything with `None`).
+    fn plan_units(params: &[Param], bucket_bytes: Option<usize>) -> Vec<std::ops::Range<usize>> {
+        let cap = bucket_bytes.map(|b| (b / 4).max(1));
+        let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+        let mut len = 0;
+        for (i, p) in params.iter().enumerate() {
+            match out.last_mut() {
+                Some(u) if cap.is_none_or(|c| len + p.len <= c) => {
+                    u.end = i + 1;
+                    len += p.len;
+                }
+                _ => {
+                    out.push(i..i + 1);
+                    len = p.len;
+                }
+            }
+        }
+        out
+    }
+
+    fn hold(
+        params: &[Param],
+        values: &[Vec<f32>],
+        units: &[std::ops::Range<usize>],
+        comm: &Arc<Communicator>,
+        layout: &Layout,
+        cfg: TrainerConfig,
+    ) -> Result<Holder> {
+        Ok(match layout {
+            Layout::DataParallel => Holder::Replicated {
+                w: values.to_vec(),
+                m: params.iter().map(|p| vec![0.0; p.len]).collect(),
+                v: params.iter().map(|p| vec![0.0; p.len]).collect(),
+                // the buckets average on a communicator of their own, beside the model's traffic
+                comm: comm.dup(),
+            },
+            Layout::Sharded { strategy, ranks_per_host, fractions, full_link, inter_link } => {
+                let groups = Groups::new(comm, *ranks_per_host, *full_link, *inter_link)?;
+                let flat: Vec<Vec<f32>> = units.iter().map(|u| values[u.clone()].concat()).collect();
+                let fr: Vec<f64> = match fractions.len() {
+                    1 => vec![fractions[0]; units.len()],
+                    _ => fractions.clone(),
+                };
+                Holder::Sharded { engine: ShardEngine::new(groups, *strategy, &flat, &fr, cfg.adam)?, comm: comm.clone() }
+            }
+        })
+    }
+
+    fn plan_buckets(&mut self) {
+        let last = self.stages.saturating_sub(1);
+        let staged: Vec<(usize, usize, usize)> = match &self.stage_of {
+            Some(s) => self.params.iter().enumerate().map(|(i, p)| (i, s[i], p.len)).collect(),
+            None => self.params.iter().enumerate().map(|(i, p)| (i, last, p.len)).collect(),
+        };
+        let bytes = if self.stage_of.is_some() { self.cfg.bucket_bytes } else { None };
+        self.buckets = ddp::plan_buckets(&staged, bytes, last);
+    }
+
+    /// Joins a new communicator (an elastic job's next generation) keeping every parameter,
+    /// moment and the step. Collective for sharded layouts.
+    pub fn rebind(&mut self, comm: &Arc<Communicator>) -> Result<()> {
+        // every rank must bucket alike: a restarted peer has not learned the stages, so every
+        // rank learns them again in the generation's first step (results do not depend on it)
+        self.stage_of = None;
+        self.plan_buckets();
+        match &mut self.holder {
+            Holder::Replicated { comm: c, .. } => *c = comm.dup(),
+            Holder::Sharded { engine, .. } => {
+                // a fresh engine over the new groups, then this rank's shards moved into it
+                let saved: Vec<(String, Vec<u8>)> =
+                    engine.shard_tensors().into_iter().map(|(n, x)| (n, bytemuck::cast_slice(x).to_vec())).collect();
+                let steps = engine.steps();
+                let zeros: Vec<Vec<f32>> = self.params.iter().map(|p| vec![0.0; p.len]).collect();
+                let mut h = Self::hold(&self.params, &zeros, &self.units, comm, &self.layout, self.cfg)?;
+                if let Holder::Sharded { engine, .. } = &mut h {
+                    engine.load_shards(steps, |n| saved.iter().find(|(k, _)| k == n).map(|(_, b)| b.clone()))?;
+                }
+                self.holder = h;
+            }
+        }
+        Ok(())
+    }
+
+    /// Steps taken.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// Parameter names in the order of the state (name order).
+    pub fn param_names(&self) -> Vec<&str> {
+        self.params.iter().map(|p| p.name.as_str()).collect()
+    }
+
+    /// Buckets of the data-parallel averaging (one until the first step has shown which stage
+    /// touches which parameter).
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
+
+    /// One training step on this rank's `input`: forward, the loss `loss(output)`, backward
+    /// with the averaging (or reductions) overlapping it, AdamW. Collective.
+    pub fn step<M: Staged>(
+        &mut self,
+        model: &M,
+        input: &Tensor,
+        loss: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> Result<StepStats> {
+        let k = model.stages();
+        if k == 0 {
+            return Err(Error::Invalid("a staged model needs at least one stage".into()));
+        }
+        if self.stages != k {
+            // the stages are the model's: learn them again
+            self.stages = k;
+            self.stage_of = None;
+            self.plan_buckets();
+        }
+        if let Holder::Sharded { .. } = self.holder {
+            self.gather_into_vars()?;
+        }
+        let mut grads: Vec<Vec<f32>> = self.params.iter().map(|p| vec![0.0; p.len]).collect();
+        let mut seen = vec![usize::MAX; self.params.len()];
+        let (l, sync) = match &mut self.holder {
+            Holder::Replicated { comm, .. } => {
+                let (params, buckets) = (&self.params, &self.buckets);
+                ddp::backward_with_buckets(Some(&*comm), buckets, None, &mut grads, |g, h| -> Result<f32> {
+                    staged_backward(model, input, &loss, params, g, &mut seen, |stage, g, t0| {
+                        h.computed(t0, Instant::now());
+                        Ok(h.stage_done(stage, g)?)
+                    })
+                })?
+            }
+            Holder::Sharded { engine, .. } => {
+                let ready: Vec<usize> = match &self.stage_of {
+                    Some(s) => self.units.iter().map(|u| u.clone().map(|i| s[i]).max().unwrap_or(0)).collect(),
+                    None => vec![k - 1; self.units.len()],
+                };
+                let units = &self.units;
+                let mut next = 0;
+                let mut pending = Vec::new();
+                let l = staged_backward(model, input, &loss, &self.params, &mut grads, &mut seen, |stage, g, _| {
+                    // a unit's reduction starts once its last parameter's gradient is final
+                    let mut order: Vec<usize> = (0..units.len()).filter(|&u| ready[u] == stage).collect();
+                    order.sort_unstable();
+                    for u in order {
+                        let flat = g[units[u].clone()].concat();
+                        let r = engine.start_reduce(u, &flat)?;
+                        pending.push(engine.advance_reduce(r)?);
+                        next += 1;
+                    }
+                    Ok(())
+                })?;
+                for r in pending {
+                    engine.finish_reduce(r)?;
+                }
+                if next != units.len() {
+                    return Err(Error::Invalid(format!("{} of {} units were reduced", next, units.len())));
+                }
+                (l, GradSyncStats::default())
+            }
+        };
+        if self.stage_of.is_none() {
+            // parameters no stage touched get the last stage (their gradient is zero)
+            self.stage_of = Some(seen.iter().map(|&s| if s == usize::MAX { k - 1 } else { s }).collect());
+            self.plan_buckets();
+        }
+        self.step += 1;
+        self.step_bytes = (self.step as i64).to_le_bytes();
+        let adam = self.cfg.adam;
+        match &mut self.holder {
+            Holder::Replicated { w, m, v, comm } => {
+                for (i, p) in self.params.iter().enumerate() {
+                    adam_update(&adam, self.step, true, &mut w[i], &mut m[i], &mut v[i], &grads[i]);
+                    p.var.set(&Tensor::from_slice(&w[i], p.shape.as_slice(), &Device::Cpu)?)?;
+                }
+                let mut lv = [l];
+                comm.all_reduce(&mut lv, ReduceOp::Avg)?;
+                Ok(StepStats { loss: lv[0], sync })
+            }
+            Holder::Sharded { engine, comm } => {
+                engine.step()?;
+                let mut lv = [l];
+                comm.all_reduce(&mut lv, ReduceOp::Avg)?;
+                Ok(StepStats { loss: lv[0], sync })
+            }
+        }
+    }
+
+    /// Gathers every sharded unit and writes it into the model's variables (collective).
+    fn gather_into_vars(&mut self) -> Result<()> {
+        let Holder::Sharded { engine, .. } = &self.holder else { return Ok(()) };
+        // every gather in flight at once; waited in order
+        let pending: Vec<_> = (0..self.units.len()).map(|u| engine.start_gather(u)).collect::<Result<_, _>>()?;
+        for (u, g) in pending.into_iter().enumerate() {
+            let flat = g.wait()?;
+            let mut at = 0;
+            for p in &self.params[self.units[u].clone()] {
+                p.var.set(&Tensor::from_slice(&flat[at..at + p.len], p.shape.as_slice(), &Device::Cpu)?)?;
+                at += p.len;
+            }
+        }
+        Ok(())
+    }
+
+    /// The checkpoint layout of this rank's state: data parallel, every parameter with its two
+    /// moments (`adam.m.NAME`, `adam.v.NAME`); sharded, this rank's shards
+    /// (`shard.UNIT.PART.p|m|v`); then the step.
+    pub fn state_specs(&self) -> Vec<TensorSpec> {
+        let mut v = Vec::new();
+        match &self.holder {
+            Holder::Replicated { .. } => {
+                for p in &self.params {
+                    let shape: Vec<u64> = p.shape.iter().map(|&d| d as u64).collect();
+                    v.push(TensorSpec::new(p.name.clone(), Dtype::F32, &shape));
+                    v.push(TensorSpec::new(format!("adam.m.{}", p.name), Dtype::F32, &shape));
+                    v.push(TensorSpec::new(format!("adam.v.{}", p.name), Dtype::F32, &shape));
+                }
+            }
+            Holder::Sharded { engine, .. } => {
+                for (name, x) in engine.shard_tensors() {
+                    v.push(TensorSpec::new(format!("shard.{name}"), Dtype::F32, &[x.len() as u64]));
+                }
+            }
+        }
+        v.push(TensorSpec::new("step", Dtype::I64, &[]));
+        v
+    }
+
+    /// The state as byte buffers in [`Trainer::state_specs`] order.
+    pub fn state(&self) -> Vec<&[u8]> {
+        let mut out: Vec<&[u8]> = Vec::new();
+        match &self.holder {
+            Holder::Replicated { w, m, v, .. } => {
+                for i in 0..self.params.len() {
+                    for x in [&w[i], &m[i], &v[i]] {
+                        out.push(bytemuck::cast_slice(x));
+                    }
+                }
+            }
+            Holder::Sharded { engine, .. } => {
+                out.extend(engine.shard_tensors().into_iter().map(|(_, x)| bytemuck::cast_slice::<f32, u8>(x)));
+            }
+        }
+        out.push(&self.step_bytes);
+        out
+    }
+
+    /// Bytes of the state this rank keeps between steps (what one checkpoint of it carries):
+    /// `1/world` of the data-parallel state under `full`.
+    pub fn state_bytes(&self) -> u64 {
+        self.state().iter().map(|b| b.len() as u64).sum()
+    }
+
+    /// SHA-256 of the state (the same on two runs that end in the same state).
+    pub fn state_digest(&self) -> [u8; 32] {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        for b in self.state() {
+            h.update(b);
+        }
+        h.finalize().into()
+    }
+
+    /// Loads a state saved from [`Trainer::state`] (a restored snapshot) and writes the
+    /// parameters into the model (collective for sharded layouts).
+    pub fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+        let get = |name: &str| -> Result<&[u8]> {
+            snap.tensor(name).ok_or_else(|| {
+                Error::Invalid(format!("the checkpoint lacks `{name}` (it was written by another model or layout)"))
+            })
+        };
+        let step = get("step")?;
+        let step = i64::from_le_bytes(step.try_into().map_err(|_| Error::Invalid("`step` is not 8 bytes".into()))?) as u64;
+        match &mut self.holder {
+            Holder::Replicated { w, m, v, .. } => {
+                for (i, p) in self.params.iter().enumerate() {
+                    w[i] = f32_from_le(get(&p.name)?, &p.name, p.len)?;
+                    m[i] = f32_from_le(get(&format!("adam.m.{}", p.name))?, &p.name, p.len)?;
+                    v[i] = f32_from_le(get(&format!("adam.v.{}", p.name))?, &p.name, p.len)?;
+                    p.var.set(&Tensor::from_slice(&w[i], p.shape.as_slice(), &Device::Cpu)?)?;
+                }
+            }
+            Holder::Sharded { engine, .. } => {
+                engine.load_shards(step, |n| snap.tensor(&format!("shard.{n}")).map(<[u8]>::to_vec))?;
+            }
+        }
+        self.step = step;
+        self.step_bytes = (step as i64).to_le_bytes();
+        self.gather_into_vars()
+    }
+
+    /// Goes back to the initial state — rank 0's initial parameters (broadcast again: a
+    /// restarted process built its own), zero moments, step 0 — and writes it into the model.
+    /// Collective.
+    pub fn start_over(&mut self) -> Result<()> {
+        let mut initial = self.initial.clone();
+        let comm = match &self.holder {
+            Holder::Replicated { comm, .. } => Arc::new(comm.dup()),
+            Holder::Sharded { comm, .. } => comm.clone(),
+        };
+        broadcast_params(&comm, &self.params, &mut initial)?;
+        self.holder = Self::hold(&self.params, &initial, &self.units, &comm, &self.layout, self.cfg)?;
+        self.step = 0;
+        self.step_bytes = [0; 8];
+        Ok(())
+    }
+}
+
+/// Every rank takes rank 0's `values` (one broadcast of all of them) and writes them into the
+/// variables. Collective.
+fn broadcast_params(comm: &Communicator, params: &[Param], values: &mut [Vec<f32>]) -> Result<()> {
+    if comm.size() == 1 {
+        return Ok(());
+    }
+    let mut flat = values.concat();
+    comm.broadcast(&mut flat, 0)?;
+    let mut at = 0;
+    for (p, w) in params.iter().zip(values.iter_mut()) {
+        w.copy_from_slice(&flat[at..at + p.len]);
+        p.var.set(&Tensor::from_slice(w.as_slice(), p.shape.as_slice(), &Device::Cpu)?)?;
+        at += p.len;
+    }
+    Ok(())
+}
+
+/// Sets every variable of `varmap` (in name order) to values drawn from a generator seeded
+/// with `seed`, uniform in `±1/sqrt(fan_in)` (`fan_in`: the elements of one row of the first
+/// dimension; a vector's own length): a deterministic stand-in for candle's CPU
+/// initialisation, which cannot be seeded, so that two runs of a job start from the same
+/// state (and a recovered run can end bit-identical to an uninterrupted one).
+pub fn init_uniform(varmap: &VarMap, seed: u64) -> Result<()> {
+    let mut named: Vec<(String, Var)> =
+        varmap.data().lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut rng = ironweave_units::SplitMix64::new(seed);
+    for (name, var) in named {
+        let t = var.as_tensor();
+        if t.dtype() != DType::F32 {
+            return Err(Error::Invalid(format!("`{name}` is {:?}: init_uniform sets f32 variables", t.dtype())));
+        }
+        let dims = t.dims().to_vec();
+        let n = t.elem_count();
+        let fan_in = if dims.len() >= 2 { n / dims[0].max(1) } else { n };
+        let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+        let vals: Vec<f32> = (0..n).map(|_| ((2.0 * rng.unit() - 1.0) * bound) as f32).collect();
+        var.set(&Tensor::from_vec(vals, dims.as_slice(), t.device())?)?;
+    }
+    Ok(())
+}
+
+/// The staged forward and backward of one step: fills `grads` (summed over the stages that
+/// touch each parameter), records in `seen` the backward stage after which each parameter's
+/// gradient is final, and calls `after(stage, grads, started)` after each backward stage
+/// (stage 0: the model's last). Returns this rank's loss.
+fn staged_backward<M: Staged>(
+    model: &M,
+    input: &Tensor,
+    loss: &impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+    params: &[Param],
+    grads: &mut [Vec<f32>],
+    seen: &mut [usize],
+    mut after: impl FnMut(usize, &[Vec<f32>], Instant) -> Result<()>,
+) -> Result<f32> {
+    let k = model.stages();
+    // forward: each later stage's input is a leaf of its own, so its backward stops there
+    let mut leaves: Vec<Option<Var>> = Vec::with_capacity(k);
+    let mut outs: Vec<Tensor> = Vec::with_capacity(k);
+    let mut x = input.clone();
+    for s in 0..k {
+        let (leaf, xin) = if s == 0 {
+            (None, x.clone())
+        } else {
+            let v = Var::from_tensor(&x.detach())?;
+            let t = v.as_tensor().clone();
+            (Some(v), t)
+        };
+        let out = model.forward_stage(s, &xin)?;
+        leaves.push(leaf);
+        outs.push(out.clone());
+        x = out;
+    }
+    let l = loss(&x)?;
+    let lv = l.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    let mut upstream: Option<Tensor> = None;
+    for s in (0..k).rev() {
+        let t0 = Instant::now();
+        let target = match &upstream {
+            None => l.clone(),
+            // d sum(out * g) / d out = g exactly: the same gradient the whole backward gives
+            Some(g) => (&outs[s] * g.detach())?.sum_all()?,
+        };
+        let gs = target.backward()?;
+        let stage = k - 1 - s;
+        for (i, p) in params.iter().enumerate() {
+            if let Some(g) = gs.get(p.var.as_tensor()) {
+                let g = to_host(g)?;
+                if g.len() != p.len {
+                    return Err(Error::Invalid(format!("`{}`: a gradient of {} for {} elements", p.name, g.len(), p.len)));
+                }
+                grads[i].iter_mut().zip(&g).for_each(|(a, b)| *a += b);
+                seen[i] = stage;
+            }
+        }
+        upstream = match &leaves[s] {
+            Some(v) => Some(gs.get(v.as_tensor()).cloned().ok_or_else(|| {
+                Error::Invalid(format!("stage {s}'s output does not depend on its input: stages must form a chain"))
+            })?),
+            None => None,
+        };
+        after(stage, grads, t0)?;
+    }
+    Ok(lv)
+}

@@ -1,0 +1,687 @@
+//! In-job recovery: a training loop that survives a rank's death without losing what the
+//! other ranks hold in memory.
+//!
+//! The user supplies a [`Worker`] (its state as named byte buffers, how to restore it, one
+//! training step) and a [`Config`] (iterations, the checkpoint engine's settings); [`Job::run`]
+//! owns everything else:
+//!
+//! - **generations**: the job's processes form generation `g` on the launcher's port `+ g`
+//!   (`IRONWEAVE_GENERATION` tells a restarted process which one it joins);
+//! - **failure detection**: any error of a step, a checkpoint or a commit (a peer lost, a
+//!   deadline passed) ends the generation on this rank; its peers see the same through their
+//!   own typed transport errors;
+//! - **re-formation**: the survivors form the next generation with the restarted ranks and
+//!   keep their memory (the checkpoint engine is rebound to the new communicator, not rebuilt),
+//!   retrying a formation whose peers cannot be reached yet (a link still down, a rank still
+//!   restarting) up to [`Config::reform_attempts`] times;
+//! - **the restore choice**: every rank restores the newest iteration every rank still has,
+//!   from its own memory, the replica a peer holds of it, or the persistent tier
+//!   ([`RestoreSource`]); a job that never committed starts over from the initial state;
+//! - **the "cannot recover" outcome**: an iteration that was committed and whose every copy is
+//!   gone ends the job with [`Error::Unrecoverable`] (exit status [`EXIT_UNRECOVERABLE`], which
+//!   `ironweave launch` does not restart), instead of re-forming until a deadline;
+//! - **deadlines**: every wait of the transport and the engine has [`Config::timeout`].
+//!
+//! It runs under `ironweave launch --max-restarts N`, torchrun, srun and mpirun alike: the
+//! rank, world and rendezvous come from [`JobEnv::from_env`].
+//!
+//! ```no_run
+//! use ironweave::ckpt::{Dtype, EngineConfig, Snapshot, TensorSpec};
+//! use ironweave::elastic::{BoxError, Config, Generation, Job, Step, StepContext, Worker};
+//!
+//! /// A model of one vector, trained data parallel.
+//! struct Fit { w: Vec<f32>, step: [u8; 8] }
+//!
+//! impl Worker for Fit {
+//!     type Output = f32;
+//!     fn state_specs(&self) -> Vec<TensorSpec> {
+//!         vec![TensorSpec::new("w", Dtype::F32, &[self.w.len() as u64]), TensorSpec::new("step", Dtype::I64, &[])]
+//!     }
+//!     fn join(&mut self, _g: &Generation<'_>) -> Result<(), BoxError> {
+//!         Ok(()) // a model that keeps its communicator takes the new one here
+//!     }
+//!     fn state(&self) -> Vec<&[u8]> {
+//!         vec![bytemuck::cast_slice(&self.w), &self.step]
+//!     }
+//!     fn restore(&mut self, s: &Snapshot) -> Result<(), BoxError> {
+//!         let w = s.tensor("w").ok_or("no `w` in the checkpoint")?;
+//!         self.w = w.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+//!         Ok(())
+//!     }
+//!     fn start_over(&mut self) -> Result<(), BoxError> {
+//!         self.w.iter_mut().for_each(|x| *x = 0.0);
+//!         Ok(())
+//!     }
+//!     fn step(&mut self, it: u64, cx: &StepContext<'_>) -> Result<Step<f32>, BoxError> {
+//!         let mut g: Vec<f32> = self.w.iter().map(|w| w - 1.0).collect();
+//!         cx.comm.all_reduce(&mut g, ironweave::ReduceOp::Avg)?;
+//!         self.w.iter_mut().zip(&g).for_each(|(w, g)| *w -= 0.1 * g);
+//!         self.step = (it as i64).to_le_bytes();
+//!         Ok(Step::new(g.iter().map(|x| x * x).sum()))
+//!     }
+//! }
+//!
+//! let job = Job::from_env(Config::new(100, EngineConfig::default()))?;
+//! let done = job.run(&mut Fit { w: vec![0.0; 1024], step: [0; 8] })?;
+//! println!("restored {} times; last committed {:?}", done.recoveries(), done.last_committed());
+//! done.shutdown()?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ironweave_ckpt::engine::IterationReport;
+use ironweave_ckpt::{CkptError, Engine, EngineConfig, Registry, Snapshot, Source, TensorSpec};
+use ironweave_profile::{ExpertLoad, MonotonicClock, Profiler};
+use ironweave_transport::rendezvous::JobEnv;
+use ironweave_transport::threads::ThreadChoice;
+use ironweave_transport::{CommOptions, Communicator, ReduceOp};
+
+use crate::Backend;
+
+/// The exit status of a rank that ends the job because a committed iteration cannot be
+/// restored: `ironweave launch` does not restart it (a restart would find the same copies
+/// missing).
+pub const EXIT_UNRECOVERABLE: i32 = 75;
+
+/// What a [`Worker`]'s methods may fail with: any error (`?` converts one).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Errors of the runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The job could not be joined, or a generation could not be formed.
+    #[error(transparent)]
+    Transport(#[from] ironweave_transport::Error),
+    /// The checkpoint engine could not be set up or shut down.
+    #[error(transparent)]
+    Ckpt(#[from] CkptError),
+    /// An iteration was committed and every copy of it is gone (a rank died with every holder
+    /// of its replicas before the persistent tier had it): no re-formation brings it back.
+    #[error("iteration {committed} was committed and every copy of it is gone (more replicas, `EngineConfig::replicas`, or a more frequent persistent tier keep one): {source}")]
+    Unrecoverable {
+        /// The newest iteration any rank saw committed.
+        committed: u64,
+        /// What the restore found.
+        source: CkptError,
+    },
+    /// Generations kept failing.
+    #[error("gave up after {reformations} re-formations; the last generation failed with: {last}")]
+    GaveUp {
+        /// Re-formations tried.
+        reformations: u32,
+        /// The last generation's failure.
+        last: BoxError,
+    },
+    /// The worker refused its first generation (a configuration it cannot run).
+    #[error(transparent)]
+    Worker(BoxError),
+}
+
+impl Error {
+    /// The exit status a rank should end with: [`EXIT_UNRECOVERABLE`] for
+    /// [`Error::Unrecoverable`], 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::Unrecoverable { .. } => EXIT_UNRECOVERABLE,
+            _ => 1,
+        }
+    }
+}
+
+/// Result of this module.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Which links carry checkpoint chunks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CheckpointLinks {
+    /// The training link only (link 0).
+    #[default]
+    Training,
+    /// Every link of the job: training stays on the first, chunks may take the others too
+    /// (the job must have two or more).
+    All,
+}
+
+/// How a [`Job`] runs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The checkpoint engine's settings (strategy, replicas, persistent tier, ...).
+    pub engine: EngineConfig,
+    /// Iterations of the whole job (1-based; a restored job continues after the restored one).
+    pub iterations: u64,
+    /// Every wait's deadline (formation, collectives, the engine's messages).
+    pub timeout: Duration,
+    /// Generations a process may form after its first before it gives up.
+    pub max_reformations: u32,
+    /// Tries at forming one generation when its peers cannot be reached yet.
+    pub reform_attempts: u32,
+    /// Links that carry checkpoint chunks.
+    pub checkpoint_links: CheckpointLinks,
+    /// The backend (default: `IRONWEAVE_BACKEND`, else TCP).
+    pub backend: Option<Backend>,
+    /// Set the compute threads of this process from its share of the host's cores before any
+    /// thread pool exists (see [`ironweave_transport::threads`]); on by default.
+    pub set_threads: bool,
+}
+
+/// Default [`Config::max_reformations`].
+pub const MAX_REFORMATIONS: u32 = 8;
+/// Default [`Config::reform_attempts`].
+pub const REFORM_ATTEMPTS: u32 = 8;
+
+impl Config {
+    /// `iterations` under `engine`, with every wait's deadline from `IRONWEAVE_TIMEOUT_S`
+    /// (default 60 s; it replaces `engine.timeout` too) and the other settings at their
+    /// defaults.
+    pub fn new(iterations: u64, engine: EngineConfig) -> Config {
+        let timeout = std::env::var("IRONWEAVE_TIMEOUT_S")
+            .ok()
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map_or(Duration::from_secs(60), Duration::from_secs_f64);
+        Config {
+            engine: EngineConfig { timeout, ..engine },
+            iterations,
+            timeout,
+            max_reformations: MAX_REFORMATIONS,
+            reform_attempts: REFORM_ATTEMPTS,
+            checkpoint_links: CheckpointLinks::Training,
+            backend: None,
+            set_threads: true,
+        }
+    }
+}
+
+/// One generation of the job, as a [`Worker`] joins it.
+#[derive(Debug)]
+pub struct Generation<'a> {
+    /// The job's communicator of this generation (new in each).
+    pub comm: &'a Arc<Communicator>,
+    /// The generation's number (0: the job's first).
+    pub number: u16,
+    /// Whether this process formed no generation before (it starts from its initial state or
+    /// was restarted by the launcher).
+    pub fresh_process: bool,
+}
+
+/// What a step may use besides its own state.
+#[derive(Debug)]
+pub struct StepContext<'a> {
+    /// The job's communicator.
+    pub comm: &'a Arc<Communicator>,
+    /// The checkpoint engine's profiler: time layers and record training communication in it
+    /// so the engine can place its chunks in the link's idle windows (optional).
+    pub profiler: &'a Arc<Profiler<MonotonicClock>>,
+}
+
+/// Where a rank's state came from in a recovery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RestoreSource {
+    /// Its own snapshot in its memory (a survivor).
+    OwnMemory,
+    /// The replica a peer held of it (from that rank).
+    Peer(usize),
+    /// The persistent tier.
+    Persistent,
+    /// Nothing was committed yet: it started over from the initial state.
+    InitialState,
+}
+
+impl RestoreSource {
+    /// Its name in reports: `own memory`, `peer`, `persistent`, `initial state`.
+    pub fn name(self) -> &'static str {
+        match self {
+            RestoreSource::OwnMemory => "own memory",
+            RestoreSource::Peer(_) => "peer",
+            RestoreSource::Persistent => "persistent",
+            RestoreSource::InitialState => "initial state",
+        }
+    }
+
+    fn code(s: Option<RestoreSource>) -> u8 {
+        match s {
+            None => 0,
+            Some(RestoreSource::OwnMemory) => 1,
+            Some(RestoreSource::Peer(_)) => 2,
+            Some(RestoreSource::Persistent) => 3,
+            Some(RestoreSource::InitialState) => 4,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<RestoreSource> {
+        match c {
+            1 => Some(RestoreSource::OwnMemory),
+            // the peer's rank does not travel in the one-byte summary
+            2 => Some(RestoreSource::Peer(usize::MAX)),
+            3 => Some(RestoreSource::Persistent),
+            4 => Some(RestoreSource::InitialState),
+            _ => None,
+        }
+    }
+}
+
+impl From<Source> for RestoreSource {
+    fn from(s: Source) -> Self {
+        match s {
+            Source::Local => RestoreSource::OwnMemory,
+            Source::Peer(r) => RestoreSource::Peer(r),
+            Source::Persistent => RestoreSource::Persistent,
+        }
+    }
+}
+
+/// A recovery, as every rank saw it (the restore is collective).
+#[derive(Debug, Clone)]
+pub struct Recovery {
+    /// The iteration restored (0: the initial state).
+    pub iter: u64,
+    /// Where this rank's state came from.
+    pub source: RestoreSource,
+    /// The newest iteration any rank saw committed before the failure (None: nothing).
+    pub committed_before: Option<u64>,
+    /// The generation that restored.
+    pub generation: u16,
+}
+
+impl Recovery {
+    /// Committed iterations that are redone: an older iteration than one committed before the
+    /// failure was restored because a rank lost every copy of the newer ones.
+    pub fn lost_committed(&self) -> u64 {
+        self.committed_before.map_or(0, |c| c.saturating_sub(self.iter))
+    }
+}
+
+/// What one step returns: the expert load it saw (MoE models: the engine re-profiles when it
+/// drifts) and the worker's own output (loss, timings), handed to [`Worker::on_iteration`].
+#[derive(Debug, Clone)]
+pub struct Step<O> {
+    /// Tokens routed to each expert of each MoE layer (None: a dense model).
+    pub expert_load: Option<ExpertLoad>,
+    /// The worker's output.
+    pub output: O,
+}
+
+impl<O> Step<O> {
+    /// A step of a dense model.
+    pub fn new(output: O) -> Self {
+        Step { expert_load: None, output }
+    }
+}
+
+/// One finished iteration, as [`Worker::on_iteration`] sees it.
+#[derive(Debug)]
+pub struct Iteration<'a, O> {
+    /// The iteration (1-based).
+    pub iter: u64,
+    /// What the step returned.
+    pub output: &'a O,
+    /// Wall time of step, checkpoint and commit.
+    pub elapsed: Duration,
+    /// The newest iteration committed on every replica, as this rank knows it.
+    pub committed: Option<u64>,
+    /// What the checkpoint engine did in the iteration (exposed time, chunks in windows, ...).
+    pub ckpt: &'a IterationReport,
+    /// The job's communicator.
+    pub comm: &'a Arc<Communicator>,
+}
+
+/// A rank's training: its state as named buffers and one step at a time. [`Job::run`] calls
+/// [`Worker::join`] at each generation, then restores (after a failure) and steps.
+pub trait Worker {
+    /// What a step returns besides the expert load (a loss, timings).
+    type Output;
+
+    /// Joins a generation: keep the communicator. Called before any restore of that
+    /// generation. A restarted process joins a later generation while its peers rejoin with
+    /// their state in memory: any collective here must be one that both run (a restarted
+    /// process that broadcasts its initial state would wait for peers that do not).
+    fn join(&mut self, generation: &Generation<'_>) -> Result<(), BoxError>;
+
+    /// The layout of the state checkpointed every iteration (called once, after the first
+    /// [`Worker::join`]; it must not change).
+    fn state_specs(&self) -> Vec<TensorSpec>;
+
+    /// The state as buffers, in [`Worker::state_specs`] order (copied into a snapshot at once).
+    fn state(&self) -> Vec<&[u8]>;
+
+    /// Loads the state from a restored snapshot (tensors by name, as registered).
+    fn restore(&mut self, snapshot: &Snapshot) -> Result<(), BoxError>;
+
+    /// Goes back to the initial state (a failure before anything was committed: every rank
+    /// starts over, so training must be deterministic from it).
+    fn start_over(&mut self) -> Result<(), BoxError>;
+
+    /// Runs iteration `iter` (the state afterwards is iteration `iter`'s).
+    fn step(&mut self, iter: u64, cx: &StepContext<'_>) -> Result<Step<Self::Output>, BoxError>;
+
+    /// Called when a generation starts stepping at `first_iter` (a progress bar starts here).
+    fn on_start(&mut self, _first_iter: u64, _comm: &Arc<Communicator>) -> Result<(), BoxError> {
+        Ok(())
+    }
+
+    /// Called after each iteration's checkpoint and commit.
+    fn on_iteration(&mut self, _it: &Iteration<'_, Self::Output>) -> Result<(), BoxError> {
+        Ok(())
+    }
+
+    /// Called on every rank after a restore, before the first step of the generation.
+    fn on_recovery(&mut self, _r: &Recovery, _comm: &Arc<Communicator>) -> Result<(), BoxError> {
+        Ok(())
+    }
+
+    /// Called when a generation ends, by failure or because the last iteration ran.
+    fn on_stop(&mut self) {}
+}
+
+/// A rank of an elastic job: joined from the environment, run with [`Job::run`].
+#[derive(Debug)]
+pub struct Job {
+    cfg: Config,
+    env: JobEnv,
+    backend: Backend,
+    start_gen: u16,
+    threads: Option<ThreadChoice>,
+}
+
+impl Job {
+    /// This rank of the job its launcher described (`ironweave launch`, torchrun, srun,
+    /// mpirun): rank, world and rendezvous from the environment, the generation from
+    /// `IRONWEAVE_GENERATION` (0 when unset: the job's first), the backend from
+    /// `IRONWEAVE_BACKEND` unless `cfg.backend` names one. Sets the compute threads when
+    /// `cfg.set_threads`; call it before any thread pool exists.
+    pub fn from_env(cfg: Config) -> Result<Job> {
+        let env = JobEnv::from_env()?;
+        // a malformed IRONWEAVE_TIMEOUT_S is refused here, not silently replaced
+        if std::env::var_os("IRONWEAVE_TIMEOUT_S").is_some() {
+            CommOptions::from_env()?;
+        }
+        let threads = if cfg.set_threads { ironweave_transport::threads::apply_to_process(env.local_world_size)? } else { None };
+        let backend = match cfg.backend {
+            Some(b) => b,
+            None => Backend::from_env()?,
+        };
+        let start_gen = std::env::var("IRONWEAVE_GENERATION").ok().and_then(|g| g.trim().parse().ok()).unwrap_or(0);
+        Ok(Job { cfg, env, backend, start_gen, threads })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.env.rank
+    }
+
+    /// Ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.env.world_size
+    }
+
+    /// The generation this process joins first (above 0: the launcher restarted it).
+    pub fn generation(&self) -> u16 {
+        self.start_gen
+    }
+
+    /// The compute threads chosen for this process, if [`Job::from_env`] set them.
+    pub fn threads(&self) -> Option<&ThreadChoice> {
+        self.threads.as_ref()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Forms generation `gen`, retrying while its peers cannot be reached yet (only a
+    /// re-formation retries: a process's first formation that fails exits, and the launcher
+    /// restarts it as a later generation).
+    fn form(&self, gen: u16) -> Result<Arc<Communicator>> {
+        let mut env = self.env.clone();
+        env.master.set_port(self.env.master.port().wrapping_add(gen));
+        env.job_id = format!("{}-g{gen}", self.env.job_id);
+        let opts = CommOptions { timeout: self.cfg.timeout, ..CommOptions::default() };
+        let mut attempt = 0;
+        loop {
+            match crate::connect(self.backend, &env, opts.clone()) {
+                Ok(c) => return Ok(Arc::new(c)),
+                Err(err) if gen > self.start_gen && attempt < self.cfg.reform_attempts && err.is_transient() => {
+                    attempt += 1;
+                    eprintln!(
+                        "rank {}: re-forming generation {gen} failed: {err}; trying again ({attempt} of {})",
+                        self.env.rank, self.cfg.reform_attempts
+                    );
+                }
+                Err(err) => return Err(err.into()),
+            }
+        }
+    }
+
+    /// Runs `worker` to [`Config::iterations`], checkpointing every iteration and recovering
+    /// from failures as the module documentation says. Returns when every rank has run the
+    /// last iteration; [`Finished`] holds the engine for the final report.
+    pub fn run<W: Worker>(self, worker: &mut W) -> Result<Finished> {
+        let rank = self.env.rank;
+        let mut gen = self.start_gen;
+        let mut engine: Option<Engine> = None;
+        // a restarted process (a later generation) restores; the job's first generation starts
+        let mut need_restore = self.start_gen > 0;
+        let mut recoveries = 0u64;
+        let mut last_source: Option<RestoreSource> = None;
+        let mut fresh = true;
+        loop {
+            let comm = self.form(gen)?;
+            let joined = worker.join(&Generation { comm: &comm, number: gen, fresh_process: fresh });
+            let joined = match (fresh, joined) {
+                // a worker that cannot take its first generation (a configuration it refuses)
+                // would refuse every later one too
+                (true, Err(err)) => return Err(Error::Worker(err)),
+                (_, j) => j,
+            };
+            fresh = false;
+            let r = match joined {
+                Ok(()) => {
+                    match engine.as_mut() {
+                        Some(e) => e.rebind(comm.clone())?,
+                        None => {
+                            let ecfg = self.engine_config(&comm)?;
+                            engine = Some(Engine::new(comm.clone(), Registry::new(&worker.state_specs())?, ecfg)?);
+                        }
+                    }
+                    let e = engine.as_mut().expect("set above");
+                    self.run_generation(e, worker, &comm, gen, need_restore, &mut recoveries, &mut last_source)
+                }
+                Err(err) => Err(err),
+            };
+            worker.on_stop();
+            match r {
+                Ok(()) => {
+                    let mut e = engine.take().expect("ran");
+                    let last_committed = e.commit(true)?;
+                    return Ok(Finished { engine: e, comm, recoveries, last_source, last_committed, generation: gen });
+                }
+                Err(err) => {
+                    let err = match err.downcast::<Error>() {
+                        Ok(e) => match *e {
+                            // no re-formation brings lost copies back: end the job
+                            e @ Error::Unrecoverable { .. } => return Err(e),
+                            e => Box::new(e) as BoxError,
+                        },
+                        Err(other) => other,
+                    };
+                    if gen >= self.start_gen.saturating_add(self.cfg.max_reformations as u16) {
+                        return Err(Error::GaveUp { reformations: self.cfg.max_reformations, last: err });
+                    }
+                    eprintln!("rank {rank}: generation {gen} failed: {}; re-forming the job", chain(&*err));
+                    gen += 1;
+                    need_restore = true;
+                }
+            }
+        }
+    }
+
+    fn engine_config(&self, comm: &Communicator) -> Result<EngineConfig> {
+        Ok(match self.cfg.checkpoint_links {
+            CheckpointLinks::Training => self.cfg.engine.clone(),
+            CheckpointLinks::All => {
+                let n = comm.links().len() as u32;
+                if n < 2 {
+                    return Err(ironweave_transport::Error::InvalidArgument(format!(
+                        "checkpoint chunks on every link need a job with several links (an emulated cluster with two or more); this one has {n}"
+                    ))
+                    .into());
+                }
+                EngineConfig { extra_links: (1..n).collect(), ..self.cfg.engine.clone() }
+            }
+        })
+    }
+
+    /// One generation after its formation: the restore (after a failure), then the
+    /// iterations until the last or the first error.
+    #[allow(clippy::too_many_arguments)]
+    fn run_generation<W: Worker>(
+        &self,
+        e: &mut Engine,
+        worker: &mut W,
+        comm: &Arc<Communicator>,
+        gen: u16,
+        need_restore: bool,
+        recoveries: &mut u64,
+        last_source: &mut Option<RestoreSource>,
+    ) -> Result<(), BoxError> {
+        let mut start = 1;
+        if need_restore {
+            let rec = restore(e, worker, gen)?;
+            *recoveries += 1;
+            *last_source = Some(rec.source);
+            start = rec.iter + 1;
+            worker.on_recovery(&rec, comm)?;
+        }
+        worker.on_start(start, comm)?;
+        let mut last_load: Option<ExpertLoad> = None;
+        for it in start..=self.cfg.iterations {
+            let t0 = Instant::now();
+            e.begin_iteration(it, last_load.as_ref());
+            let s = worker.step(it, &StepContext { comm, profiler: e.profiler() })?;
+            let ir = e.end_iteration();
+            e.checkpoint(it, &worker.state())?;
+            let committed = e.commit(false)?;
+            worker.on_iteration(&Iteration { iter: it, output: &s.output, elapsed: t0.elapsed(), committed, ckpt: &ir, comm })?;
+            last_load = s.expert_load;
+        }
+        Ok(())
+    }
+}
+
+/// `err` and its sources, `: `-separated.
+fn chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = err.to_string();
+    let mut cur = err.source();
+    while let Some(e) = cur {
+        let m = e.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        cur = e.source();
+    }
+    s
+}
+
+/// The collective restore of a generation after a failure.
+fn restore<W: Worker>(e: &mut Engine, worker: &mut W, generation: u16) -> Result<Recovery, BoxError> {
+    // the newest iteration any rank saw committed before the failure (a restarted rank
+    // remembers nothing; -1: none): collective, as the restore's choice is
+    let mut c = [e.committed().map_or(-1, |i| i as i64)];
+    e.comm().all_reduce(&mut c, ReduceOp::Max)?;
+    let committed_before = u64::try_from(c[0]).ok();
+    match e.restore_latest() {
+        Ok(r) => {
+            worker.restore(&r.snapshot)?;
+            Ok(Recovery { iter: r.iter, source: r.source.into(), committed_before, generation })
+        }
+        Err(err @ CkptError::NothingToRestore { .. }) => {
+            // every rank got the same answer (the choice is collective): was anything ever
+            // committed?
+            if let Some(committed) = committed_before {
+                return Err(Box::new(Error::Unrecoverable { committed, source: err }));
+            }
+            // nothing was committed, so nothing is lost: every rank starts over from the
+            // initial state (training is deterministic)
+            worker.start_over()?;
+            e.start_over();
+            Ok(Recovery { iter: 0, source: RestoreSource::InitialState, committed_before, generation })
+        }
+        Err(other) => Err(Box::new(other)),
+    }
+}
+
+/// A job that ran its last iteration on every rank: the engine (flushed: the last commit
+/// waited for every replica) and what recovery did, for the final report.
+#[derive(Debug)]
+pub struct Finished {
+    engine: Engine,
+    comm: Arc<Communicator>,
+    recoveries: u64,
+    last_source: Option<RestoreSource>,
+    last_committed: Option<u64>,
+    generation: u16,
+}
+
+impl Finished {
+    /// The communicator of the last generation.
+    pub fn comm(&self) -> &Arc<Communicator> {
+        &self.comm
+    }
+
+    /// The checkpoint engine (counters, placement, profiler history).
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Recoveries this process took part in.
+    pub fn recoveries(&self) -> u64 {
+        self.recoveries
+    }
+
+    /// Where this rank's state came from in its last recovery (None: it never restored).
+    pub fn restore_source(&self) -> Option<RestoreSource> {
+        self.last_source
+    }
+
+    /// The newest iteration committed on every replica at the end.
+    pub fn last_committed(&self) -> Option<u64> {
+        self.last_committed
+    }
+
+    /// The generation that finished.
+    pub fn generation(&self) -> u16 {
+        self.generation
+    }
+
+    /// Every rank's [`Finished::restore_source`], in rank order (collective; a peer's rank is
+    /// not carried: `Peer(usize::MAX)`).
+    pub fn restore_sources(&self) -> Result<Vec<Option<RestoreSource>>> {
+        let mut all = vec![0u8; self.comm.size()];
+        self.comm.all_gather(&[RestoreSource::code(self.last_source)], &mut all)?;
+        Ok(all.into_iter().map(RestoreSource::from_code).collect())
+    }
+
+    /// A digest of the whole job's state: SHA-256 of every rank's digest `mine` in rank order
+    /// (collective), hex. Equal for two runs that end in the same state.
+    pub fn job_state_sha256(&self, mine: &[u8; 32]) -> Result<String> {
+        job_state_sha256(&self.comm, mine)
+    }
+
+    /// Waits for the engine's background work (persistent writes) and stops its threads.
+    pub fn shutdown(self) -> Result<()> {
+        Ok(self.engine.shutdown()?)
+    }
+}
+
+/// SHA-256 of every rank's 32-byte digest in rank order, hex (collective: every rank calls it
+/// with its own digest).
+pub fn job_state_sha256(comm: &Communicator, mine: &[u8; 32]) -> Result<String> {
+    use sha2::Digest;
+    let mut all = vec![0u8; 32 * comm.size()];
+    comm.all_gather(mine, &mut all)?;
+    Ok(sha2::Sha256::digest(&all).iter().map(|b| format!("{b:02x}")).collect())
+}

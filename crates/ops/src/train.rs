@@ -1,0 +1,489 @@
+//! `ironweave train`: launch the ranks of the MoE workload with per-iteration checkpoints,
+//! optionally kill one mid-backward (`--fail rank=R,iter=I`) and recover; write a report.
+//! `train-worker` (hidden) is the per-rank program. Rank 0 also records its expert load per
+//! iteration as `expert_load.json`, the trace format `ironweave simulate ckpt --load-trace` reads.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ironweave::ckpt::engine::Strategy;
+use ironweave::ckpt::{Engine, EngineConfig, Snapshot, TensorSpec};
+use ironweave::elastic::{self, BoxError, Generation, Iteration, Job, Recovery, Step, StepContext, Worker};
+use ironweave::Communicator;
+use ironweave_train::data::Corpus;
+use ironweave_train::dist::Dist;
+use ironweave_train::model::Params;
+use ironweave_train::{StepReport, TrainConfig, Trainer};
+
+use crate::error::{bail, Context, Result};
+use crate::progress::{Mode, Progress};
+use crate::run::{host_fail_to_ranks, load_config, parse_fail, parse_strategy, process_footprint, Report, TrainArgs};
+
+/// The hidden `train-worker`'s options (set by `ironweave train`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerArgs {
+    #[arg(long)]
+    pub config: PathBuf,
+    #[arg(long)]
+    pub ckpt: String,
+    #[arg(long)]
+    pub iters: Option<u64>,
+    #[arg(long)]
+    pub report_dir: PathBuf,
+    #[arg(long)]
+    pub fail: Option<String>,
+    #[arg(long, default_value_t = 10)]
+    pub persist_every: u64,
+    #[arg(long, default_value_t = 2)]
+    pub replicas: u32,
+    #[arg(long)]
+    pub bucket_kb: Option<usize>,
+    /// This rank's share of the emulated storage bandwidth, bytes/s.
+    #[arg(long)]
+    pub storage_bytes_per_s: Option<f64>,
+}
+
+/// The reference MoE trainer as an elastic worker: the runtime owns generations, restores and
+/// re-formations; this says what the state is, how a step runs and what rank 0 records.
+struct MoeWorker {
+    cfg: TrainConfig,
+    corpus: Corpus,
+    rank: usize,
+    iters: u64,
+    dir: PathBuf,
+    fail: Option<(Vec<usize>, u64)>,
+    /// Rebuilt at each generation (its communicator is new); parameters carry over.
+    trainer: Option<Trainer>,
+    /// The seed's initial state, to start over from when a failure comes before any commit.
+    initial: Option<Params>,
+    progress: Option<Progress>,
+    step: [u8; 8],
+    seed: [u8; 8],
+}
+
+impl Worker for MoeWorker {
+    type Output = StepReport;
+
+    fn state_specs(&self) -> Vec<TensorSpec> {
+        self.trainer.as_ref().map(Trainer::state_specs).unwrap_or_default()
+    }
+
+    fn join(&mut self, g: &Generation<'_>) -> Result<(), BoxError> {
+        let dist = Dist { comm: g.comm.clone(), prof: None };
+        let mut tr = Trainer::distributed(self.cfg.clone(), self.corpus.clone(), dist)?;
+        match self.trainer.take() {
+            Some(old) => tr.params = old.params,
+            None if self.initial.is_none() => self.initial = Some(tr.params.clone()),
+            None => {}
+        }
+        if let Some((ranks, fi)) = &self.fail {
+            // only the job's first generation fails: a restarted rank runs to the end
+            let armed = g.number == 0 && ranks.contains(&self.rank);
+            tr.backward_hook = Some(crate::run::kill_hook(armed, self.rank, *fi, self.cfg.model.layers / 2));
+        }
+        self.step = (tr.params.step as i64).to_le_bytes();
+        self.trainer = Some(tr);
+        Ok(())
+    }
+
+    fn state(&self) -> Vec<&[u8]> {
+        let Some(tr) = &self.trainer else { return Vec::new() };
+        let (mut v, _, _) = tr.state_bytes();
+        v.push(&self.step);
+        v.push(&self.seed);
+        v
+    }
+
+    fn restore(&mut self, s: &Snapshot) -> Result<(), BoxError> {
+        let tr = self.trainer.as_mut().ok_or("the trainer joins no generation yet")?;
+        tr.load_state(|name| s.tensor(name).map(<[u8]>::to_vec))?;
+        self.step = (tr.params.step as i64).to_le_bytes();
+        Ok(())
+    }
+
+    fn start_over(&mut self) -> Result<(), BoxError> {
+        let initial = self.initial.clone().ok_or("the initial state was not kept")?;
+        let tr = self.trainer.as_mut().ok_or("the trainer joins no generation yet")?;
+        tr.params = initial;
+        self.step = (tr.params.step as i64).to_le_bytes();
+        Ok(())
+    }
+
+    fn step(&mut self, _iter: u64, cx: &StepContext<'_>) -> Result<Step<StepReport>, BoxError> {
+        let tr = self.trainer.as_mut().ok_or("the trainer joins no generation yet")?;
+        // training communication goes into the engine's profiler: its idle windows
+        tr.set_profiler(cx.profiler.clone());
+        let s = tr.step(Some(cx.profiler))?;
+        self.step = (tr.params.step as i64).to_le_bytes();
+        Ok(Step { expert_load: Some(s.load.clone()), output: s })
+    }
+
+    fn on_start(&mut self, first_iter: u64, _comm: &Arc<Communicator>) -> Result<(), BoxError> {
+        self.progress = (self.rank == 0).then(|| Progress::new("iter", first_iter - 1, self.iters, Mode::detect()));
+        Ok(())
+    }
+
+    fn on_iteration(&mut self, it: &Iteration<'_, StepReport>) -> Result<(), BoxError> {
+        if self.rank != 0 {
+            return Ok(());
+        }
+        let (s, ir, dt) = (it.output, it.ckpt, it.elapsed.as_secs_f64());
+        // the report is built from these lines, so a restarted rank 0 still reports the run
+        let (rss, fds) = process_footprint();
+        let line = serde_json::json!({"iter": it.iter, "time": dt, "loss": s.loss, "exposed": ir.exposed_s, "committed": it.committed,
+            "rss": rss, "fds": fds,
+            "profiled": ir.profiled, "accuracy": ir.partition_accuracy, "load": s.load.tokens,
+            "dp_comm": s.sync.comm_s, "dp_hidden": s.sync.hidden_s, "buckets": s.sync.buckets});
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("iterations.jsonl"))?;
+        writeln!(f, "{line}")?;
+        if let Some(p) = &self.progress {
+            let toks = (self.cfg.train.batch * self.cfg.model.seq * it.comm.size()) as f64;
+            p.step(
+                it.iter,
+                &format!(
+                    "loss {:.4}  {:>6.0} tokens/s  ckpt exposed {:>6.2} ms  committed {}",
+                    s.loss,
+                    toks / dt,
+                    ir.exposed_s * 1e3,
+                    it.committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
+                ),
+            );
+            let _ = std::io::stdout().flush();
+        }
+        Ok(())
+    }
+
+    fn on_recovery(&mut self, r: &Recovery, _comm: &Arc<Communicator>) -> Result<(), BoxError> {
+        if self.rank == 0 {
+            crate::run::say_recovery(r, &self.dir)?;
+        }
+        Ok(())
+    }
+
+    fn on_stop(&mut self) {
+        if let Some(p) = self.progress.take() {
+            p.finish();
+        }
+    }
+}
+
+/// The hidden `train-worker`: one rank of `ironweave train`, on the elastic runtime.
+pub fn worker(a: &WorkerArgs) -> Result<()> {
+    let (mut cfg, corpus) = load_config(&a.config)?;
+    if let Some(k) = a.bucket_kb {
+        cfg.train.bucket_kb = k;
+    }
+    let iters = a.iters.unwrap_or(cfg.train.iters);
+    let choice = parse_strategy(&a.ckpt)?;
+    let strategy = choice.strategy;
+    let fail = a.fail.as_deref().map(parse_fail).transpose()?;
+    std::fs::create_dir_all(&a.report_dir)?;
+    let mut ecfg = EngineConfig {
+        strategy,
+        chunk_bytes: 256 << 10,
+        persist_dir: Some(a.report_dir.join("persist")),
+        persist_every: if matches!(strategy, Strategy::Gemini | Strategy::Capricorn) { a.persist_every } else { 0 },
+        // replicas go to other hosts (the emulated cluster's, or real ones by hostname)
+        host: ironweave_transport::rendezvous::host_name(),
+        storage_bytes_per_s: a.storage_bytes_per_s,
+        replicas: a.replicas,
+        // always-on profiling: a threshold of 0 profiles every iteration
+        drift_threshold: if choice.always_profile { 0.0 } else { EngineConfig::default().drift_threshold },
+        ..EngineConfig::default()
+    };
+    if strategy == Strategy::None {
+        ecfg.persist_dir = None;
+    }
+    let mut jcfg = elastic::Config::new(iters, ecfg.clone());
+    if choice.multilink {
+        jcfg.checkpoint_links = elastic::CheckpointLinks::All;
+    }
+    // the launcher exports the backend `ironweave train --backend` named
+    let job = Job::from_env(jcfg)?;
+    let rank = job.rank();
+    if let (0, Some(t)) = (rank, job.threads()) {
+        eprintln!("ironweave train: {t}");
+    }
+    let mut w = MoeWorker {
+        seed: (cfg.train.seed as i64).to_le_bytes(),
+        cfg: cfg.clone(),
+        corpus,
+        rank,
+        iters,
+        dir: a.report_dir.clone(),
+        fail,
+        trainer: None,
+        initial: None,
+        progress: None,
+        step: [0; 8],
+    };
+    let done = crate::run::run_elastic(job, &mut w)?;
+    let tr = w.trainer.take().context("the job ran no generation")?;
+    let e = done.engine();
+    let comm = done.comm().clone();
+    let mut rep = Report {
+        config: cfg.name.clone(),
+        strategy: a.ckpt.clone(),
+        iterations: iters,
+        recoveries: done.recoveries(),
+        last_committed_iter: done.last_committed(),
+        ..Default::default()
+    };
+    // what the engine moved, summed over the ranks (after the final commit's flush)
+    {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = e.counters();
+        let mut v: Vec<i64> =
+            [c.replica_bytes.load(Relaxed), c.replica_bytes_inter_host.load(Relaxed), c.storage_bytes.load(Relaxed)]
+                .into_iter()
+                .chain(c.replica_bytes_per_link.iter().map(|x| x.load(Relaxed)))
+                .map(|x| x as i64)
+                .collect();
+        comm.all_reduce(&mut v, ironweave_transport::ReduceOp::Sum)?;
+        let v: Vec<u64> = v.into_iter().map(|x| x.max(0) as u64).collect();
+        rep.ckpt_bytes_replicated = v[0];
+        rep.ckpt_bytes_inter_host_sent = v[1];
+        rep.ckpt_bytes_storage = v[2];
+        rep.ckpt_bytes_per_link = v[3..].to_vec();
+        rep.state_bytes_per_rank = e.registry().total;
+        rep.storage_bytes_per_s_per_rank = a.storage_bytes_per_s;
+    }
+    rep.final_state_sha256 = done.job_state_sha256(&tr.state_digest())?;
+    rep.restore_sources =
+        done.restore_sources()?.into_iter().map(|s| s.map_or("", elastic::RestoreSource::name).to_string()).collect();
+    // the placement every rank derived from the hosts they exchanged
+    let keys = e.hosts().to_vec();
+    let mut order: Vec<u64> = Vec::new();
+    for k in &keys {
+        if !order.contains(k) {
+            order.push(*k);
+        }
+    }
+    rep.hosts = keys.iter().map(|k| order.iter().position(|o| o == k).unwrap_or(0)).collect();
+    if matches!(strategy, Strategy::Gemini | Strategy::Capricorn) {
+        rep.replica_holders = ironweave_ckpt::placement_on_hosts(&keys, ecfg.replicas as usize);
+    }
+    rep.ranks = comm.size();
+    rep.tokens_per_iter = (cfg.train.batch * cfg.model.seq * comm.size()) as u64;
+    if rank == 0 {
+        write_rank0_files(&mut rep, &cfg, &a.report_dir, iters, &tr, e)?;
+    }
+    done.shutdown()?;
+    Ok(())
+}
+
+/// Rank 0's files: `report.json` from the per-iteration lines (the last line of a re-run
+/// iteration wins, so a restarted rank 0 still reports every iteration), `expert_load.json`,
+/// `trace.json` and `timeline.svg`.
+fn write_rank0_files(rep: &mut Report, cfg: &TrainConfig, report_dir: &Path, iters: u64, tr: &Trainer, e: &Engine) -> Result<()> {
+    let text = std::fs::read_to_string(report_dir.join("iterations.jsonl")).unwrap_or_default();
+    let mut last: std::collections::BTreeMap<u64, serde_json::Value> = std::collections::BTreeMap::new();
+    for l in text.lines() {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(l) {
+            if let Some(it) = v["iter"].as_u64() {
+                last.insert(it, v);
+            }
+        }
+    }
+    let n = iters as usize;
+    rep.iter_time_s = vec![0.0; n];
+    rep.loss = vec![0.0; n];
+    rep.ckpt_exposed_s = vec![0.0; n];
+    rep.dp_comm_s = vec![0.0; n];
+    rep.dp_hidden_s = vec![0.0; n];
+    rep.rss_bytes = vec![0; n];
+    rep.open_fds = vec![0; n];
+    rep.threads_per_rank = std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    rep.grad_buckets = tr.buckets().len();
+    // rank 0's expert load per iteration, in `ironweave simulate ckpt --load-trace` format
+    let mut loads: Vec<Vec<Vec<f64>>> = vec![Vec::new(); n];
+    let (mut acc_sum, mut acc_n) = (0.0, 0u64);
+    for (it, v) in &last {
+        let k = (*it - 1) as usize;
+        if k >= n {
+            continue;
+        }
+        rep.iter_time_s[k] = v["time"].as_f64().unwrap_or(0.0);
+        rep.loss[k] = v["loss"].as_f64().unwrap_or(0.0) as f32;
+        rep.ckpt_exposed_s[k] = v["exposed"].as_f64().unwrap_or(0.0);
+        rep.dp_comm_s[k] = v["dp_comm"].as_f64().unwrap_or(0.0);
+        rep.dp_hidden_s[k] = v["dp_hidden"].as_f64().unwrap_or(0.0);
+        rep.rss_bytes[k] = v["rss"].as_u64().unwrap_or(0);
+        rep.open_fds[k] = v["fds"].as_u64().unwrap_or(0);
+        rep.profiling_activations += u64::from(v["profiled"].as_bool().unwrap_or(false));
+        if let Some(a) = v["accuracy"].as_f64() {
+            acc_sum += a;
+            acc_n += 1;
+        }
+        if let Some(l) = v["load"].as_array() {
+            loads[k] = l
+                .iter()
+                .map(|x| x.as_array().map(|a| a.iter().filter_map(|y| y.as_f64()).collect()).unwrap_or_default())
+                .collect();
+        }
+    }
+    rep.partition_accuracy = (acc_n > 0).then(|| acc_sum / acc_n as f64);
+    std::fs::write(report_dir.join("report.json"), serde_json::to_vec_pretty(&rep)?)?;
+    let trace_loads: Vec<_> = loads.into_iter().filter(|l| !l.is_empty()).collect();
+    let lt = serde_json::json!({ "experts": cfg.model.experts, "iterations": trace_loads });
+    std::fs::write(report_dir.join("expert_load.json"), serde_json::to_vec(&lt)?)?;
+    let hist = e.profiler().history();
+    let trace = ironweave_profile::export::chrome_trace(&hist, &[], 0);
+    std::fs::write(report_dir.join("trace.json"), serde_json::to_vec(&trace)?)?;
+    // the last iteration that timed its layers (speculative activation turns layer timing
+    // off in most iterations; an unprofiled one would draw an empty layers lane)
+    if let Some(p) = hist.iter().rev().find(|p| !p.layers.is_empty()).or(hist.last()) {
+        let w = ironweave_profile::idle_windows(p, 0, 50_000);
+        let title = if p.layers.is_empty() {
+            format!("rank 0, iteration {} (no iteration timed its layers)", p.iter)
+        } else {
+            format!("rank 0, iteration {} (the last one profiled layer by layer)", p.iter)
+        };
+        std::fs::write(report_dir.join("timeline.svg"), ironweave_profile::export::svg_timeline(p, &w, &title))?;
+    }
+    Ok(())
+}
+
+/// `ironweave train` of data and expert parallelism: launches the ranks, prints the summary;
+/// returns the exit status. ([`crate::train`] picks this, `--tp` or `--sdp`.)
+pub fn run(a: &TrainArgs) -> Result<i32> {
+    let (config, ranks, strategy, backend) = (a.config.as_path(), a.ranks, a.ckpt.as_str(), a.backend.as_str());
+    let (iters, report_dir, persist_every) = (a.iters, a.report_dir.as_path(), a.persist_every);
+    // --fail host=H: every rank of emulated host H (the launcher puts rank r on host
+    // r / ranks-per-host), killed together
+    let fail_ranks =
+        a.fail.as_deref().map(|f| host_fail_to_ranks(f, a.topology.is_some(), a.ranks_per_host, ranks)).transpose()?;
+    let fail = fail_ranks.as_deref();
+    // a backend that is not compiled in or cannot run here is refused before any rank starts
+    let chosen = ironweave::Backend::pick(backend)?;
+    chosen.usable().with_context(|| format!("--backend {chosen} cannot run here (`ironweave doctor` says more)"))?;
+    let (cfg, _) = load_config(config)?;
+    parse_strategy(strategy)?;
+    // the host's storage bandwidth, shared by its ranks
+    let per_host = if a.topology.is_some() { a.ranks_per_host.max(1) } else { ranks.max(1) };
+    let storage_per_rank = match &a.storage_rate {
+        Some(r) => {
+            // bytes per second
+            let rate = ironweave_tcp::parse_rate(r).map_err(|e| crate::error::err!("--storage-rate: {e}"))?;
+            if rate == 0 {
+                bail!("--storage-rate must be above 0 (leave it out for the local disk's speed)");
+            }
+            Some(rate as f64 / per_host as f64)
+        }
+        None => None,
+    };
+    if a.replicas == 0 || a.replicas as usize > ranks {
+        bail!(
+            "--replicas {}: give 1 to {ranks} copies per rank's state (its own included; 2 puts one replica on a peer)",
+            a.replicas
+        );
+    }
+    if let Some(f) = fail {
+        let (rs, i) = parse_fail(f)?;
+        if let Some(r) = rs.iter().find(|&&r| r >= ranks) {
+            bail!("--fail rank={r}: there are only {ranks} ranks");
+        }
+        if i > iters.unwrap_or(cfg.train.iters) {
+            bail!("--fail iter={i} is past the last iteration");
+        }
+    }
+    std::fs::create_dir_all(report_dir).with_context(|| format!("creating {}", report_dir.display()))?;
+    let _ = std::fs::remove_dir_all(report_dir.join("persist"));
+    let _ = std::fs::remove_file(report_dir.join("report.json"));
+    let _ = std::fs::remove_file(report_dir.join("iterations.jsonl"));
+    let exe = std::env::current_exe().context("locating the ironweave binary")?;
+    let mut args = vec![
+        "train-worker".to_string(),
+        "--config".into(),
+        config.display().to_string(),
+        "--ckpt".into(),
+        strategy.into(),
+        "--report-dir".into(),
+        report_dir.display().to_string(),
+        "--persist-every".into(),
+        persist_every.to_string(),
+        "--replicas".into(),
+        a.replicas.to_string(),
+    ];
+    if let Some(i) = iters {
+        args.extend(["--iters".into(), i.to_string()]);
+    }
+    if let Some(f) = fail {
+        args.extend(["--fail".into(), f.to_string()]);
+    }
+    if let Some(k) = a.bucket_kb {
+        args.extend(["--bucket-kb".into(), k.to_string()]);
+    }
+    if let Some(r) = storage_per_rank {
+        args.extend(["--storage-bytes-per-s".into(), format!("{r}")]);
+    }
+    let topology = match &a.topology {
+        Some(p) => Some((crate::cluster::Topology::load(p)?, a.ranks_per_host.max(1))),
+        None => None,
+    };
+    eprintln!(
+        "ironweave train: {} on {ranks} ranks over {chosen}, checkpoint strategy {strategy}, report in {}",
+        cfg.name,
+        report_dir.display()
+    );
+    let spec = crate::launch::LaunchSpec {
+        ranks,
+        program: exe.to_string_lossy().into_owned(),
+        args,
+        prefix: false,
+        env: [("IRONWEAVE_BACKEND", chosen.name())]
+            .into_iter()
+            .chain(a.quiet.then_some((crate::progress::QUIET_VAR, "1")))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        timeout: None,
+        topology,
+        max_restarts: a.max_restarts.unwrap_or(if fail.is_some() { 4 } else { 0 }),
+        threads_per_rank: a.threads_per_rank,
+    };
+    crate::launch::install_signal_handlers();
+    let code = crate::launch::run(&spec)?.exit_code();
+    if code != 0 {
+        return Ok(code);
+    }
+    let mut rep: Report = serde_json::from_slice(&std::fs::read(report_dir.join("report.json")).context("reading report.json")?)?;
+    // where it ran, for replays (`ironweave simulate ckpt --from-report`)
+    rep.topology = a.topology.clone();
+    rep.ranks_per_host = per_host;
+    std::fs::write(report_dir.join("report.json"), serde_json::to_vec_pretty(&rep)?)?;
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let committed = match rep.last_committed_iter {
+        Some(i) => format!("iteration {i}"),
+        None => "nothing".into(),
+    };
+    let hidden = match rep.comm_hidden_fraction() {
+        Some(h) => format!(", {:.0}% of gradient communication hidden behind backward", h * 100.0),
+        None => String::new(),
+    };
+    println!(
+        "done: {} iterations on {} rank{} x {} thread{}, loss {:.4} -> {:.4}, {:.0} tokens/s (mean iteration {:.1} ms after 2 warm-up){hidden}",
+        rep.iterations,
+        rep.ranks,
+        if rep.ranks == 1 { "" } else { "s" },
+        rep.threads_per_rank,
+        if rep.threads_per_rank == 1 { "" } else { "s" },
+        rep.loss.first().copied().unwrap_or(f32::NAN),
+        rep.loss.last().copied().unwrap_or(f32::NAN),
+        rep.tokens_per_s(),
+        rep.mean_iter_s() * 1e3,
+    );
+    println!(
+        "checkpoints ({strategy}): mean exposed {:.2} ms, partition accuracy {}, profiling activations {}, last committed {committed}, recoveries {}; final state {}",
+        mean(&rep.ckpt_exposed_s) * 1e3,
+        rep.partition_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into()),
+        rep.profiling_activations,
+        rep.recoveries,
+        &rep.final_state_sha256[..16]
+    );
+    match crate::report::write(report_dir, None) {
+        Ok(html) => println!("report: {} (and report.json, trace.json, timeline.svg beside it)", html.display()),
+        Err(e) => eprintln!("ironweave train: could not write the HTML report: {e:#}"),
+    }
+    Ok(0)
+}
