@@ -15,6 +15,14 @@
 //! file names looked for ([`available`]). Each rank uses CUDA device `local_rank % devices`;
 //! NCCL refuses two ranks of one communicator on one device, so in-process worlds need as many
 //! devices as ranks.
+//!
+//! ```
+//! // the CUDA driver and NCCL are loaded at run time: without a GPU this says why
+//! match ironweave_nccl::available() {
+//!     Ok(info) => println!("{info:?}"),
+//!     Err(e) => println!("no NCCL here: {e}"),
+//! }
+//! ```
 
 mod link;
 

@@ -13,6 +13,23 @@
 //! messages striped over all connections of the peer at once; non-blocking sends of owned
 //! buffers go through one sender thread per peer. A peer whose connection closes without a
 //! goodbye fails every pending and future operation with `PeerLost`.
+//!
+//! ```
+//! use ironweave_tcp::{local_world, TcpConfig};
+//! use ironweave_transport::{CommOptions, ReduceOp};
+//! // a 2-rank job over loopback sockets, one thread per rank
+//! let world = local_world(2, &TcpConfig::default(), CommOptions::default())?;
+//! std::thread::scope(|s| {
+//!     for c in world {
+//!         s.spawn(move || {
+//!             let mut x = [c.rank() as f32 + 1.0];
+//!             c.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+//!             assert_eq!(x[0], 3.0);
+//!         });
+//!     }
+//! });
+//! # Ok::<(), ironweave_transport::Error>(())
+//! ```
 
 mod rx;
 pub mod topology;

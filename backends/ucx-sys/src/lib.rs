@@ -10,6 +10,14 @@
 //!
 //! Static-inline helpers and macros of the C API are re-implemented here: [`ucp_init`] and
 //! the `UCS_PTR_*` pointer-status checks.
+//!
+//! ```
+//! // a missing library is an error listing the names tried, never a panic
+//! match ironweave_ucx_sys::load() {
+//!     Ok(_) => println!("libucp loaded"),
+//!     Err(e) => println!("{e}"),
+//! }
+//! ```
 
 #[allow(
     non_camel_case_types,

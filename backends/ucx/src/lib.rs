@@ -15,6 +15,14 @@
 //! network namespace — else `tcp`),
 //! `IRONWEAVE_UCX_SPIN_US` (busy-poll time after activity before sleeping, default 50),
 //! `IRONWEAVE_UCX_LINGER_S`, `IRONWEAVE_TIMEOUT_S`.
+//!
+//! ```
+//! // libucp is loaded at run time: where it is missing this says so, naming what was tried
+//! match ironweave_ucx::available() {
+//!     Ok(version) => println!("UCX {version}"),
+//!     Err(e) => println!("no UCX here: {e}"),
+//! }
+//! ```
 
 mod link;
 pub mod ucp;

@@ -146,7 +146,7 @@ pub struct Worker {
     efd: i32,
 }
 
-/// A handle that wakes a worker blocked in [`Worker::wait`] from any thread.
+/// A handle that wakes a worker blocked waiting on its event descriptor ([`wait_fd`] on [`Worker::efd`]) from any thread.
 #[derive(Debug, Clone, Copy)]
 pub struct Signal {
     lib: &'static sys::Ucp,

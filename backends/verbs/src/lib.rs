@@ -19,6 +19,14 @@
 //!
 //! Environment: `IRONWEAVE_VERBS_DEVICE` (default: first device with an active port),
 //! `IRONWEAVE_VERBS_PORT` (1), `IRONWEAVE_VERBS_GID_INDEX` (0; RoCE v2 often needs 1 or 3).
+//!
+//! ```
+//! // RDMA devices of this machine, or why there are none
+//! match ironweave_verbs::available() {
+//!     Ok(devices) => println!("{} RDMA device(s)", devices.len()),
+//!     Err(e) => println!("no verbs here: {e}"),
+//! }
+//! ```
 
 mod dev;
 mod link;

@@ -12,6 +12,19 @@
 //!
 //! Where it sits: above `ironweave-transport` (replication to peers) and `ironweave-profile`
 //! (windows, expert-load drift), below the trainer.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use ironweave_ckpt::{Dtype, Registry, SnapshotBuffers, TensorSpec};
+//! // a rank's state as named buffers, copied into a checksummed host snapshot
+//! let reg = Arc::new(Registry::new(&[TensorSpec::new("w", Dtype::F32, &[4]), TensorSpec::new("step", Dtype::I64, &[])])?);
+//! let w: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+//! let step = 7i64.to_le_bytes();
+//! let mut buffers = SnapshotBuffers::new(2, 4096);
+//! let snap = buffers.take(7, &reg, &[&w, &step])?;
+//! assert_eq!(snap.tensor("step"), Some(&step[..]));
+//! # Ok::<(), ironweave_ckpt::CkptError>(())
+//! ```
 
 pub mod engine;
 mod error;

@@ -176,7 +176,7 @@ pub fn write(dir: &Path, snap: &Snapshot, rank: u32, world: u32) -> Result<PathB
     write_with(dir, snap, rank, world, None)
 }
 
-/// [`write`], the data paced by `bucket` when given.
+/// [`write()`], the data paced by `bucket` when given.
 pub fn write_with(dir: &Path, snap: &Snapshot, rank: u32, world: u32, bucket: Option<&Mutex<TokenBucket>>) -> Result<PathBuf> {
     let (data_path, man_path) = paths(dir, snap.iter, rank);
     let d = data_path.parent().expect("has a parent");

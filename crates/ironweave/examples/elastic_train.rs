@@ -50,8 +50,7 @@ impl Worker for Run {
     }
     fn step(&mut self, iter: u64, _cx: &StepContext<'_>) -> Result<Step<f32>, BoxError> {
         let (x, y) = mlp::batch(iter, self.rank, 64)?;
-        let model = &self.model;
-        let t = self.trainer.as_mut().ok_or("no generation joined")?;
+        let (model, t) = (&self.model, self.trainer.as_mut().ok_or("no generation joined")?);
         Ok(Step::new(t.step(model, &x, |out| mlp::mse(out, &y))?.loss))
     }
     fn on_iteration(&mut self, it: &Iteration<'_, f32>) -> Result<(), BoxError> {

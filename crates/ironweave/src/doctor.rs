@@ -9,7 +9,9 @@ use crate::backend::{self, Backend};
 /// One backend as the doctor sees it.
 #[derive(Debug, Clone, Serialize)]
 pub struct BackendReport {
+    /// Its name (`tcp`, `ucx`, `verbs`, `nccl`).
     pub backend: &'static str,
+    /// Whether this build has it (its cargo feature was on).
     pub compiled: bool,
     /// Whether it can be used on this machine.
     pub usable: bool,
@@ -22,8 +24,11 @@ pub struct BackendReport {
 /// One link of a backend.
 #[derive(Debug, Clone, Serialize)]
 pub struct LinkReport {
+    /// The link's (or device's) name.
     pub name: String,
+    /// Whether it works here.
     pub usable: bool,
+    /// What was found, or why it does not work.
     pub detail: String,
 }
 

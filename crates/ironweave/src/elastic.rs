@@ -25,7 +25,7 @@
 //! It runs under `ironweave launch --max-restarts N`, torchrun, srun and mpirun alike: the
 //! rank, world and rendezvous come from [`JobEnv::from_env`].
 //!
-//! ```no_run
+//! ```
 //! use ironweave::ckpt::{Dtype, EngineConfig, Snapshot, TensorSpec};
 //! use ironweave::elastic::{BoxError, Config, Generation, Job, Step, StepContext, Worker};
 //!
@@ -61,7 +61,13 @@
 //!     }
 //! }
 //!
-//! let job = Job::from_env(Config::new(100, EngineConfig::default()))?;
+//! # // a job of one rank, as `ironweave launch -n 1` would describe it
+//! # let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+//! # for (k, v) in [("IRONWEAVE_RANK", "0"), ("IRONWEAVE_WORLD_SIZE", "1"), ("IRONWEAVE_MASTER_ADDR", "127.0.0.1")] {
+//! #     std::env::set_var(k, v);
+//! # }
+//! # std::env::set_var("IRONWEAVE_MASTER_PORT", port.to_string());
+//! let job = Job::from_env(Config::new(20, EngineConfig::default()))?;
 //! let done = job.run(&mut Fit { w: vec![0.0; 1024], step: [0; 8] })?;
 //! println!("restored {} times; last committed {:?}", done.recoveries(), done.last_committed());
 //! done.shutdown()?;

@@ -18,6 +18,24 @@
 //! comm.all_reduce(&mut grads, ironweave::ReduceOp::Avg)?;
 //! # Ok::<(), ironweave::Error>(())
 //! ```
+//!
+//! The same code on a world of one (the job's environment set by hand here, as a launcher sets
+//! it):
+//!
+//! ```
+//! let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+//! for (k, v) in [("IRONWEAVE_RANK", "0"), ("IRONWEAVE_WORLD_SIZE", "1"), ("IRONWEAVE_MASTER_ADDR", "127.0.0.1")] {
+//!     std::env::set_var(k, v);
+//! }
+//! std::env::set_var("IRONWEAVE_MASTER_PORT", port.to_string());
+//! let comm = ironweave::init_from_env()?;
+//! let mut grads = vec![2.0f32; 4];
+//! comm.all_reduce(&mut grads, ironweave::ReduceOp::Avg)?;
+//! assert_eq!((comm.size(), grads[0]), (1, 2.0));
+//! # Ok::<(), ironweave::Error>(())
+//! ```
+
+#![warn(missing_docs)]
 
 mod backend;
 #[cfg(feature = "candle")]

@@ -6,10 +6,10 @@
 //!
 //! - base: [`error`], [`progress`], [`cluster`] (the emulated cluster), [`launch`] (starting
 //!   ranks), [`backend`], [`run`] (options and reports every training run shares);
-//! - runs: [`train`] (data and expert parallel, on [`ironweave::elastic`]), [`sdp`] (sharded,
+//! - runs: [`mod@train`] (data and expert parallel, on [`ironweave::elastic`]), [`sdp`] (sharded,
 //!   on the same runtime), [`overlap`] (tensor parallel), [`report`] (the HTML page);
 //! - planning and replay: [`plan`], [`ckpt_replay`], [`simulate`];
-//! - benches and campaigns over runs: [`bench`] (collectives), [`ckpt_bench`], [`sdp_bench`],
+//! - benches and campaigns over runs: [`mod@bench`] (collectives), [`ckpt_bench`], [`sdp_bench`],
 //!   [`scaling`], [`snapbench`], [`chaos`];
 //! - the small rank programs the fault tests run: [`selftest`], [`ckpt_selftest`].
 //!
@@ -20,6 +20,15 @@
 //! args.iters = Some(5);
 //! let status = ironweave_ops::train(&args)?;
 //! assert_eq!(status, 0);
+//! # Ok::<(), ironweave_ops::Error>(())
+//! ```
+//!
+//! ```
+//! // the `--fail` and `--ckpt` syntax of `ironweave train`, as a program checks it
+//! let (ranks, iter) = ironweave_ops::run::parse_fail("rank=1+2,iter=5")?;
+//! assert_eq!((ranks, iter), (vec![1, 2], 5));
+//! assert!(ironweave_ops::run::parse_strategy("capricorn-multilink")?.multilink);
+//! assert!(ironweave_ops::run::parse_fail("iter=0").is_err());
 //! # Ok::<(), ironweave_ops::Error>(())
 //! ```
 

@@ -346,7 +346,7 @@ fn write_rank0_files(rep: &mut Report, cfg: &TrainConfig, report_dir: &Path, ite
 }
 
 /// `ironweave train` of data and expert parallelism: launches the ranks, prints the summary;
-/// returns the exit status. ([`crate::train`] picks this, `--tp` or `--sdp`.)
+/// returns the exit status. ([`crate::train()`] picks this, `--tp` or `--sdp`.)
 pub fn run(a: &TrainArgs) -> Result<i32> {
     let (config, ranks, strategy, backend) = (a.config.as_path(), a.ranks, a.ckpt.as_str(), a.backend.as_str());
     let (iters, report_dir, persist_every) = (a.iters, a.report_dir.as_path(), a.persist_every);

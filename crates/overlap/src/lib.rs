@@ -12,6 +12,27 @@
 //!
 //! Where it sits: above `ironweave-transport` only. It knows nothing about candle or the model:
 //! the model code in `ironweave-train` supplies the compute through the [`exec::Work`] trait.
+//!
+//! ```
+//! use ironweave_overlap::{steps, CommSpec, Program, Schedule, Stage};
+//! use ironweave_transport::ReduceOp;
+//! // two sub-layers whose outputs are all-reduced over group 0, then the head; two sub-batches
+//! let sum = Some(CommSpec::all_reduce(0, ReduceOp::Sum));
+//! let p = Program {
+//!     stages: vec![
+//!         Stage { name: "attn".into(), comm: sum },
+//!         Stage { name: "mlp".into(), comm: sum },
+//!         Stage { name: "head".into(), comm: None },
+//!     ],
+//!     tails: vec![],
+//!     sub_batches: 2,
+//! };
+//! // the same work in both schedules; Oases orders it so collectives overlap compute
+//! let (m, o) = (steps(&p, Schedule::Megatron)?, steps(&p, Schedule::Oases)?);
+//! assert_eq!(m.len(), o.len());
+//! assert_ne!(m, o);
+//! # Ok::<(), ironweave_overlap::OverlapError>(())
+//! ```
 
 mod error;
 pub mod exec;

@@ -13,6 +13,17 @@
 //! Where it sits: below the simulator (`ironweave-sim`), which runs the plans on the same
 //! cost model, and the CLI (`ironweave plan`). It does no IO and reads no clock: parsing takes
 //! strings, and the same inputs give the same plan.
+//!
+//! ```
+//! use ironweave_plan::{tmp, ClusterDesc, CostModel, ModelDesc};
+//! let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs");
+//! let model = ModelDesc::from_toml_str(&std::fs::read_to_string(format!("{root}/models/gpt-2.7b.toml")).unwrap())?;
+//! let cluster = ClusterDesc::from_toml_str(&std::fs::read_to_string(format!("{root}/clusters/32x3090-pcie.toml")).unwrap())?;
+//! // Oases: a tensor-parallel degree and sub-batch count per sub-layer, overlap-aware
+//! let p = tmp::plan(&model, &cluster, &CostModel::new(&cluster), &tmp::TmpOptions::default())?;
+//! assert!(p.predicted_iter_s > 0.0 && p.predicted_iter_s <= p.megatron.iter_s * 1.0001);
+//! # Ok::<(), ironweave_plan::PlanError>(())
+//! ```
 
 pub mod chain;
 pub mod cost;

@@ -24,6 +24,32 @@
 //! Where it sits: above `ironweave-transport` (groups, non-blocking collectives), below the
 //! trainer, the candle adapter of the `ironweave` facade and the CLI. No IO besides the
 //! collectives; no clock.
+//!
+//! ```
+//! use ironweave_shard::{Adam, Groups, ShardEngine, Strategy};
+//! // two ranks (threads of this process) shard one layer of 6 parameters: 3 each
+//! let worlds = ironweave_transport::inproc::communicators(2)?;
+//! let held: Vec<u64> = std::thread::scope(|s| {
+//!     let hs: Vec<_> = worlds
+//!         .iter()
+//!         .map(|w| {
+//!             s.spawn(move || {
+//!                 let groups = Groups::new(w, 2, 0, 0).unwrap();
+//!                 let mut e = ShardEngine::new(groups, Strategy::Full, &[vec![0.5; 6]], &[], Adam::default()).unwrap();
+//!                 let full = e.start_gather(0).unwrap().wait().unwrap();
+//!                 assert_eq!(full, vec![0.5; 6]);
+//!                 let r = e.start_reduce(0, &[1.0; 6]).unwrap();
+//!                 e.finish_reduce(r).unwrap();
+//!                 e.step().unwrap();
+//!                 e.state_bytes()
+//!             })
+//!         })
+//!         .collect();
+//!     hs.into_iter().map(|h| h.join().unwrap()).collect()
+//! });
+//! assert_eq!(held, vec![3 * 4 * 4, 3 * 4 * 4]); // parameters, gradients and moments of 3
+//! # Ok::<(), ironweave_transport::Error>(())
+//! ```
 
 pub mod ddp;
 
@@ -120,7 +146,8 @@ impl Groups {
     }
 }
 
-/// AdamW's settings — the same update as `ironweave-train`'s `adamw`, element by element and
+/// AdamW's settings — the one update of the workspace (`ironweave-train`'s `adamw` and the candle
+/// adapter call [`adam_update`] too), element by element and
 /// in the same precision, so a sharded step equals a replicated one.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct Adam {

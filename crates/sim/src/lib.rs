@@ -14,6 +14,19 @@
 //!
 //! Where it sits: above `ironweave-plan` (descriptions, cost model, planners), below the CLI
 //! (`ironweave simulate`). It does no IO and reads no clock.
+//!
+//! ```
+//! use ironweave_sim::engine::{run, Class, Dag};
+//! // 10 ms of compute, then 1 MB over a 1 GB/s link: 11 ms of virtual time
+//! let mut d = Dag::default();
+//! let gpu = d.stream("gpu0");
+//! let link = d.link("nvlink", 1e9, false);
+//! let c = d.compute("forward", "compute", gpu, 0.010, vec![]);
+//! d.transfer("grads", "all-reduce", link, 1e6, 0.0, Class::Training, vec![c]);
+//! let t = run(&d)?;
+//! assert!((t.makespan - 0.011).abs() < 1e-9);
+//! # Ok::<(), ironweave_sim::SimError>(())
+//! ```
 
 pub mod ckpt;
 pub mod engine;

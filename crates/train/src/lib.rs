@@ -6,6 +6,15 @@
 //! parallelism over `all_to_all_v`, data parallelism with dense gradients averaged in buckets
 //! during the backward pass) and `ironweave-ckpt` (the state layout it checkpoints). One
 //! process per rank; `ironweave train` in crates/cli launches the ranks and wires the engine.
+//!
+//! ```
+//! use ironweave_train::TrainConfig;
+//! // the shipped configurations parse, and say what they train
+//! let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/moe-tiny.toml")).unwrap();
+//! let cfg = TrainConfig::from_toml_str(&text)?;
+//! assert!(cfg.model.layers > 0 && cfg.model.experts > 1);
+//! # Ok::<(), ironweave_train::TrainError>(())
+//! ```
 
 pub mod buckets;
 pub mod config;

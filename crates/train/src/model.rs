@@ -565,19 +565,12 @@ impl<'a> Model<'a> {
 /// AdamW on the host vectors (decoupled weight decay on matrices).
 pub fn adamw(params: &mut Params, grads: &[Vec<f32>], lr: f64, wd: f64) {
     params.step += 1;
-    let (b1, b2, eps) = (0.9f64, 0.95f64, 1e-8f64);
-    let t = params.step as i32;
-    let (c1, c2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+    // the one AdamW of the workspace: the sharded engine's and the candle adapter's too
+    let a = ironweave_shard::Adam { lr, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: wd };
+    let t = params.step;
     for (p, g) in params.list.iter_mut().zip(grads) {
-        let decay = if p.shape.len() == 2 { wd } else { 0.0 };
-        for (((w, m), v), &gi) in p.w.iter_mut().zip(p.m.iter_mut()).zip(p.v.iter_mut()).zip(g) {
-            let gi = gi as f64;
-            let mn = b1 * *m as f64 + (1.0 - b1) * gi;
-            let vn = b2 * *v as f64 + (1.0 - b2) * gi * gi;
-            *m = mn as f32;
-            *v = vn as f32;
-            let upd = (mn / c1) / ((vn / c2).sqrt() + eps);
-            *w = (*w as f64 * (1.0 - lr * decay) - lr * upd) as f32;
-        }
+        // matrices decay, norms and biases do not
+        let decay = p.shape.len() == 2;
+        ironweave_shard::adam_update(&a, t, decay, &mut p.w, &mut p.m, &mut p.v, g);
     }
 }

@@ -2,6 +2,15 @@
 //! helper (xtask) must agree on — byte sizes as people write them (`4K`, `16M`, `1G`) and the
 //! collectives' bus-bandwidth factors (nccl-tests' definition) — with no dependencies, so that
 //! even xtask can use them without building the workspace.
+//!
+//! ```
+//! use ironweave_units::{human_bytes, parse_size, SplitMix64};
+//! assert_eq!(parse_size("16M").unwrap(), 16 << 20);
+//! assert!(parse_size("16Q").is_err());
+//! println!("{}", human_bytes(3 << 30));
+//! // the same numbers on every machine
+//! assert_eq!(SplitMix64::new(7).next_u64(), SplitMix64::new(7).next_u64());
+//! ```
 
 use std::fmt;
 use std::str::FromStr;

@@ -59,7 +59,10 @@ impl Engine {
             if let (true, Some(want)) = (self.cfg.strategy.in_memory(), self.last_sent) {
                 // half the timeout, so that peers already in the all-reduce below do not time out first
                 let deadline = Instant::now() + self.cfg.timeout / 2;
-                let answered = |sh: &Shared| sh.acks.get(&want).is_some_and(|a| self.holders.iter().all(|h| a.contains_key(h)));
+                // no holders (a world of one): nothing to wait for
+                let answered = |sh: &Shared| {
+                    self.holders.is_empty() || sh.acks.get(&want).is_some_and(|a| self.holders.iter().all(|h| a.contains_key(h)))
+                };
                 while !answered(&lock(&self.shared)) && Instant::now() < deadline {
                     if !lock(&self.shared).lost_holders.is_empty() {
                         break;

@@ -1,7 +1,7 @@
 //! The engine: snapshot after the optimizer step, replicate to peers' host memory, agree on
 //! the newest committed iteration, restore it.
 //!
-//! The engine is split by job: [`placement`] (which ranks hold a rank's replicas),
+//! The engine is split by job: [`mod@placement`] (which ranks hold a rank's replicas),
 //! [`replicate`] (the sender and receiver threads and their wire format), [`commit`] (agreeing on
 //! the newest iteration whose every replica is verified) and [`recovery`] (choosing, per rank,
 //! where the newest complete iteration comes from). This module drives them per iteration:
