@@ -7,6 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use ironweave::ckpt::engine::Strategy;
+use ironweave::ckpt::EngineConfig;
 use ironweave_train::data::Corpus;
 use ironweave_train::TrainConfig;
 use serde::{Deserialize, Serialize};
@@ -481,6 +482,38 @@ pub fn median_after(v: &[f64], skip: usize) -> f64 {
     } else {
         (s[n / 2 - 1] + s[n / 2]) / 2.0
     }
+}
+
+impl CkptChoice {
+    /// The checkpoint engine's settings of a training run's rank: chunks of 256 KiB, the
+    /// persistent tier under `dir/persist` every `persist_every` iterations for the in-memory
+    /// strategies (none for `none`), replicas on other hosts, profiling every iteration for
+    /// `capricorn-always`.
+    pub fn engine_config(&self, dir: &Path, persist_every: u64) -> EngineConfig {
+        EngineConfig {
+            strategy: self.strategy,
+            chunk_bytes: 256 << 10,
+            persist_dir: (self.strategy != Strategy::None).then(|| dir.join("persist")),
+            persist_every: if matches!(self.strategy, Strategy::Gemini | Strategy::Capricorn) { persist_every } else { 0 },
+            // replicas go to other hosts (the emulated cluster's, or real ones by hostname)
+            host: ironweave_transport::rendezvous::host_name(),
+            // always-on profiling: a threshold of 0 profiles every iteration
+            drift_threshold: if self.always_profile { 0.0 } else { EngineConfig::default().drift_threshold },
+            ..EngineConfig::default()
+        }
+    }
+}
+
+/// This rank of an elastic job of `iters` iterations under `ecfg` (the launcher exports the
+/// backend `ironweave train --backend` named); rank 0 says the compute threads chosen.
+pub fn join_job(iters: u64, ecfg: EngineConfig, links: ironweave::elastic::CheckpointLinks) -> Result<ironweave::elastic::Job> {
+    let mut cfg = ironweave::elastic::Config::new(iters, ecfg);
+    cfg.checkpoint_links = links;
+    let job = ironweave::elastic::Job::from_env(cfg)?;
+    if let (0, Some(t)) = (job.rank(), job.threads()) {
+        eprintln!("ironweave train: {t}");
+    }
+    Ok(job)
 }
 
 /// The `--fail` hook of a rank: when `armed`, it kills this process with SIGKILL at the start

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use ironweave::ckpt::engine::Strategy as CkptStrategy;
-use ironweave::ckpt::{EngineConfig, Snapshot, TensorSpec};
-use ironweave::elastic::{self, BoxError, Generation, Iteration, Job, Recovery, Step, StepContext, Worker};
+use ironweave::ckpt::{Snapshot, TensorSpec};
+use ironweave::elastic::{self, BoxError, Generation, Iteration, Recovery, Step, StepContext, Worker};
 use ironweave::Communicator;
 use ironweave_overlap::trace::{chrome_trace, svg_lanes, to_records, SpanRec};
 use ironweave_shard::{Groups, Strategy};
@@ -210,24 +210,9 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
     let fail = a.fail.as_deref().map(crate::run::parse_fail).transpose()?;
     let dir = &a.report_dir;
     std::fs::create_dir_all(dir)?;
-    let ecfg = EngineConfig {
-        strategy: choice.strategy,
-        chunk_bytes: 256 << 10,
-        persist_dir: (choice.strategy != CkptStrategy::None).then(|| dir.join("persist")),
-        persist_every: if matches!(choice.strategy, CkptStrategy::Gemini | CkptStrategy::Capricorn) {
-            a.persist_every
-        } else {
-            0
-        },
-        host: ironweave_transport::rendezvous::host_name(),
-        drift_threshold: if choice.always_profile { 0.0 } else { EngineConfig::default().drift_threshold },
-        ..EngineConfig::default()
-    };
-    let job = Job::from_env(elastic::Config::new(iters, ecfg))?;
+    let ecfg = choice.engine_config(dir, a.persist_every);
+    let job = crate::run::join_job(iters, ecfg, elastic::CheckpointLinks::Training)?;
     let rank = job.rank();
-    if let (0, Some(t)) = (rank, job.threads()) {
-        eprintln!("ironweave train: {t}");
-    }
     let mut w = SdpWorker {
         a,
         seed: (cfg.train.seed as i64).to_le_bytes(),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use ironweave::ckpt::engine::Strategy;
 use ironweave::ckpt::{Engine, EngineConfig, Snapshot, TensorSpec};
-use ironweave::elastic::{self, BoxError, Generation, Iteration, Job, Recovery, Step, StepContext, Worker};
+use ironweave::elastic::{self, BoxError, Generation, Iteration, Recovery, Step, StepContext, Worker};
 use ironweave::Communicator;
 use ironweave_train::data::Corpus;
 use ironweave_train::dist::Dist;
@@ -179,32 +179,14 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
     let strategy = choice.strategy;
     let fail = a.fail.as_deref().map(parse_fail).transpose()?;
     std::fs::create_dir_all(&a.report_dir)?;
-    let mut ecfg = EngineConfig {
-        strategy,
-        chunk_bytes: 256 << 10,
-        persist_dir: Some(a.report_dir.join("persist")),
-        persist_every: if matches!(strategy, Strategy::Gemini | Strategy::Capricorn) { a.persist_every } else { 0 },
-        // replicas go to other hosts (the emulated cluster's, or real ones by hostname)
-        host: ironweave_transport::rendezvous::host_name(),
+    let ecfg = EngineConfig {
         storage_bytes_per_s: a.storage_bytes_per_s,
         replicas: a.replicas,
-        // always-on profiling: a threshold of 0 profiles every iteration
-        drift_threshold: if choice.always_profile { 0.0 } else { EngineConfig::default().drift_threshold },
-        ..EngineConfig::default()
+        ..choice.engine_config(&a.report_dir, a.persist_every)
     };
-    if strategy == Strategy::None {
-        ecfg.persist_dir = None;
-    }
-    let mut jcfg = elastic::Config::new(iters, ecfg.clone());
-    if choice.multilink {
-        jcfg.checkpoint_links = elastic::CheckpointLinks::All;
-    }
-    // the launcher exports the backend `ironweave train --backend` named
-    let job = Job::from_env(jcfg)?;
+    let links = if choice.multilink { elastic::CheckpointLinks::All } else { elastic::CheckpointLinks::Training };
+    let job = crate::run::join_job(iters, ecfg.clone(), links)?;
     let rank = job.rank();
-    if let (0, Some(t)) = (rank, job.threads()) {
-        eprintln!("ironweave train: {t}");
-    }
     let mut w = MoeWorker {
         seed: (cfg.train.seed as i64).to_le_bytes(),
         cfg: cfg.clone(),
