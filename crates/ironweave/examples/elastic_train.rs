@@ -8,6 +8,7 @@
 //! cargo build --release -p ironweave --features candle --example elastic_train
 //! ironweave launch -n 4 --max-restarts 2 -- target/release/examples/elastic_train 60
 //! # in another terminal: kill -9 one rank's pid (each rank prints it); the job goes on
+//! ironweave launch -n 4 --max-restarts 2 -- target/release/examples/elastic_train 60 full   # sharded
 //! ```
 use candle_nn::VarMap;
 use ironweave::candle::{Layout, Trainer, TrainerConfig};
@@ -19,6 +20,7 @@ mod mlp;
 
 struct Run {
     rank: usize,
+    layout: Layout,
     vm: VarMap,
     model: mlp::Mlp,
     trainer: Option<Trainer>, // built at the first generation joined, rebound at the next ones
@@ -34,7 +36,7 @@ impl Worker for Run {
     type Output = f32;
 
     fn join(&mut self, g: &Generation<'_>) -> Result<(), BoxError> {
-        Ok(Trainer::join(&mut self.trainer, &self.vm, g, Layout::DataParallel, TrainerConfig::default())?)
+        Ok(Trainer::join(&mut self.trainer, &self.vm, g, self.layout.clone(), TrainerConfig::default())?)
     }
     fn state_specs(&self) -> Vec<TensorSpec> {
         self.trainer.as_ref().map(Trainer::state_specs).unwrap_or_default()
@@ -64,13 +66,18 @@ impl Worker for Run {
 }
 
 fn main() -> Result<(), BoxError> {
-    let iters: u64 = std::env::args().nth(1).unwrap_or_else(|| "60".into()).parse()?;
+    let mut args = std::env::args().skip(1);
+    let iters: u64 = args.next().unwrap_or_else(|| "60".into()).parse()?;
+    let layout = match args.next().as_deref() {
+        None | Some("dp") => Layout::DataParallel,
+        Some(s) => Layout::sharded(ironweave::shard::Strategy::parse(s)?, 2), // hosts of 2 ranks
+    };
     let engine = EngineConfig { strategy: Strategy::Capricorn, ..Default::default() };
     let job = Job::from_env(Config::new(iters, engine))?; // rank, world, generation from the launcher
     println!("rank {} pid {} generation {}", job.rank(), std::process::id(), job.generation());
     let vm = VarMap::new();
     let model = mlp::Mlp::new(&vm, 7)?;
-    let mut run = Run { rank: job.rank(), vm, model, trainer: None };
+    let mut run = Run { rank: job.rank(), layout, vm, model, trainer: None };
     let done = match job.run(&mut run) {
         Ok(done) => done,
         Err(e) => {

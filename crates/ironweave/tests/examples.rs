@@ -138,16 +138,18 @@ fn final_states(lines: &[String]) -> Vec<String> {
     lines.iter().filter_map(|l| l.split_once("final state ").map(|(_, d)| d.trim().to_string())).collect()
 }
 
-#[test]
-fn elastic_train_survives_kill_9_from_peers_memory_bit_identical() {
+/// `elastic_train` on 4 ranks under `layout`: once clean, once with rank 1 killed by SIGKILL
+/// as soon as it has finished iteration 10 (it dies inside iteration 11) and restarted by the
+/// launcher. Every rank restores from memory (own or a peer's), and the job ends in the clean
+/// run's state, to the last bit.
+fn elastic_kill_9(layout: &str) {
     let ex = example("elastic_train").display().to_string();
     let args = |restarts: &str| -> Vec<String> {
-        ["-n", "4", "--no-prefix", "--max-restarts", restarts, "--", &ex, "60"].iter().map(|s| s.to_string()).collect()
+        ["-n", "4", "--no-prefix", "--max-restarts", restarts, "--", &ex, "60", layout].iter().map(|s| s.to_string()).collect()
     };
     let clean = launch(&args("0"), 300, |_| {});
     let clean_state = final_states(&clean);
     assert_eq!(clean_state.len(), 4, "{clean:?}");
-    // kill -9 rank 1 as soon as it has finished iteration 10: it dies inside iteration 11
     let mut pid: Option<String> = None;
     let mut killed = false;
     let run = launch(&args("2"), 300, |l| {
@@ -171,6 +173,16 @@ fn elastic_train_survives_kill_9_from_peers_memory_bit_identical() {
     assert!(restored.iter().any(|l| l.starts_with("rank 1:") && l.ends_with("from peer")), "{restored:?}");
     // and the job ends where the uninterrupted one does, to the last bit
     assert_eq!(final_states(&run), clean_state, "{run:?}");
+}
+
+#[test]
+fn elastic_train_survives_kill_9_from_peers_memory_bit_identical() {
+    elastic_kill_9("dp");
+}
+
+#[test]
+fn elastic_sharded_train_survives_kill_9_from_peers_memory_bit_identical() {
+    elastic_kill_9("full");
 }
 
 #[test]
