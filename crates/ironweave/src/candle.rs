@@ -186,6 +186,8 @@ pub struct Trainer {
     stage_of: Option<Vec<usize>>,
     stages: usize,
     buckets: Vec<Bucket>,
+    /// Whether every rank was found to hold the same bucket plan.
+    plan_checked: bool,
     /// The initial parameters, to start over from.
     initial: Vec<Vec<f32>>,
     step: u64,
@@ -272,6 +274,7 @@ impl Trainer {
             stage_of: None,
             stages: 1,
             buckets: Vec::new(),
+            plan_checked: false,
             initial,
             step: 0,
             step_bytes: [0; 8],
@@ -337,6 +340,44 @@ impl Trainer {
         };
         let bytes = if self.stage_of.is_some() { self.cfg.bucket_bytes } else { None };
         self.buckets = ddp::plan_buckets(&staged, bytes, last);
+        self.plan_checked = false;
+    }
+
+    /// Every rank must pack the same parameters in the same order into the same buckets (and
+    /// reduce the sharded units in the same order): equal lengths would let a different
+    /// packing through the transport's length checks and sum one parameter's gradient into
+    /// another's. One small all-reduce after each new plan compares a digest of it.
+    fn check_plan(&mut self) -> Result<()> {
+        if self.plan_checked {
+            return Ok(());
+        }
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut mix = |x: u64| {
+            h ^= x;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        };
+        for b in &self.buckets {
+            mix(b.ready_after as u64);
+            b.params.iter().for_each(|&i| mix(i as u64));
+            mix(u64::MAX);
+        }
+        if let Some(s) = &self.stage_of {
+            s.iter().for_each(|&x| mix(x as u64));
+        }
+        // the digest's low 62 bits, as +h and -h: one max gives both the largest and the smallest
+        let d = (h >> 2) as i64;
+        let mut v = [d, -d];
+        match &self.holder {
+            Holder::Replicated { comm, .. } => comm.all_reduce(&mut v, ReduceOp::Max)?,
+            Holder::Sharded { comm, .. } => comm.all_reduce(&mut v, ReduceOp::Max)?,
+        }
+        if v[0] != -v[1] {
+            return Err(Error::Invalid(
+                "the ranks bucket their gradients differently (a rank that did not learn the model's stages with the others): build or rebind every rank's trainer together".into(),
+            ));
+        }
+        self.plan_checked = true;
+        Ok(())
     }
 
     /// Joins a new communicator (an elastic job's next generation) keeping every parameter,
@@ -398,6 +439,7 @@ impl Trainer {
             self.stage_of = None;
             self.plan_buckets();
         }
+        self.check_plan()?;
         if let Holder::Sharded { .. } = self.holder {
             self.gather_into_vars()?;
         }
@@ -693,4 +735,81 @@ fn staged_backward<M: Staged>(
         after(stage, grads, t0)?;
     }
     Ok(lv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_nn::VarBuilder;
+
+    fn model(vm: &VarMap) -> candle_nn::Linear {
+        let vb = VarBuilder::from_varmap(vm, DType::F32, &Device::Cpu);
+        let lin = candle_nn::linear(3, 2, vb.pp("lin")).unwrap();
+        init_uniform(vm, 1).unwrap();
+        lin
+    }
+
+    /// Runs `f(rank, comm)` on every rank of an in-process world of `n`.
+    fn on_world<T: Send>(n: usize, f: impl Fn(usize, Arc<Communicator>) -> T + Sync) -> Vec<T> {
+        let comms = ironweave_transport::inproc::communicators(n).unwrap();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(r, c)| {
+                    s.spawn({
+                        let f = &f;
+                        move || f(r, Arc::new(c))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn ranks_that_bucket_differently_are_refused_not_mixed() {
+        let out = on_world(2, |r, comm| {
+            let vm = VarMap::new();
+            let lin = model(&vm);
+            let mut t = Trainer::new(&vm, &comm, Layout::DataParallel, TrainerConfig::default()).unwrap();
+            if r == 1 {
+                // as a rank that learned the stages while its peer did not
+                t.stage_of = Some(vec![0; t.params.len()]);
+                t.plan_buckets();
+            }
+            let x = Tensor::ones((4, 3), DType::F32, &Device::Cpu).unwrap();
+            t.step(&Whole(&lin), &x, |y| y.sqr()?.mean_all()).map(|s| s.loss).map_err(|e| e.to_string())
+        });
+        for o in out {
+            assert!(o.as_ref().is_err_and(|e| e.contains("bucket their gradients differently")), "{o:?}");
+        }
+    }
+
+    #[test]
+    fn a_step_averages_over_ranks_and_the_state_round_trips() {
+        let out = on_world(2, |r, comm| {
+            let vm = VarMap::new();
+            let lin = model(&vm);
+            let mut t = Trainer::new(&vm, &comm, Layout::DataParallel, TrainerConfig::default()).unwrap();
+            // each rank its own data; the update must be the same everywhere
+            let x = Tensor::full(r as f32 + 1.0, (4, 3), &Device::Cpu).unwrap();
+            for _ in 0..3 {
+                t.step(&Whole(&lin), &x, |y| y.sqr()?.mean_all()).unwrap();
+            }
+            let specs = t.state_specs();
+            let reg = Arc::new(ironweave_ckpt::Registry::new(&specs).unwrap());
+            let snap = ironweave_ckpt::SnapshotBuffers::new(1, 4096).take(3, &reg, &t.state()).unwrap();
+            let digest = t.state_digest();
+            // scramble, then restore
+            init_uniform(&vm, 99).unwrap();
+            t.restore(&snap).unwrap();
+            (digest, t.state_digest(), t.steps(), to_host(lin.weight()).unwrap())
+        });
+        assert_eq!(out[0].0, out[1].0, "both ranks hold the same state");
+        for (before, after, steps, _) in &out {
+            assert_eq!((before, *steps), (after, 3));
+        }
+        assert_eq!(out[0].3, out[1].3, "the model's variables were restored");
+    }
 }
