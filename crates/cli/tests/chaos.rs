@@ -59,7 +59,7 @@ fn chaos_campaign_of_8_runs_ends_every_run_with_the_clean_state() {
 
 #[test]
 fn chaos_on_the_emulated_cluster_survives_host_kills_and_link_outages() {
-    if !common::can_run_emulated() {
+    if !common::can_run_emulated("chaos_on_the_emulated_cluster_survives_host_kills_and_link_outages") {
         return;
     }
     let (runs, text) = campaign(

@@ -36,7 +36,7 @@ fn iw(args: &[&str]) -> std::process::Output {
 #[test]
 fn up_then_down_leaves_namespaces_as_they_were() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    if !common::can_run_emulated() {
+    if !common::can_run_emulated("up_then_down_leaves_namespaces_as_they_were") {
         return;
     }
     let t = topology("ut1", 3);
@@ -69,7 +69,7 @@ fn up_then_down_leaves_namespaces_as_they_were() {
 #[test]
 fn two_hosts_two_ranks_each_over_two_links() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    if !common::can_run_emulated() {
+    if !common::can_run_emulated("two_hosts_two_ranks_each_over_two_links") {
         return;
     }
     let t = topology("ut2", 2);

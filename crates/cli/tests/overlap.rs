@@ -165,7 +165,7 @@ fn a_plan_is_executed_as_planned_or_refused_with_the_reason() {
 
 #[test]
 fn bench_overlap_writes_a_row_per_schedule_with_its_counters() {
-    if !common::can_run_emulated() {
+    if !common::can_run_emulated("bench_overlap_writes_a_row_per_schedule_with_its_counters") {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ironweave-ov-{}", std::process::id()));

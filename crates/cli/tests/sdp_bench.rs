@@ -9,7 +9,7 @@ use std::process::Command;
 
 #[test]
 fn bench_sdp_rows_carry_their_links_and_predictions() {
-    if !common::can_run_emulated() {
+    if !common::can_run_emulated("bench_sdp_rows_carry_their_links_and_predictions") {
         return;
     }
     let base = std::env::temp_dir().join(format!("ironweave-bench-sdp-{}", std::process::id()));
