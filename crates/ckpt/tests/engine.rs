@@ -222,3 +222,26 @@ fn a_torn_iteration_is_never_committed_and_later_ones_are() {
     assert_eq!(out[1].0, vec![Some(1), Some(1), Some(3)]);
     assert!(out[1].1.iter().any(|f| f.contains("replica of rank 0 iteration 2 failed verification")), "{:?}", out[1].1);
 }
+
+#[test]
+fn the_replica_path_counts_its_cpu_per_byte() {
+    // two ranks replicate to each other for a few iterations over TCP; the counters say how much
+    // CPU the sender and receiver threads spent on the bytes they moved
+    let out = run(2, cfg(), |rank, e| {
+        for it in 1..=4 {
+            e.begin_iteration(it, None);
+            e.end_iteration();
+            e.checkpoint(it, &refs(&state(rank, it))).unwrap();
+            e.commit(false).unwrap();
+        }
+        e.commit(true).unwrap();
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = e.counters();
+        (c.replica_bytes.load(Relaxed), c.replica_send_cpu_ns.load(Relaxed), c.replica_recv_cpu_ns.load(Relaxed))
+    });
+    for (rank, (bytes, send, recv)) in out.into_iter().enumerate() {
+        assert!(bytes >= 4 * registry().total, "rank {rank} sent {bytes} bytes");
+        assert!(send > 0, "rank {rank}: the senders' CPU was not counted");
+        assert!(recv > 0, "rank {rank}: the receivers' CPU was not counted");
+    }
+}

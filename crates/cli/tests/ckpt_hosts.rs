@@ -149,6 +149,10 @@ fn bench_ckpt_rows_carry_their_mechanism_and_replay() {
         // in-memory replicas cross the inter-host links, counted on the links themselves
         assert!(n("capricorn", "ckpt_bytes_inter_host") > 0 && n("capricorn", "ckpt_bytes_inter_host_sent") > 0, "{v}");
         assert_eq!(n("none", "ckpt_bytes_inter_host_sent"), 0);
+        // what each replicated byte cost the cores that train, measured on the replica threads
+        let cpu = row("capricorn")["ckpt_cpu_ns_per_byte"].as_f64().unwrap_or(0.0);
+        assert!(cpu > 0.0, "capricorn's replica path spent no CPU on its bytes? {v}");
+        assert!(row("none")["ckpt_cpu_ns_per_byte"].is_null(), "{v}");
         // async writes to the (emulated, paced) persistent tier and sends nothing to peers
         assert!(n("async", "ckpt_bytes_storage") > 0 && row("async")["storage_bytes_per_s_per_host"].as_f64().unwrap() > 0.0);
         assert_eq!(n("async", "ckpt_bytes_inter_host_sent"), 0);

@@ -64,6 +64,10 @@ pub struct Row {
     pub storage_bytes_per_s_per_host: Option<f64>,
     /// Mean time per steady iteration the training thread spent inside the engine, seconds.
     pub exposed_ckpt_s: f64,
+    /// CPU the replica path spent per replicated byte, sender and receiver threads together,
+    /// ns (None: nothing replicated). Paid on the cores that train.
+    #[serde(default)]
+    pub ckpt_cpu_ns_per_byte: Option<f64>,
     pub partition_accuracy: Option<f64>,
     pub profiling_activations: u64,
     pub iterations: u64,
@@ -249,6 +253,11 @@ fn run_all(
                 ckpt_bytes_storage: r.ckpt_bytes_storage,
                 storage_bytes_per_s_per_host: *storage,
                 exposed_ckpt_s: reps.iter().map(|(r, _)| Report::steady(&r.ckpt_exposed_s, 2)).sum::<f64>() / reps.len() as f64,
+                ckpt_cpu_ns_per_byte: {
+                    let (cpu, bytes) =
+                        reps.iter().fold((0u64, 0u64), |(c, b), (r, _)| (c + r.ckpt_cpu_ns, b + r.ckpt_bytes_replicated));
+                    (bytes > 0).then(|| cpu as f64 / bytes as f64)
+                },
                 partition_accuracy: {
                     let a: Vec<f64> = reps.iter().filter_map(|(r, _)| r.partition_accuracy).collect();
                     (!a.is_empty()).then(|| a.iter().sum::<f64>() / a.len() as f64)
@@ -287,17 +296,18 @@ fn mb(b: u64) -> String {
 /// The Markdown table of the rows (pasteable into docs/BENCHMARKS.md).
 pub fn table(rows: &[Row], storage_note: &str) -> String {
     let mut md = String::from(
-        "| strategy | median iteration | overhead vs none | capricorn's speedup over it | exposed checkpoint | ckpt bytes on inter-host links | sent to other hosts (engine) | written to storage (emulated remote) | partition accuracy | profiling activations | committed |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| strategy | median iteration | overhead vs none | capricorn's speedup over it | exposed checkpoint | replica CPU per byte | ckpt bytes on inter-host links | sent to other hosts (engine) | written to storage (emulated remote) | partition accuracy | profiling activations | committed |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let cap = rows.iter().find(|r| r.strategy == "capricorn").map(|r| r.iter_time_s);
     for r in rows {
         md.push_str(&format!(
-            "| {} | {:.1} ms | {} | {} | {:.1} ms | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {:.1} ms | {} | {} | {:.1} ms | {} | {} | {} | {} | {} | {} | {} |\n",
             r.strategy,
             r.iter_time_s * 1e3,
             r.overhead_vs_none.map(|o| format!("{:+.1}%", o * 100.0)).unwrap_or_else(|| "-".into()),
             cap.map(|c| format!("{:.2}x", r.iter_time_s / c)).unwrap_or_else(|| "-".into()),
             r.exposed_ckpt_s * 1e3,
+            r.ckpt_cpu_ns_per_byte.map(|c| format!("{c:.2} ns")).unwrap_or_else(|| "-".into()),
             r.ckpt_bytes_inter_host.map(mb).unwrap_or_else(|| "-".into()),
             mb(r.ckpt_bytes_inter_host_sent),
             mb(r.ckpt_bytes_storage),

@@ -232,6 +232,10 @@ pub struct Report {
     /// Bytes written to the persistent tier over the run, all ranks.
     #[serde(default)]
     pub ckpt_bytes_storage: u64,
+    /// CPU the replica sender and receiver threads used over the run, all ranks, ns: divided by
+    /// `ckpt_bytes_replicated`, what each checkpoint byte costs the cores that train.
+    #[serde(default)]
+    pub ckpt_cpu_ns: u64,
     /// Each rank's share of the emulated storage bandwidth, bytes/s (None: the local disk).
     #[serde(default)]
     pub storage_bytes_per_s_per_rank: Option<f64>,

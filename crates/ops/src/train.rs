@@ -216,8 +216,9 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
     {
         use std::sync::atomic::Ordering::Relaxed;
         let c = e.counters();
+        let cpu = c.replica_send_cpu_ns.load(Relaxed) + c.replica_recv_cpu_ns.load(Relaxed);
         let mut v: Vec<i64> =
-            [c.replica_bytes.load(Relaxed), c.replica_bytes_inter_host.load(Relaxed), c.storage_bytes.load(Relaxed)]
+            [c.replica_bytes.load(Relaxed), c.replica_bytes_inter_host.load(Relaxed), c.storage_bytes.load(Relaxed), cpu]
                 .into_iter()
                 .chain(c.replica_bytes_per_link.iter().map(|x| x.load(Relaxed)))
                 .map(|x| x as i64)
@@ -227,7 +228,8 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         rep.ckpt_bytes_replicated = v[0];
         rep.ckpt_bytes_inter_host_sent = v[1];
         rep.ckpt_bytes_storage = v[2];
-        rep.ckpt_bytes_per_link = v[3..].to_vec();
+        rep.ckpt_cpu_ns = v[3];
+        rep.ckpt_bytes_per_link = v[4..].to_vec();
         rep.state_bytes_per_rank = e.registry().total;
         rep.storage_bytes_per_s_per_rank = a.storage_bytes_per_s;
     }

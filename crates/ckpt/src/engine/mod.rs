@@ -444,8 +444,9 @@ impl Engine {
         for &s in &sources {
             for (k, c) in slots.iter().enumerate() {
                 let (c, ack, shared, stop) = (c.clone(), comm.clone(), shared.clone(), stop.clone());
+                let counters = self.counters.clone();
                 self.services.push(spawn(format!("ckpt-in-{s}.{k}"), move || {
-                    replicate::receive_replicas(&c, &ack, s, limit, &shared, &stop)
+                    replicate::receive_replicas(&c, &ack, s, limit, &shared, &stop, &counters.replica_recv_cpu_ns)
                 })?);
             }
         }
