@@ -1,166 +1,26 @@
-//! The candle adapter (feature `candle`): train any candle model's [`VarMap`] data parallel —
-//! gradients averaged in buckets while the backward pass runs — or sharded (`full`, `hybrid`,
-//! `hsdp` through [`ironweave_shard`]), with the whole state (parameters, both Adam moments,
-//! the step) registered with the checkpoint engine in one call ([`Trainer::state_specs`],
-//! [`Trainer::state`], [`Trainer::restore`]), so [`crate::elastic`] can recover it from peers'
-//! memory.
-//!
-//! **Overlap needs stages.** candle computes every gradient in one `backward()` call, with no
-//! hook per parameter. A model that implements [`Staged`] (its forward as a chain of stages,
-//! each a function of the previous stage's output) is run backward stage by stage: the last
-//! stage from the loss, each earlier one from the gradient of its output
-//! (`sum(out * grad)`'s backward gives exactly `grad` at `out`), and a bucket is averaged as
-//! soon as the stage that last touches its parameters is done, while the earlier stages
-//! compute. Which stage touches which parameter is learned in the first step after the trainer
-//! is built or rebound (which averages everything at the end): every rank of a job buckets
-//! alike, a restarted one too. A model that is one [`Whole`] stage gets the same results without
-//! the overlap.
-//!
-//! **The optimizer is ours**: AdamW ([`ironweave_shard::Adam`]) on host copies of the
-//! parameters, the same update element by element as the sharded engine's, so replicated and
-//! sharded runs agree and the moments can be checkpointed (candle-nn's `AdamW` keeps its
-//! moments private). Parameters must be `f32` (on the CPU device; other devices are not
-//! supported by this adapter yet).
-//!
-//! **What sharding saves here**: the state kept between steps and checkpointed — parameter
-//! shards and both moments — is `1/world` of the replicated state under `full`
-//! ([`Trainer::state_bytes`]); the model's own `Var`s still hold the gathered parameters during
-//! a step (candle models own their tensors), like FSDP without resharding after forward.
-//!
-//! ```
-//! use candle_core::{DType, Device, Module, Tensor};
-//! use candle_nn::{VarBuilder, VarMap};
-//! use ironweave::candle::{Layout, Trainer, TrainerConfig, Whole};
-//!
-//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! // one process is a world of one: the same code runs on every rank of a job
-//! let comm = std::sync::Arc::new(ironweave::transport::inproc::communicators(1)?.remove(0));
-//! let vm = VarMap::new();
-//! let lin = candle_nn::linear(4, 1, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu).pp("lin"))?;
-//! let mut t = Trainer::new(&vm, &comm, Layout::DataParallel, TrainerConfig::default())?;
-//! let x = Tensor::ones((8, 4), DType::F32, &Device::Cpu)?;
-//! let s = t.step(&Whole(&lin), &x, |y| y.sqr()?.mean_all())?;
-//! println!("loss {}", s.loss);
-//! assert_eq!(t.state_specs().len(), 3 * 2 + 1); // weight, bias, their moments, the step
-//! # Ok(()) }
-//! ```
+//! The trainer: a candle model's parameters held replicated (bucketed averaging during the
+//! backward pass) or sharded, stepped with AdamW, and its state as checkpoint buffers.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use ironweave_ckpt::{Dtype, Snapshot, TensorSpec};
 use ironweave_shard::ddp::{self, Bucket, GradSyncStats};
-use ironweave_shard::{adam_update, Adam, Groups, ShardEngine, Strategy};
+use ironweave_shard::{adam_update, Groups, ShardEngine};
 use ironweave_transport::{Communicator, ReduceOp};
 
-/// Errors of the adapter.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// candle failed (a forward, a backward, a tensor copy).
-    #[error("tensor computation failed: {0}")]
-    Candle(#[from] candle_core::Error),
-    /// A collective failed.
-    #[error(transparent)]
-    Transport(#[from] ironweave_transport::Error),
-    /// The sharded engine refused.
-    #[error(transparent)]
-    Shard(#[from] ironweave_shard::ShardError),
-    /// A model the adapter cannot train, or a checkpoint that does not fit it.
-    #[error("{0}")]
-    Invalid(String),
-}
-
-/// Result of the adapter.
-pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// A model whose forward is a chain of stages: stage `k` maps stage `k - 1`'s output (the
-/// input for stage 0) to its own; the last stage's output goes to the loss. Parameters may be
-/// shared between stages.
-pub trait Staged {
-    /// Stages in forward order (at least 1).
-    fn stages(&self) -> usize;
-    /// Stage `k`'s forward.
-    fn forward_stage(&self, k: usize, x: &Tensor) -> candle_core::Result<Tensor>;
-}
-
-/// Any candle [`Module`] as a one-stage model (gradients averaged after the whole backward).
-#[derive(Debug, Clone, Copy)]
-pub struct Whole<'a, M>(pub &'a M);
-
-impl<M: Module> Staged for Whole<'_, M> {
-    fn stages(&self) -> usize {
-        1
-    }
-    fn forward_stage(&self, _k: usize, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.0.forward(x)
-    }
-}
-
-/// How the parameters are held.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Layout {
-    /// Every rank holds everything; gradients averaged in buckets during backward.
-    DataParallel,
-    /// Sharded through [`ShardEngine`]: `full` (over all ranks), `hybrid` (within the host,
-    /// shard gradients all-reduced across hosts) or `hsdp` (each unit split by `fractions`
-    /// between an all-rank part and a host part on different links). `replicated` runs the
-    /// engine's all-reduce instead of the buckets.
-    Sharded {
-        /// The strategy.
-        strategy: Strategy,
-        /// Consecutive ranks per host.
-        ranks_per_host: usize,
-        /// `hsdp`: the share of each unit sharded over all ranks (one per unit, or one for
-        /// all; ignored otherwise).
-        fractions: Vec<f64>,
-        /// Link of the all-rank part (0: the first).
-        full_link: usize,
-        /// Link of the cross-host all-reduce.
-        inter_link: usize,
-    },
-}
-
-impl Layout {
-    /// `strategy` over all ranks of one host group of `ranks_per_host`, on the first link.
-    pub fn sharded(strategy: Strategy, ranks_per_host: usize) -> Layout {
-        Layout::Sharded { strategy, ranks_per_host, fractions: vec![0.5], full_link: 0, inter_link: 0 }
-    }
-}
-
-/// The trainer's settings.
-#[derive(Debug, Clone, Copy)]
-pub struct TrainerConfig {
-    /// AdamW (decoupled weight decay on every parameter).
-    pub adam: Adam,
-    /// Bucket size of the data-parallel averaging and of the sharded units, bytes (`None`:
-    /// one bucket, averaged after the whole backward).
-    pub bucket_bytes: Option<usize>,
-}
-
-impl Default for TrainerConfig {
-    fn default() -> Self {
-        TrainerConfig { adam: Adam::default(), bucket_bytes: Some(ddp::DEFAULT_BUCKET_BYTES) }
-    }
-}
-
-/// What one step did.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct StepStats {
-    /// The loss averaged over ranks.
-    pub loss: f32,
-    /// The data-parallel averaging (buckets, time on the wire, share hidden behind backward).
-    pub sync: GradSyncStats,
-}
+use super::staged::{staged_backward, to_host, Staged};
+use super::{Error, Layout, Result, StepStats, TrainerConfig};
 
 /// One parameter of the model.
 #[derive(Debug, Clone)]
-struct Param {
-    name: String,
-    var: Var,
-    shape: Vec<usize>,
-    len: usize,
+pub(super) struct Param {
+    pub(super) name: String,
+    pub(super) var: Var,
+    pub(super) shape: Vec<usize>,
+    pub(super) len: usize,
 }
 
 /// How the state is held.
@@ -192,10 +52,6 @@ pub struct Trainer {
     initial: Vec<Vec<f32>>,
     step: u64,
     step_bytes: [u8; 8],
-}
-
-fn to_host(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.flatten_all()?.to_vec1::<f32>()?)
 }
 
 fn f32_from_le(b: &[u8], name: &str, n: usize) -> Result<Vec<f32>> {
@@ -648,97 +504,9 @@ fn broadcast_params(comm: &Communicator, params: &[Param], values: &mut [Vec<f32
     Ok(())
 }
 
-/// Sets every variable of `varmap` (in name order) to values drawn from a generator seeded
-/// with `seed`, uniform in `±1/sqrt(fan_in)` (`fan_in`: the elements of one row of the first
-/// dimension; a vector's own length): a deterministic stand-in for candle's CPU
-/// initialisation, which cannot be seeded, so that two runs of a job start from the same
-/// state (and a recovered run can end bit-identical to an uninterrupted one).
-pub fn init_uniform(varmap: &VarMap, seed: u64) -> Result<()> {
-    let mut named: Vec<(String, Var)> =
-        varmap.data().lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut rng = ironweave_units::SplitMix64::new(seed);
-    for (name, var) in named {
-        let t = var.as_tensor();
-        if t.dtype() != DType::F32 {
-            return Err(Error::Invalid(format!("`{name}` is {:?}: init_uniform sets f32 variables", t.dtype())));
-        }
-        let dims = t.dims().to_vec();
-        let n = t.elem_count();
-        let fan_in = if dims.len() >= 2 { n / dims[0].max(1) } else { n };
-        let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
-        let vals: Vec<f32> = (0..n).map(|_| ((2.0 * rng.unit() - 1.0) * bound) as f32).collect();
-        var.set(&Tensor::from_vec(vals, dims.as_slice(), t.device())?)?;
-    }
-    Ok(())
-}
-
-/// The staged forward and backward of one step: fills `grads` (summed over the stages that
-/// touch each parameter), records in `seen` the backward stage after which each parameter's
-/// gradient is final, and calls `after(stage, grads, started)` after each backward stage
-/// (stage 0: the model's last). Returns this rank's loss.
-fn staged_backward<M: Staged>(
-    model: &M,
-    input: &Tensor,
-    loss: &impl Fn(&Tensor) -> candle_core::Result<Tensor>,
-    params: &[Param],
-    grads: &mut [Vec<f32>],
-    seen: &mut [usize],
-    mut after: impl FnMut(usize, &[Vec<f32>], Instant) -> Result<()>,
-) -> Result<f32> {
-    let k = model.stages();
-    // forward: each later stage's input is a leaf of its own, so its backward stops there
-    let mut leaves: Vec<Option<Var>> = Vec::with_capacity(k);
-    let mut outs: Vec<Tensor> = Vec::with_capacity(k);
-    let mut x = input.clone();
-    for s in 0..k {
-        let (leaf, xin) = if s == 0 {
-            (None, x.clone())
-        } else {
-            let v = Var::from_tensor(&x.detach())?;
-            let t = v.as_tensor().clone();
-            (Some(v), t)
-        };
-        let out = model.forward_stage(s, &xin)?;
-        leaves.push(leaf);
-        outs.push(out.clone());
-        x = out;
-    }
-    let l = loss(&x)?;
-    let lv = l.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-    let mut upstream: Option<Tensor> = None;
-    for s in (0..k).rev() {
-        let t0 = Instant::now();
-        let target = match &upstream {
-            None => l.clone(),
-            // d sum(out * g) / d out = g exactly: the same gradient the whole backward gives
-            Some(g) => (&outs[s] * g.detach())?.sum_all()?,
-        };
-        let gs = target.backward()?;
-        let stage = k - 1 - s;
-        for (i, p) in params.iter().enumerate() {
-            if let Some(g) = gs.get(p.var.as_tensor()) {
-                let g = to_host(g)?;
-                if g.len() != p.len {
-                    return Err(Error::Invalid(format!("`{}`: a gradient of {} for {} elements", p.name, g.len(), p.len)));
-                }
-                grads[i].iter_mut().zip(&g).for_each(|(a, b)| *a += b);
-                seen[i] = stage;
-            }
-        }
-        upstream = match &leaves[s] {
-            Some(v) => Some(gs.get(v.as_tensor()).cloned().ok_or_else(|| {
-                Error::Invalid(format!("stage {s}'s output does not depend on its input: stages must form a chain"))
-            })?),
-            None => None,
-        };
-        after(stage, grads, t0)?;
-    }
-    Ok(lv)
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::{init_uniform, Whole};
     use super::*;
     use candle_nn::VarBuilder;
 
