@@ -75,10 +75,10 @@ pub fn capricorn_links(total: u64, links: &[(&[Window], f64)], fill: f64, min_ch
 }
 
 /// Gemini: fixed chunks placed into the spans profiled at the start, released by time; a span
-/// never takes more whole chunks than it can carry. `chunk` 0: sized from the spans and the
-/// state ([`crate::partition::gemini_chunk`]).
-pub fn gemini(total: u64, spans: &[Window], bytes_per_s: f64, chunk: u64) -> Vec<Scheduled> {
-    let caps: Vec<u64> = spans.iter().map(|w| (w.len_ns as f64 * 1e-9 * bytes_per_s).floor() as u64).collect();
+/// never takes more whole chunks than `fill` of it can carry (1: the whole span). `chunk` 0:
+/// sized from the spans and the state ([`crate::partition::gemini_chunk`]).
+pub fn gemini(total: u64, spans: &[Window], bytes_per_s: f64, chunk: u64, fill: f64) -> Vec<Scheduled> {
+    let caps: Vec<u64> = spans.iter().map(|w| (w.len_ns as f64 * 1e-9 * bytes_per_s * fill).floor() as u64).collect();
     let chunk = if chunk == 0 { crate::partition::gemini_chunk(total, &caps, 256 << 10) } else { chunk };
     let mut placed_in = vec![0u64; spans.len()];
     partition_fixed(total, chunk, &caps)
@@ -224,7 +224,7 @@ mod tests {
 
     #[test]
     fn gemini_chunks_go_by_the_clock_in_order() {
-        let plan = gemini(5_000_000, &[w(0, 3, None), w(10, 2, Some(0))], 1e9, 1_000_000);
+        let plan = gemini(5_000_000, &[w(0, 3, None), w(10, 2, Some(0))], 1e9, 1_000_000, 1.0);
         let trig: Vec<Trigger> = plan.iter().map(|s| s.trigger).collect();
         assert_eq!(
             trig,
@@ -243,5 +243,14 @@ mod tests {
         assert!(r.comm_done(5).is_empty(), "communications do not release Gemini chunks");
         assert_eq!(r.tick(10_000_000).len(), 1);
         assert_eq!(r.end().len(), 1);
+    }
+
+    #[test]
+    fn gemini_s_fill_leaves_part_of_each_span_free() {
+        // at 0.7, the 3 ms span carries 2.1 MB: two whole 1 MB chunks, the 2 ms span one; the
+        // other two chunks wait for the end
+        let plan = gemini(5_000_000, &[w(0, 3, None), w(10, 2, Some(0))], 1e9, 1_000_000, 0.7);
+        let trig: Vec<Trigger> = plan.iter().map(|s| s.trigger).collect();
+        assert_eq!(trig, vec![Trigger::At(0), Trigger::At(1_000_000), Trigger::At(10_000_000), Trigger::End, Trigger::End]);
     }
 }

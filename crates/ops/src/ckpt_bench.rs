@@ -18,6 +18,11 @@ use crate::train::run;
 /// The five strategies of the paper's comparison.
 pub const FIVE: [&str; 5] = ["none", "blocking", "async", "gemini", "capricorn"];
 
+/// `--strategies gemini-sweep`: Gemini's fill (0.7 to 1.0, chunks sized from the spans) and
+/// two fixed chunk sizes at the whole span.
+pub const GEMINI_SWEEP: [&str; 6] =
+    ["gemini-fill0.7", "gemini-fill0.8", "gemini-fill0.9", "gemini", "gemini-chunk1M", "gemini-chunk4M"];
+
 /// `ironweave bench ckpt`'s options.
 #[derive(Debug, Clone)]
 pub struct CkptBenchArgs {
@@ -87,6 +92,10 @@ pub fn expand(strategies: &[String], links: usize) -> Result<Vec<String>> {
             if links > 1 {
                 out.push("capricorn-multilink".into());
             }
+        } else if s == "gemini-sweep" {
+            // Gemini at its best: the fill of its spans and its chunk size swept, the table says
+            // which row was best
+            out.extend(GEMINI_SWEEP.iter().map(|x| x.to_string()));
         } else {
             parse_strategy(s)?;
             if s == "capricorn-multilink" && links < 2 {
@@ -314,6 +323,16 @@ pub fn table(rows: &[Row], storage_note: &str) -> String {
             r.partition_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into()),
             r.profiling_activations,
             r.last_committed_iter.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
+        ));
+    }
+    // the baseline at its best: the fastest Gemini row, and Capricorn beside it
+    let best = rows.iter().filter(|r| r.strategy.starts_with("gemini")).min_by(|a, b| a.iter_time_s.total_cmp(&b.iter_time_s));
+    if let (Some(b), Some(c), true) = (best, cap, rows.iter().filter(|r| r.strategy.starts_with("gemini")).count() > 1) {
+        md.push_str(&format!(
+            "\nbest Gemini row: {} ({:.1} ms); capricorn's speedup over it: {:.2}x\n",
+            b.strategy,
+            b.iter_time_s * 1e3,
+            b.iter_time_s / c
         ));
     }
     if !storage_note.is_empty() {

@@ -317,23 +317,53 @@ pub fn load_config(path: &Path) -> Result<(TrainConfig, Corpus)> {
 }
 
 /// A checkpoint strategy as the CLI names it: the engine's five, `capricorn-multilink`
-/// (Capricorn whose chunks may take every link of the job) and `capricorn-always` (Capricorn
-/// profiling every iteration: the reference speculative activation is measured against).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// (Capricorn whose chunks may take every link of the job), `capricorn-always` (Capricorn
+/// profiling every iteration: the reference speculative activation is measured against), and
+/// Gemini with a fill of its spans and a chunk size of its own (`gemini-fill0.8`,
+/// `gemini-chunk1M`, `gemini-fill0.9-chunk4M`: the baseline tuned, not a straw man).
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CkptChoice {
     pub strategy: Strategy,
     pub multilink: bool,
     pub always_profile: bool,
+    /// Gemini's share of each profiled span (None: the whole span).
+    pub gemini_fill: Option<f64>,
+    /// Gemini's chunk size, bytes (None: sized from the spans).
+    pub gemini_chunk: Option<u64>,
 }
 
 /// Names beyond the engine's five.
-pub const VARIANTS: [&str; 2] = ["capricorn-multilink", "capricorn-always"];
+pub const VARIANTS: [&str; 3] = ["capricorn-multilink", "capricorn-always", "gemini-fillF-chunkSIZE"];
 
 pub fn parse_strategy(s: &str) -> Result<CkptChoice> {
-    let plain = |strategy| CkptChoice { strategy, multilink: false, always_profile: false };
+    let plain =
+        |strategy| CkptChoice { strategy, multilink: false, always_profile: false, gemini_fill: None, gemini_chunk: None };
     Ok(match s {
         "capricorn-multilink" => CkptChoice { multilink: true, ..plain(Strategy::Capricorn) },
         "capricorn-always" => CkptChoice { always_profile: true, ..plain(Strategy::Capricorn) },
+        _ if s.starts_with("gemini-") => {
+            let mut c = plain(Strategy::Gemini);
+            for part in s["gemini-".len()..].split('-') {
+                if let Some(f) = part.strip_prefix("fill") {
+                    let f: f64 = f.parse().map_err(|_| err!("--ckpt {s}: fill {f:?} is not a number"))?;
+                    if !(f > 0.0 && f <= 1.0) {
+                        bail!("--ckpt {s}: the fill must be in (0, 1]");
+                    }
+                    c.gemini_fill = Some(f);
+                } else if let Some(b) = part.strip_prefix("chunk") {
+                    let b = ironweave_units::parse_size(b).map_err(|e| err!("--ckpt {s}: {e}"))?;
+                    if b == 0 {
+                        bail!("--ckpt {s}: the chunk must be at least 1 byte");
+                    }
+                    c.gemini_chunk = Some(b);
+                } else {
+                    bail!(
+                        "--ckpt {s}: Gemini takes fillF and chunkSIZE (gemini-fill0.8, gemini-chunk1M, gemini-fill0.9-chunk4M)"
+                    );
+                }
+            }
+            c
+        }
         _ => plain(Strategy::parse(s).map_err(|e| err!("{e} (or {})", VARIANTS.join(", ")))?),
     })
 }
@@ -503,6 +533,8 @@ impl CkptChoice {
             host: ironweave_transport::rendezvous::host_name(),
             // always-on profiling: a threshold of 0 profiles every iteration
             drift_threshold: if self.always_profile { 0.0 } else { EngineConfig::default().drift_threshold },
+            gemini_fill: self.gemini_fill.unwrap_or(1.0),
+            gemini_chunk_bytes: self.gemini_chunk.unwrap_or(0),
             ..EngineConfig::default()
         }
     }
@@ -581,6 +613,18 @@ pub fn run_elastic<W: ironweave::elastic::Worker>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gemini_can_be_tuned_by_name() {
+        let c = parse_strategy("gemini-fill0.8-chunk1M").unwrap();
+        assert_eq!((c.strategy, c.gemini_fill, c.gemini_chunk), (Strategy::Gemini, Some(0.8), Some(1 << 20)));
+        let e = c.engine_config(Path::new("/tmp"), 10);
+        assert_eq!((e.gemini_fill, e.gemini_chunk_bytes), (0.8, 1 << 20));
+        assert_eq!(parse_strategy("gemini").unwrap().engine_config(Path::new("/tmp"), 1).gemini_fill, 1.0);
+        for bad in ["gemini-fill0", "gemini-fill1.5", "gemini-chunk0", "gemini-speed9", "gemini-fillx"] {
+            assert!(parse_strategy(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn a_host_failure_names_every_rank_of_the_host() {

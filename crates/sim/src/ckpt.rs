@@ -489,7 +489,7 @@ pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy
                         schedule::capricorn(repl, &w, nic_bw, opts.window_fill, MIN_CHUNK, u64::MAX)
                     }
                 } else {
-                    schedule::gemini(repl, &gemini_spans, nic_bw, opts.gemini_chunk_bytes.round() as u64)
+                    schedule::gemini(repl, &gemini_spans, nic_bw, opts.gemini_chunk_bytes.round() as u64, 1.0)
                 };
                 mine = add_chunks(&mut dag, s.nic, &plan, Triggers { start, end, snap, nic_ops: &nic_ops }, it);
                 let done = dag.mark(format!("it{it} replicated"), mine.last().map(|c| c.0).into_iter().collect());

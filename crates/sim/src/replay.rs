@@ -184,7 +184,7 @@ fn one(
                     }];
                     schedule::capricorn_links(total, &[(&predicted, bed.link_bytes_per_s), (&b, second)], fill, 1 << 20, u64::MAX)
                 }
-                (Strategy::Gemini, _) if it > 1 => schedule::gemini(total, &spans, bed.link_bytes_per_s, 0),
+                (Strategy::Gemini, _) if it > 1 => schedule::gemini(total, &spans, bed.link_bytes_per_s, 0, 1.0),
                 // nothing profiled yet: everything after the iteration's traffic
                 _ => schedule::capricorn(total, &[], 1.0, 1.0, 1, u64::MAX),
             };

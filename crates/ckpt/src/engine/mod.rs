@@ -121,6 +121,9 @@ pub struct EngineConfig {
     /// Gemini's fixed chunk size, bytes (0: sized from the profiled spans and the state, so
     /// that whole chunks fill the spans best without overfilling any).
     pub gemini_chunk_bytes: u64,
+    /// Gemini fills this fraction of each profiled span (1: the whole span, the paper's rule;
+    /// a lower fill leaves room for the spans' variation, as Capricorn's `window_fill` does).
+    pub gemini_fill: f64,
     /// Gemini profiles this many iterations at the start (the spans of the last one are
     /// used), then never again.
     pub gemini_profile_iters: u64,
@@ -156,6 +159,7 @@ impl Default for EngineConfig {
             window_fill: 0.9,
             drift_threshold: 0.3,
             gemini_chunk_bytes: 0,
+            gemini_fill: 1.0,
             gemini_profile_iters: 3,
             min_window_ns: 50_000,
             host: String::new(),
@@ -288,6 +292,9 @@ impl Engine {
         }
         if !(cfg.window_fill > 0.0 && cfg.window_fill <= 1.0) {
             return Err(CkptError::Invalid(format!("window_fill {} must be in (0, 1]", cfg.window_fill)));
+        }
+        if !(cfg.gemini_fill > 0.0 && cfg.gemini_fill <= 1.0) {
+            return Err(CkptError::Invalid(format!("gemini_fill {} must be in (0, 1]", cfg.gemini_fill)));
         }
         if matches!(cfg.strategy, Strategy::Blocking | Strategy::Async) && cfg.persist_dir.is_none() {
             return Err(CkptError::Invalid(format!("strategy `{}` writes to storage: set persist_dir", cfg.strategy.name())));
@@ -636,8 +643,8 @@ impl Engine {
                 _ => {
                     let rate = self.link_rate();
                     match &self.gemini_spans {
-                        Some(spans) => schedule::gemini(total, spans, rate, self.cfg.gemini_chunk_bytes),
-                        None => schedule::gemini(total, &[], rate, self.cfg.gemini_chunk_bytes),
+                        Some(spans) => schedule::gemini(total, spans, rate, self.cfg.gemini_chunk_bytes, self.cfg.gemini_fill),
+                        None => schedule::gemini(total, &[], rate, self.cfg.gemini_chunk_bytes, self.cfg.gemini_fill),
                     }
                 }
             };
