@@ -354,6 +354,10 @@ mod tests {
         assert_eq!(expand(&v(&["all"]), 1).unwrap(), five_and_always);
         assert_eq!(expand(&v(&["all"]), 2).unwrap().last().unwrap(), "capricorn-multilink");
         assert!(expand(&v(&["capricorn-multilink"]), 1).unwrap_err().to_string().contains("two or more links"));
+        // the Gemini sweep: every name of it is a strategy the runs accept
+        let sweep = expand(&v(&["none", "gemini-sweep"]), 1).unwrap();
+        assert_eq!(sweep.len(), 1 + GEMINI_SWEEP.len());
+        assert!(sweep.iter().all(|s| crate::run::parse_strategy(s).is_ok()), "{sweep:?}");
         assert!(expand(&v(&["zip"]), 1).is_err());
         assert_eq!(median_after(&[9.0, 9.0, 3.0, 1.0, 2.0], 2), 2.0);
         assert_eq!(median_after(&[9.0, 9.0, 4.0, 1.0, 2.0, 3.0], 2), 2.5);
