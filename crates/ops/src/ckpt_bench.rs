@@ -69,6 +69,10 @@ pub struct Row {
     pub storage_bytes_per_s_per_host: Option<f64>,
     /// Mean time per steady iteration the training thread spent inside the engine, seconds.
     pub exposed_ckpt_s: f64,
+    /// Iterations per checkpoint written to the persistent tier (storage strategies; 1: every
+    /// iteration; `async-sustained` skips those its storage cannot take).
+    #[serde(default)]
+    pub storage_interval_iters: Option<f64>,
     /// CPU the replica path spent per replicated byte, sender and receiver threads together,
     /// ns (None: nothing replicated). Paid on the cores that train.
     #[serde(default)]
@@ -262,6 +266,12 @@ fn run_all(
                 ckpt_bytes_storage: r.ckpt_bytes_storage,
                 storage_bytes_per_s_per_host: *storage,
                 exposed_ckpt_s: reps.iter().map(|(r, _)| Report::steady(&r.ckpt_exposed_s, 2)).sum::<f64>() / reps.len() as f64,
+                storage_interval_iters: {
+                    // whole-state writes over the run: bytes written / (state per rank x ranks)
+                    let per = r.state_bytes_per_rank.saturating_mul(r.ranks as u64);
+                    (r.ckpt_bytes_storage > 0 && per > 0 && (s.starts_with("async") || s == "blocking"))
+                        .then(|| r.iterations as f64 / (r.ckpt_bytes_storage as f64 / per as f64))
+                },
                 ckpt_cpu_ns_per_byte: {
                     let (cpu, bytes) =
                         reps.iter().fold((0u64, 0u64), |(c, b), (r, _)| (c + r.ckpt_cpu_ns, b + r.ckpt_bytes_replicated));
@@ -333,6 +343,13 @@ pub fn table(rows: &[Row], storage_note: &str) -> String {
             b.strategy,
             b.iter_time_s * 1e3,
             b.iter_time_s / c
+        ));
+    }
+    for r in rows.iter().filter(|r| r.storage_interval_iters.is_some()) {
+        md.push_str(&format!(
+            "\n{}: a checkpoint on the persistent tier every {:.1} iterations\n",
+            r.strategy,
+            r.storage_interval_iters.unwrap_or(0.0)
         ));
     }
     if !storage_note.is_empty() {

@@ -330,17 +330,27 @@ pub struct CkptChoice {
     pub gemini_fill: Option<f64>,
     /// Gemini's chunk size, bytes (None: sized from the spans).
     pub gemini_chunk: Option<u64>,
+    /// `async-sustained`: Async skipping the iterations whose checkpoint would wait for the
+    /// previous write (the interval its storage sustains).
+    pub async_skip: bool,
 }
 
 /// Names beyond the engine's five.
-pub const VARIANTS: [&str; 3] = ["capricorn-multilink", "capricorn-always", "gemini-fillF-chunkSIZE"];
+pub const VARIANTS: [&str; 4] = ["capricorn-multilink", "capricorn-always", "async-sustained", "gemini-fillF-chunkSIZE"];
 
 pub fn parse_strategy(s: &str) -> Result<CkptChoice> {
-    let plain =
-        |strategy| CkptChoice { strategy, multilink: false, always_profile: false, gemini_fill: None, gemini_chunk: None };
+    let plain = |strategy| CkptChoice {
+        strategy,
+        multilink: false,
+        always_profile: false,
+        gemini_fill: None,
+        gemini_chunk: None,
+        async_skip: false,
+    };
     Ok(match s {
         "capricorn-multilink" => CkptChoice { multilink: true, ..plain(Strategy::Capricorn) },
         "capricorn-always" => CkptChoice { always_profile: true, ..plain(Strategy::Capricorn) },
+        "async-sustained" => CkptChoice { async_skip: true, ..plain(Strategy::Async) },
         _ if s.starts_with("gemini-") => {
             let mut c = plain(Strategy::Gemini);
             for part in s["gemini-".len()..].split('-') {
@@ -535,6 +545,7 @@ impl CkptChoice {
             drift_threshold: if self.always_profile { 0.0 } else { EngineConfig::default().drift_threshold },
             gemini_fill: self.gemini_fill.unwrap_or(1.0),
             gemini_chunk_bytes: self.gemini_chunk.unwrap_or(0),
+            async_skip_busy: self.async_skip,
             ..EngineConfig::default()
         }
     }

@@ -121,6 +121,10 @@ pub struct EngineConfig {
     /// Gemini's fixed chunk size, bytes (0: sized from the profiled spans and the state, so
     /// that whole chunks fill the spans best without overfilling any).
     pub gemini_chunk_bytes: u64,
+    /// Async skips an iteration's checkpoint while the previous write is still running,
+    /// instead of waiting for it: it checkpoints at the interval its storage sustains (the
+    /// training never blocks on the disk; a failure loses more iterations).
+    pub async_skip_busy: bool,
     /// Gemini fills this fraction of each profiled span (1: the whole span, the paper's rule;
     /// a lower fill leaves room for the spans' variation, as Capricorn's `window_fill` does).
     pub gemini_fill: f64,
@@ -160,6 +164,7 @@ impl Default for EngineConfig {
             drift_threshold: 0.3,
             gemini_chunk_bytes: 0,
             gemini_fill: 1.0,
+            async_skip_busy: false,
             gemini_profile_iters: 3,
             min_window_ns: 50_000,
             host: String::new(),
@@ -757,6 +762,10 @@ impl Engine {
                 persisted = true;
             }
             Strategy::Async => {
+                if self.cfg.async_skip_busy && self.writer.as_ref().is_some_and(|w| !w.is_finished()) {
+                    // the storage is still busy with an earlier iteration: skip this one
+                    return Ok(CheckpointReport { iter, bytes: 0, blocking_s: 0.0, persisted: false });
+                }
                 // the next snapshot waits for the previous write (one host buffer in flight)
                 self.join_writer()?;
                 let snap = self.snaps.take(iter, &self.registry, bufs)?;
