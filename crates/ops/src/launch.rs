@@ -152,6 +152,39 @@ pub fn free_port() -> Result<u16> {
 }
 
 /// Starts the ranks and supervises them until they all end or one fails.
+/// The ranks of a training run: this binary's hidden worker subcommand (`args`, e.g.
+/// `train-worker ...`) on `ranks` local or emulated ranks, with the backend (`backend`) and
+/// `--quiet` exported to them, restarting failed ranks up to `max_restarts` times. Returns the
+/// command's exit status.
+pub fn workers(
+    ranks: usize,
+    args: Vec<String>,
+    backend: &str,
+    quiet: bool,
+    topology: Option<(crate::cluster::Topology, usize)>,
+    max_restarts: usize,
+    threads_per_rank: Option<usize>,
+) -> Result<i32> {
+    let exe = std::env::current_exe().context("locating the ironweave binary")?;
+    let spec = LaunchSpec {
+        ranks,
+        program: exe.to_string_lossy().into_owned(),
+        args,
+        prefix: false,
+        env: [("IRONWEAVE_BACKEND", backend)]
+            .into_iter()
+            .chain(quiet.then_some((crate::progress::QUIET_VAR, "1")))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        timeout: None,
+        topology,
+        max_restarts,
+        threads_per_rank,
+    };
+    install_signal_handlers();
+    Ok(run(&spec)?.exit_code())
+}
+
 pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     if spec.ranks == 0 {
         bail!("--ranks/-n must be at least 1");

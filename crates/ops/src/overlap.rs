@@ -199,7 +199,6 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     std::fs::create_dir_all(&a.report_dir).with_context(|| format!("creating {}", a.report_dir.display()))?;
     let _ = std::fs::remove_file(a.report_dir.join("report.json"));
-    let exe = std::env::current_exe().context("locating the ironweave binary")?;
     let mut args = vec![
         "tp-worker".to_string(),
         "--config".into(),
@@ -231,23 +230,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         if k == 1 { "" } else { "es" },
         a.report_dir.display()
     );
-    let spec = crate::launch::LaunchSpec {
-        ranks: a.ranks,
-        program: exe.to_string_lossy().into_owned(),
-        args,
-        prefix: false,
-        env: [("IRONWEAVE_BACKEND", chosen.name())]
-            .into_iter()
-            .chain(a.quiet.then_some((crate::progress::QUIET_VAR, "1")))
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-        timeout: None,
-        topology,
-        max_restarts: 0,
-        threads_per_rank: a.threads_per_rank,
-    };
-    crate::launch::install_signal_handlers();
-    let code = crate::launch::run(&spec)?.exit_code();
+    let code = crate::launch::workers(a.ranks, args, chosen.name(), a.quiet, topology, 0, a.threads_per_rank)?;
     if code != 0 {
         return Ok(code);
     }

@@ -340,7 +340,6 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         let _ = std::fs::remove_file(a.report_dir.join(f));
     }
     let _ = std::fs::remove_dir_all(a.report_dir.join("persist"));
-    let exe = std::env::current_exe().context("locating the ironweave binary")?;
     let mut args = vec![
         "sdp-worker".to_string(),
         "--config".into(),
@@ -381,23 +380,15 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         a.ckpt,
         a.report_dir.display()
     );
-    let spec = crate::launch::LaunchSpec {
-        ranks: a.ranks,
-        program: exe.to_string_lossy().into_owned(),
+    let code = crate::launch::workers(
+        a.ranks,
         args,
-        prefix: false,
-        env: [("IRONWEAVE_BACKEND", chosen.name())]
-            .into_iter()
-            .chain(a.quiet.then_some((crate::progress::QUIET_VAR, "1")))
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-        timeout: None,
+        chosen.name(),
+        a.quiet,
         topology,
-        max_restarts: a.max_restarts.unwrap_or(if a.fail.is_some() { 4 } else { 0 }),
-        threads_per_rank: a.threads_per_rank,
-    };
-    crate::launch::install_signal_handlers();
-    let code = crate::launch::run(&spec)?.exit_code();
+        a.max_restarts.unwrap_or(if a.fail.is_some() { 4 } else { 0 }),
+        a.threads_per_rank,
+    )?;
     if code != 0 {
         return Ok(code);
     }

@@ -376,7 +376,6 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     let _ = std::fs::remove_dir_all(report_dir.join("persist"));
     let _ = std::fs::remove_file(report_dir.join("report.json"));
     let _ = std::fs::remove_file(report_dir.join("iterations.jsonl"));
-    let exe = std::env::current_exe().context("locating the ironweave binary")?;
     let mut args = vec![
         "train-worker".to_string(),
         "--config".into(),
@@ -411,23 +410,15 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         cfg.name,
         report_dir.display()
     );
-    let spec = crate::launch::LaunchSpec {
+    let code = crate::launch::workers(
         ranks,
-        program: exe.to_string_lossy().into_owned(),
         args,
-        prefix: false,
-        env: [("IRONWEAVE_BACKEND", chosen.name())]
-            .into_iter()
-            .chain(a.quiet.then_some((crate::progress::QUIET_VAR, "1")))
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-        timeout: None,
+        chosen.name(),
+        a.quiet,
         topology,
-        max_restarts: a.max_restarts.unwrap_or(if fail.is_some() { 4 } else { 0 }),
-        threads_per_rank: a.threads_per_rank,
-    };
-    crate::launch::install_signal_handlers();
-    let code = crate::launch::run(&spec)?.exit_code();
+        a.max_restarts.unwrap_or(if fail.is_some() { 4 } else { 0 }),
+        a.threads_per_rank,
+    )?;
     if code != 0 {
         return Ok(code);
     }
