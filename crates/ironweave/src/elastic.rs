@@ -182,11 +182,12 @@ impl Config {
     /// (default 60 s; it replaces `engine.timeout` too) and the other settings at their
     /// defaults.
     pub fn new(iterations: u64, engine: EngineConfig) -> Config {
-        let timeout = std::env::var("IRONWEAVE_TIMEOUT_S")
-            .ok()
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map_or(Duration::from_secs(60), Duration::from_secs_f64);
+        // the transport's own reading of the variable (a malformed one is refused by
+        // `Job::from_env`); unset, a minute rather than the transport's default
+        let timeout = match std::env::var_os("IRONWEAVE_TIMEOUT_S") {
+            Some(_) => CommOptions::from_env().map_or(Duration::from_secs(60), |o| o.timeout),
+            None => Duration::from_secs(60),
+        };
         Config {
             engine: EngineConfig { timeout, ..engine },
             iterations,
@@ -493,7 +494,17 @@ impl Job {
                         }
                     }
                     let e = engine.as_mut().expect("set above");
-                    self.run_generation(e, worker, &comm, gen, need_restore, &mut recoveries, &mut last_source)
+                    (|| -> Result<(), BoxError> {
+                        let mut start = 1;
+                        if need_restore {
+                            let rec = restore(e, worker, gen)?;
+                            recoveries += 1;
+                            last_source = Some(rec.source);
+                            start = rec.iter + 1;
+                            worker.on_recovery(&rec, &comm)?;
+                        }
+                        self.iterate(e, worker, &comm, start)
+                    })()
                 }
                 Err(err) => Err(err),
             };
@@ -540,27 +551,9 @@ impl Job {
         })
     }
 
-    /// One generation after its formation: the restore (after a failure), then the
-    /// iterations until the last or the first error.
-    #[allow(clippy::too_many_arguments)]
-    fn run_generation<W: Worker>(
-        &self,
-        e: &mut Engine,
-        worker: &mut W,
-        comm: &Arc<Communicator>,
-        gen: u16,
-        need_restore: bool,
-        recoveries: &mut u64,
-        last_source: &mut Option<RestoreSource>,
-    ) -> Result<(), BoxError> {
-        let mut start = 1;
-        if need_restore {
-            let rec = restore(e, worker, gen)?;
-            *recoveries += 1;
-            *last_source = Some(rec.source);
-            start = rec.iter + 1;
-            worker.on_recovery(&rec, comm)?;
-        }
+    /// The iterations of a generation from `start` (after its restore) until the last or the
+    /// first error.
+    fn iterate<W: Worker>(&self, e: &mut Engine, worker: &mut W, comm: &Arc<Communicator>, start: u64) -> Result<(), BoxError> {
         worker.on_start(start, comm)?;
         let mut last_load: Option<ExpertLoad> = None;
         for it in start..=self.cfg.iterations {

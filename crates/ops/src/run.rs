@@ -295,9 +295,82 @@ pub fn process_footprint() -> (u64, u64) {
 /// Appends a recovery marker to rank 0's per-iteration lines: where the job went back to (0:
 /// the initial state). `ironweave chaos` reads what was committed before it.
 pub fn mark_recovery(dir: &Path, restored: u64) -> Result<()> {
+    append_line(dir, &serde_json::json!({ "recovered": restored }))
+}
+
+/// Appends `line` to the run's `iterations.jsonl` under `dir`.
+fn append_line(dir: &Path, line: &serde_json::Value) -> Result<()> {
     let mut f = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("iterations.jsonl"))?;
-    writeln!(f, "{}", serde_json::json!({ "recovered": restored }))?;
+    writeln!(f, "{line}")?;
     Ok(())
+}
+
+/// Every iteration's line of the run under `dir`, the last line of a re-run iteration winning
+/// (so a restarted rank 0 still reports the whole run); unreadable lines are skipped.
+pub fn read_iterations(dir: &Path) -> std::collections::BTreeMap<u64, serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join("iterations.jsonl")).unwrap_or_default();
+    let mut by_iter = std::collections::BTreeMap::new();
+    for l in text.lines() {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(l) {
+            if let Some(it) = v["iter"].as_u64() {
+                by_iter.insert(it, v);
+            }
+        }
+    }
+    by_iter
+}
+
+/// What a training run's rank 0 shows and records while it runs: its progress bar and its
+/// per-iteration lines in `iterations.jsonl` (the report is built from them), and what it
+/// says of a recovery. Every method is a no-op on the other ranks.
+#[derive(Debug)]
+pub struct RankLog {
+    rank: usize,
+    iters: u64,
+    dir: PathBuf,
+    progress: Option<crate::progress::Progress>,
+}
+
+impl RankLog {
+    /// The log of `rank` of a run of `iters` iterations writing under `dir`.
+    pub fn new(rank: usize, iters: u64, dir: &Path) -> Self {
+        RankLog { rank, iters, dir: dir.to_path_buf(), progress: None }
+    }
+
+    /// A generation starts stepping at `first_iter`: rank 0's progress bar.
+    pub fn start(&mut self, first_iter: u64) {
+        if self.rank == 0 {
+            self.progress =
+                Some(crate::progress::Progress::new("iter", first_iter - 1, self.iters, crate::progress::Mode::detect()));
+        }
+    }
+
+    /// Iteration `iter` ended: rank 0 records `line` and shows `text` beside its progress.
+    pub fn iteration(&self, iter: u64, line: &serde_json::Value, text: &str) -> Result<()> {
+        if self.rank != 0 {
+            return Ok(());
+        }
+        append_line(&self.dir, line)?;
+        if let Some(p) = &self.progress {
+            p.step(iter, text);
+        }
+        Ok(())
+    }
+
+    /// A recovery: rank 0 says it ([`say_recovery`]).
+    pub fn recovered(&self, r: &ironweave::elastic::Recovery) -> Result<()> {
+        if self.rank == 0 {
+            say_recovery(r, &self.dir)?;
+        }
+        Ok(())
+    }
+
+    /// The generation stopped (done or failed): the bar ends.
+    pub fn stop(&mut self) {
+        if let Some(p) = self.progress.take() {
+            p.finish();
+        }
+    }
 }
 
 pub fn load_config(path: &Path) -> Result<(TrainConfig, Corpus)> {

@@ -4,7 +4,6 @@
 //! fractions. The all-rank part runs on one link and the cross-host all-reduce on another
 //! (`--sdp-links full=a,inter=b`; default: the first and the last link of the job).
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -19,8 +18,7 @@ use ironweave_train::sdp::{SdpStep, SdpTrainer};
 use ironweave_train::TrainConfig;
 
 use crate::error::{bail, Context, Result};
-use crate::progress::{Mode, Progress};
-use crate::run::{load_config, SdpReport, TrainArgs};
+use crate::run::{load_config, RankLog, SdpReport, TrainArgs};
 
 /// The per-rank options `train` hands to `sdp-worker`.
 #[derive(Debug, Clone, clap::Args)]
@@ -80,7 +78,7 @@ struct SdpWorker<'a> {
     fail: Option<(Vec<usize>, u64)>,
     links: (String, String),
     tr: Option<SdpTrainer>,
-    progress: Option<Progress>,
+    log: RankLog,
     step: [u8; 8],
     seed: [u8; 8],
     /// This rank's lanes of the last iteration, for the timeline.
@@ -154,7 +152,7 @@ impl Worker for SdpWorker<'_> {
     }
 
     fn on_start(&mut self, first_iter: u64, _comm: &Arc<Communicator>) -> Result<(), BoxError> {
-        self.progress = (self.rank == 0).then(|| Progress::new("iter", first_iter - 1, self.iters, Mode::detect()));
+        self.log.start(first_iter);
         Ok(())
     }
 
@@ -166,34 +164,23 @@ impl Worker for SdpWorker<'_> {
         let lanes: Vec<f64> = (0..3).map(|l| s.lane_busy_s(l)).collect();
         let line = serde_json::json!({"iter": it.iter, "time": dt, "loss": s.loss, "committed": it.committed, "compute": s.compute_s(),
             "wait": s.wait_s(), "busy": s.comm_busy_s(), "lanes": lanes});
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(self.a.report_dir.join("iterations.jsonl"))?;
-        writeln!(f, "{line}")?;
-        if let Some(p) = &self.progress {
-            p.step(
-                it.iter,
-                &format!(
-                    "loss {:.4}  comm {:>6.1} ms busy, compute waited {:>6.1} ms  committed {}",
-                    s.loss,
-                    s.comm_busy_s() * 1e3,
-                    s.wait_s() * 1e3,
-                    it.committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
-                ),
-            );
-        }
+        let text = format!(
+            "loss {:.4}  comm {:>6.1} ms busy, compute waited {:>6.1} ms  committed {}",
+            s.loss,
+            s.comm_busy_s() * 1e3,
+            s.wait_s() * 1e3,
+            it.committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
+        );
+        self.log.iteration(it.iter, &line, &text)?;
         Ok(())
     }
 
     fn on_recovery(&mut self, r: &Recovery, _comm: &Arc<Communicator>) -> Result<(), BoxError> {
-        if self.rank == 0 {
-            crate::run::say_recovery(r, &self.a.report_dir)?;
-        }
-        Ok(())
+        Ok(self.log.recovered(r)?)
     }
 
     fn on_stop(&mut self) {
-        if let Some(p) = self.progress.take() {
-            p.finish();
-        }
+        self.log.stop();
     }
 }
 
@@ -224,7 +211,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         fail,
         links: Default::default(),
         tr: None,
-        progress: None,
+        log: RankLog::new(rank, iters, &a.report_dir),
         step: [0; 8],
         last_spans: Vec::new(),
     };
@@ -258,15 +245,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
             lanes.push((r, serde_json::from_slice(&b).with_context(|| format!("rank {r}'s spans"))?));
         }
         // the whole run from the per-iteration lines (a re-run iteration's last line wins)
-        let text = std::fs::read_to_string(dir.join("iterations.jsonl")).unwrap_or_default();
-        let mut by_iter: std::collections::BTreeMap<u64, serde_json::Value> = Default::default();
-        for l in text.lines() {
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(l) {
-                if let Some(it) = v["iter"].as_u64() {
-                    by_iter.insert(it, v);
-                }
-            }
-        }
+        let by_iter = crate::run::read_iterations(dir);
         for v in by_iter.values() {
             let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
             rep.iter_time_s.push(f("time"));

@@ -17,8 +17,7 @@ use ironweave_train::model::Params;
 use ironweave_train::{StepReport, TrainConfig, Trainer};
 
 use crate::error::{bail, Context, Result};
-use crate::progress::{Mode, Progress};
-use crate::run::{host_fail_to_ranks, load_config, parse_fail, parse_strategy, process_footprint, Report, TrainArgs};
+use crate::run::{host_fail_to_ranks, load_config, parse_fail, parse_strategy, process_footprint, RankLog, Report, TrainArgs};
 
 /// The hidden `train-worker`'s options (set by `ironweave train`).
 #[derive(Debug, Clone, clap::Args)]
@@ -50,14 +49,12 @@ struct MoeWorker {
     cfg: TrainConfig,
     corpus: Corpus,
     rank: usize,
-    iters: u64,
-    dir: PathBuf,
     fail: Option<(Vec<usize>, u64)>,
     /// Rebuilt at each generation (its communicator is new); parameters carry over.
     trainer: Option<Trainer>,
     /// The seed's initial state, to start over from when a failure comes before any commit.
     initial: Option<Params>,
-    progress: Option<Progress>,
+    log: RankLog,
     step: [u8; 8],
     seed: [u8; 8],
 }
@@ -120,7 +117,7 @@ impl Worker for MoeWorker {
     }
 
     fn on_start(&mut self, first_iter: u64, _comm: &Arc<Communicator>) -> Result<(), BoxError> {
-        self.progress = (self.rank == 0).then(|| Progress::new("iter", first_iter - 1, self.iters, Mode::detect()));
+        self.log.start(first_iter);
         Ok(())
     }
 
@@ -135,36 +132,25 @@ impl Worker for MoeWorker {
             "rss": rss, "fds": fds,
             "profiled": ir.profiled, "accuracy": ir.partition_accuracy, "load": s.load.tokens,
             "dp_comm": s.sync.comm_s, "dp_hidden": s.sync.hidden_s, "buckets": s.sync.buckets});
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("iterations.jsonl"))?;
-        writeln!(f, "{line}")?;
-        if let Some(p) = &self.progress {
-            let toks = (self.cfg.train.batch * self.cfg.model.seq * it.comm.size()) as f64;
-            p.step(
-                it.iter,
-                &format!(
-                    "loss {:.4}  {:>6.0} tokens/s  ckpt exposed {:>6.2} ms  committed {}",
-                    s.loss,
-                    toks / dt,
-                    ir.exposed_s * 1e3,
-                    it.committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
-                ),
-            );
-            let _ = std::io::stdout().flush();
-        }
+        let toks = (self.cfg.train.batch * self.cfg.model.seq * it.comm.size()) as f64;
+        let text = format!(
+            "loss {:.4}  {:>6.0} tokens/s  ckpt exposed {:>6.2} ms  committed {}",
+            s.loss,
+            toks / dt,
+            ir.exposed_s * 1e3,
+            it.committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
+        );
+        self.log.iteration(it.iter, &line, &text)?;
+        let _ = std::io::stdout().flush();
         Ok(())
     }
 
     fn on_recovery(&mut self, r: &Recovery, _comm: &Arc<Communicator>) -> Result<(), BoxError> {
-        if self.rank == 0 {
-            crate::run::say_recovery(r, &self.dir)?;
-        }
-        Ok(())
+        Ok(self.log.recovered(r)?)
     }
 
     fn on_stop(&mut self) {
-        if let Some(p) = self.progress.take() {
-            p.finish();
-        }
+        self.log.stop();
     }
 }
 
@@ -192,12 +178,10 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         cfg: cfg.clone(),
         corpus,
         rank,
-        iters,
-        dir: a.report_dir.clone(),
+        log: RankLog::new(rank, iters, &a.report_dir),
         fail,
         trainer: None,
         initial: None,
-        progress: None,
         step: [0; 8],
     };
     let done = crate::run::run_elastic(job, &mut w)?;
@@ -261,15 +245,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
 /// iteration wins, so a restarted rank 0 still reports every iteration), `expert_load.json`,
 /// `trace.json` and `timeline.svg`.
 fn write_rank0_files(rep: &mut Report, cfg: &TrainConfig, report_dir: &Path, iters: u64, tr: &Trainer, e: &Engine) -> Result<()> {
-    let text = std::fs::read_to_string(report_dir.join("iterations.jsonl")).unwrap_or_default();
-    let mut last: std::collections::BTreeMap<u64, serde_json::Value> = std::collections::BTreeMap::new();
-    for l in text.lines() {
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(l) {
-            if let Some(it) = v["iter"].as_u64() {
-                last.insert(it, v);
-            }
-        }
-    }
+    let last = crate::run::read_iterations(report_dir);
     let n = iters as usize;
     rep.iter_time_s = vec![0.0; n];
     rep.loss = vec![0.0; n];

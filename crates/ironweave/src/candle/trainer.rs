@@ -27,9 +27,19 @@ pub(super) struct Param {
 #[derive(Debug)]
 enum Holder {
     /// Host copies of every parameter and both moments.
-    Replicated { w: Vec<Vec<f32>>, m: Vec<Vec<f32>>, v: Vec<Vec<f32>>, comm: Communicator },
+    Replicated { w: Vec<Vec<f32>>, m: Vec<Vec<f32>>, v: Vec<Vec<f32>>, comm: Arc<Communicator> },
     /// Shards in the engine; units of whole parameters in name order.
     Sharded { engine: ShardEngine, comm: Arc<Communicator> },
+}
+
+impl Holder {
+    /// The communicator the holder's collectives run on (data parallel: a `dup` of the job's,
+    /// beside the model's own traffic; sharded: the job's).
+    fn comm(&self) -> &Arc<Communicator> {
+        match self {
+            Holder::Replicated { comm, .. } | Holder::Sharded { comm, .. } => comm,
+        }
+    }
 }
 
 /// Trains one rank's replica or shard of a candle model (see the module documentation).
@@ -174,7 +184,7 @@ impl Trainer {
                 m: params.iter().map(|p| vec![0.0; p.len]).collect(),
                 v: params.iter().map(|p| vec![0.0; p.len]).collect(),
                 // the buckets average on a communicator of their own, beside the model's traffic
-                comm: comm.dup(),
+                comm: Arc::new(comm.dup()),
             },
             Layout::Sharded { strategy, ranks_per_host, fractions, full_link, inter_link } => {
                 let groups = Groups::new(comm, *ranks_per_host, *full_link, *inter_link)?;
@@ -223,10 +233,7 @@ impl Trainer {
         // the digest's low 62 bits, as +h and -h: one max gives both the largest and the smallest
         let d = (h >> 2) as i64;
         let mut v = [d, -d];
-        match &self.holder {
-            Holder::Replicated { comm, .. } => comm.all_reduce(&mut v, ReduceOp::Max)?,
-            Holder::Sharded { comm, .. } => comm.all_reduce(&mut v, ReduceOp::Max)?,
-        }
+        self.holder.comm().all_reduce(&mut v, ReduceOp::Max)?;
         if v[0] != -v[1] {
             return Err(Error::Invalid(
                 "the ranks bucket their gradients differently (a rank that did not learn the model's stages with the others): build or rebind every rank's trainer together".into(),
@@ -244,7 +251,7 @@ impl Trainer {
         self.stage_of = None;
         self.plan_buckets();
         match &mut self.holder {
-            Holder::Replicated { comm: c, .. } => *c = comm.dup(),
+            Holder::Replicated { comm: c, .. } => *c = Arc::new(comm.dup()),
             Holder::Sharded { engine, .. } => {
                 // a fresh engine over the new groups, then this rank's shards moved into it
                 let saved: Vec<(String, Vec<u8>)> =
@@ -349,22 +356,17 @@ impl Trainer {
         self.step_bytes = (self.step as i64).to_le_bytes();
         let adam = self.cfg.adam;
         match &mut self.holder {
-            Holder::Replicated { w, m, v, comm } => {
+            Holder::Replicated { w, m, v, .. } => {
                 for (i, p) in self.params.iter().enumerate() {
                     adam_update(&adam, self.step, true, &mut w[i], &mut m[i], &mut v[i], &grads[i]);
                     p.var.set(&Tensor::from_slice(&w[i], p.shape.as_slice(), &Device::Cpu)?)?;
                 }
-                let mut lv = [l];
-                comm.all_reduce(&mut lv, ReduceOp::Avg)?;
-                Ok(StepStats { loss: lv[0], sync })
             }
-            Holder::Sharded { engine, comm } => {
-                engine.step()?;
-                let mut lv = [l];
-                comm.all_reduce(&mut lv, ReduceOp::Avg)?;
-                Ok(StepStats { loss: lv[0], sync })
-            }
+            Holder::Sharded { engine, .. } => engine.step()?,
         }
+        let mut lv = [l];
+        self.holder.comm().all_reduce(&mut lv, ReduceOp::Avg)?;
+        Ok(StepStats { loss: lv[0], sync })
     }
 
     /// Gathers every sharded unit and writes it into the model's variables (collective).
@@ -475,10 +477,7 @@ impl Trainer {
     /// Collective.
     pub fn start_over(&mut self) -> Result<()> {
         let mut initial = self.initial.clone();
-        let comm = match &self.holder {
-            Holder::Replicated { comm, .. } => Arc::new(comm.dup()),
-            Holder::Sharded { comm, .. } => comm.clone(),
-        };
+        let comm = self.holder.comm().clone();
         broadcast_params(&comm, &self.params, &mut initial)?;
         self.holder = Self::hold(&self.params, &initial, &self.units, &comm, &self.layout, self.cfg)?;
         self.step = 0;
