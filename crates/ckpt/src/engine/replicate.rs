@@ -322,7 +322,6 @@ pub(crate) fn replica_limit(own: u64) -> u64 {
 /// Receives what `src` sends on `comm` (one link); acknowledgements go on `ack`.
 /// `limit`: the most bytes one replica may claim (see [`replica_limit`]). The thread's CPU time
 /// goes to `cpu` after each message.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn receive_replicas(
     comm: &Communicator,
     ack: &Communicator,
@@ -347,71 +346,69 @@ pub(crate) fn receive_replicas(
 
 /// One message of a replica stream from `src`: a Begin, a chunk landed in its buffer, an End.
 fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared>, msg: &[u8]) -> Result<()> {
-    {
-        match ReplicaMsg::decode(src, msg, limit)? {
-            ReplicaMsg::Begin(man) => {
-                let total = man.registry.total as usize;
+    match ReplicaMsg::decode(src, msg, limit)? {
+        ReplicaMsg::Begin(man) => {
+            let total = man.registry.total as usize;
+            let mut sh = lock(shared);
+            let reps = sh.store.entry(src).or_default();
+            // the same Begin arrives once per link
+            if reps.iter().any(|r| r.manifest.iter == man.iter) {
+                return Ok(());
+            }
+            // keep the two newest complete replicas and those still arriving over a slower
+            // link (an older one's last chunks may follow a newer Begin); reuse the oldest
+            // complete buffer
+            reps.retain(|r| r.verified || !r.done);
+            // at most one older replica still arriving (a sender that died leaves one behind)
+            while reps.iter().filter(|r| !r.done).count() >= 2 {
+                let k = reps.iter().position(|r| !r.done).expect("counted");
+                reps.remove(k);
+            }
+            let complete = reps.iter().filter(|r| r.verified).count();
+            let mut data = match reps.iter().position(|r| r.verified) {
+                Some(k) if complete >= 2 => reps.remove(k).data,
+                _ => Vec::new(),
+            };
+            data.resize(total, 0);
+            reps.push(Replica { manifest: man, data, received: 0, ended: false, done: false, verified: false });
+        }
+        ReplicaMsg::Chunk { iter, offset: off, bytes } => {
+            {
                 let mut sh = lock(shared);
-                let reps = sh.store.entry(src).or_default();
-                // the same Begin arrives once per link
-                if reps.iter().any(|r| r.manifest.iter == man.iter) {
-                    return Ok(());
-                }
-                // keep the two newest complete replicas and those still arriving over a slower
-                // link (an older one's last chunks may follow a newer Begin); reuse the oldest
-                // complete buffer
-                reps.retain(|r| r.verified || !r.done);
-                // at most one older replica still arriving (a sender that died leaves one behind)
-                while reps.iter().filter(|r| !r.done).count() >= 2 {
-                    let k = reps.iter().position(|r| !r.done).expect("counted");
-                    reps.remove(k);
-                }
-                let complete = reps.iter().filter(|r| r.verified).count();
-                let mut data = match reps.iter().position(|r| r.verified) {
-                    Some(k) if complete >= 2 => reps.remove(k).data,
-                    _ => Vec::new(),
+                let r = sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter && !r.done));
+                let Some(r) = r else {
+                    return Err(CkptError::Corrupt {
+                        what: format!("chunk from rank {src}"),
+                        detail: format!("iteration {iter} was not begun"),
+                    });
                 };
-                data.resize(total, 0);
-                reps.push(Replica { manifest: man, data, received: 0, ended: false, done: false, verified: false });
+                let Some(at) = chunk_range(off, bytes.len(), r.data.len()) else {
+                    return Err(CkptError::Corrupt {
+                        what: format!("chunk from rank {src}"),
+                        detail: format!("{} bytes at {off} reach beyond {}", bytes.len(), r.data.len()),
+                    });
+                };
+                r.data[at].copy_from_slice(bytes);
+                r.received += bytes.len() as u64;
             }
-            ReplicaMsg::Chunk { iter, offset: off, bytes } => {
-                {
-                    let mut sh = lock(shared);
-                    let r = sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter && !r.done));
-                    let Some(r) = r else {
-                        return Err(CkptError::Corrupt {
-                            what: format!("chunk from rank {src}"),
-                            detail: format!("iteration {iter} was not begun"),
-                        });
-                    };
-                    let Some(at) = chunk_range(off, bytes.len(), r.data.len()) else {
-                        return Err(CkptError::Corrupt {
-                            what: format!("chunk from rank {src}"),
-                            detail: format!("{} bytes at {off} reach beyond {}", bytes.len(), r.data.len()),
-                        });
-                    };
-                    r.data[at].copy_from_slice(bytes);
-                    r.received += bytes.len() as u64;
-                }
-                finish_if_complete(ack, src, iter, shared)?;
-            }
-            ReplicaMsg::End { iter } => {
-                let known = {
-                    let mut sh = lock(shared);
-                    match sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter)) {
-                        Some(r) => {
-                            r.ended = true;
-                            true
-                        }
-                        None => false,
+            finish_if_complete(ack, src, iter, shared)?;
+        }
+        ReplicaMsg::End { iter } => {
+            let known = {
+                let mut sh = lock(shared);
+                match sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter)) {
+                    Some(r) => {
+                        r.ended = true;
+                        true
                     }
-                };
-                if known {
-                    finish_if_complete(ack, src, iter, shared)?;
-                } else {
-                    // an End for nothing begun: say so, the sender's commit must not wait
-                    ack.send_bytes(src, TAG_ACK, &Ack { iter, verified: false }.encode())?;
+                    None => false,
                 }
+            };
+            if known {
+                finish_if_complete(ack, src, iter, shared)?;
+            } else {
+                // an End for nothing begun: say so, the sender's commit must not wait
+                ack.send_bytes(src, TAG_ACK, &Ack { iter, verified: false }.encode())?;
             }
         }
     }
