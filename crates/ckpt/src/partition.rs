@@ -122,9 +122,69 @@ pub fn partition_accuracy(training: &[(u32, u64, u64)], spans: &[ChunkSpan], rel
     Some(inside.min(released) as f64 / released as f64)
 }
 
+/// A replica chunk as its holder received it: when its last byte arrived (the holder's
+/// profiler clock), its size, and the link (profiler index) it came over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Arrival {
+    /// Link (profiler index).
+    pub link: u32,
+    /// Last byte in, profiler nanoseconds.
+    pub end_ns: u64,
+    /// Payload bytes.
+    pub len: u64,
+}
+
+/// Wire accuracy at a holder: of the chunks that arrived (`arrivals`), how many were on the
+/// wire entirely inside an idle window of the holder's link — their wire time, the
+/// `len / bytes_per_s` before the last byte arrived, overlaps none of the holder's own training
+/// communications on that link (`training`: link, start, end) and lies within the iteration
+/// `[start_ns, end_ns]`. A chunk that arrived outside the iteration (a leftover sent after it)
+/// counts as outside. Returns (inside, arrived).
+pub fn wire_accuracy(
+    training: &[(u32, u64, u64)],
+    arrivals: &[Arrival],
+    bytes_per_s: impl Fn(u32) -> f64,
+    start_ns: u64,
+    end_ns: u64,
+) -> (u64, u64) {
+    let inside = arrivals
+        .iter()
+        .filter(|a| {
+            let rate = bytes_per_s(a.link);
+            let wire_ns = if rate > 0.0 { (a.len as f64 / rate * 1e9) as u64 } else { 0 };
+            let from = a.end_ns.saturating_sub(wire_ns);
+            a.end_ns >= start_ns.saturating_add(wire_ns)
+                && a.end_ns <= end_ns
+                && !training.iter().any(|&(l, x, y)| l == a.link && x < a.end_ns && from < y)
+        })
+        .count() as u64;
+    (inside, arrivals.len() as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wire_accuracy_judges_a_chunk_by_its_time_on_the_wire_at_the_holder() {
+        // 1 byte/ns: a chunk of 5 bytes was on the wire for the 5 ns before it arrived.
+        // The holder's training on link 0 at [10,20) and [30,40); the iteration is [0,50].
+        let training = [(0, 10, 20), (0, 30, 40)];
+        let a = |end_ns, len| Arrival { link: 0, end_ns, len };
+        let rate = |_| 1e9;
+        // arrived at 27 after 5 ns: [22,27] is idle
+        assert_eq!(wire_accuracy(&training, &[a(27, 5)], rate, 0, 50), (1, 1));
+        // arrived at 24 after 5 ns: [19,24] touches training that ended at 20
+        assert_eq!(wire_accuracy(&training, &[a(24, 5)], rate, 0, 50), (0, 1));
+        // the send call returned early, but the bytes were on the wire during training: a
+        // chunk of 15 bytes arriving at 29 left at 14
+        assert_eq!(wire_accuracy(&training, &[a(29, 15)], rate, 0, 50), (0, 1));
+        // after the iteration (a leftover), or before it: outside
+        assert_eq!(wire_accuracy(&training, &[a(55, 2), a(2, 5)], rate, 0, 50), (0, 2));
+        // another link's chunk does not collide with link 0's training
+        let other = Arrival { link: 1, ..a(24, 5) };
+        assert_eq!(wire_accuracy(&training, &[other], rate, 0, 50), (1, 1));
+    }
 
     fn span(start_ns: u64, end_ns: u64, leftover: bool) -> ChunkSpan {
         ChunkSpan { snapshot: 7, leftover, link: 0, start_ns, end_ns }

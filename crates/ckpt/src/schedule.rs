@@ -94,6 +94,14 @@ pub fn gemini(total: u64, spans: &[Window], bytes_per_s: f64, chunk: u64, fill: 
         .collect()
 }
 
+/// `plan` for the bytes from `offset` on (a plan made for one part of a snapshot).
+pub fn shifted(mut plan: Vec<Scheduled>, offset: u64) -> Vec<Scheduled> {
+    for s in &mut plan {
+        s.chunk.offset += offset;
+    }
+    plan
+}
+
 /// Hands out chunks in order as their triggers fire (a chunk never overtakes an earlier one).
 #[derive(Debug, Clone, Default)]
 pub struct Releaser {

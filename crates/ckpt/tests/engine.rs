@@ -245,3 +245,113 @@ fn the_replica_path_counts_its_cpu_per_byte() {
         assert!(recv > 0, "rank {rank}: the receivers' CPU was not counted");
     }
 }
+
+#[test]
+fn a_snapshot_spread_over_iterations_sends_a_part_per_iteration_and_restores_whole() {
+    // one snapshot every 4 iterations, a quarter of it per iteration: a restarted rank gets the
+    // newest snapshot whose every part arrived, bit-identical, never a mix of iterations
+    let c = EngineConfig { spread_iters: 4, ..cfg() };
+    let total = registry().total;
+    let out = run(2, c, move |rank, e| {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut per_iter = Vec::new();
+        let mut committed = Vec::new();
+        let mut expect = 0;
+        for it in 1..=10 {
+            let before = e.counters().replica_bytes.load(Relaxed);
+            e.begin_iteration(it, None);
+            e.end_iteration();
+            if it > 1 {
+                let (a, z) = ironweave_ckpt::engine::part_range(total, 4, (it - 2) % 4);
+                expect += z - a;
+            }
+            // the sender threads count what they sent: wait (bounded) for at least the part due
+            let t0 = std::time::Instant::now();
+            while e.counters().replica_bytes.load(Relaxed) < expect && t0.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            per_iter.push(e.counters().replica_bytes.load(Relaxed) - before);
+            e.checkpoint(it, &refs(&state(rank, it))).unwrap();
+            committed.push(e.commit(false).unwrap());
+        }
+        // snapshot 5's last part went in iteration 9: wait (collectively, bounded) for its
+        // acknowledgement; the part of snapshot 9 in flight is never waited for
+        let t0 = std::time::Instant::now();
+        while e.commit(false).unwrap() != Some(5) && t0.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if rank == 1 {
+            e.forget_memory_for_test();
+        }
+        let r = e.restore_latest().unwrap();
+        (per_iter, committed, r.iter, r.source, r.snapshot.data.clone())
+    });
+    for (rank, (per_iter, committed, iter, source, data)) in out.into_iter().enumerate() {
+        // snapshots of 1, 5, 9; iteration k+1..k+4 each carry a quarter of snapshot k
+        assert_eq!(per_iter[0], 0, "rank {rank}: nothing to send in iteration 1");
+        for (i, &b) in per_iter.iter().enumerate().skip(1) {
+            let (a, z) = ironweave_ckpt::engine::part_range(total, 4, (i as u64 - 1) % 4);
+            assert_eq!(b, z - a, "rank {rank}: iteration {} sent {b} bytes", i + 1);
+        }
+        // commit only ever names a snapshot iteration, and 5 once its last part was acknowledged
+        assert!(committed.iter().flatten().all(|i| [1, 5].contains(i)), "rank {rank}: {committed:?}");
+        assert_eq!(iter, 5, "rank {rank}: the newest snapshot every part of which arrived");
+        assert_eq!(data, state(rank, 5).concat(), "rank {rank}");
+        assert_eq!(source, if rank == 1 { Source::Peer(0) } else { Source::Local });
+    }
+}
+
+#[test]
+fn parts_cover_the_snapshot_exactly() {
+    use ironweave_ckpt::engine::part_range;
+    for total in [0u64, 1, 7, 1000, 1 << 40] {
+        for parts in 1..=9 {
+            let mut at = 0;
+            for k in 0..parts {
+                let (a, z) = part_range(total, parts, k);
+                assert_eq!(a, at);
+                assert!(z >= a && z - a <= total / parts + 1);
+                at = z;
+            }
+            assert_eq!(at, total);
+        }
+    }
+}
+
+#[test]
+fn the_holder_judges_each_chunk_by_its_wire_time_against_its_own_training() {
+    // Every iteration: a training communication of 30 ms on link 0, then 30 ms idle. Capricorn
+    // releases the chunks when the communication ends, so they travel in the idle part. When
+    // the holder (rank 1) keeps its own training communication open the whole iteration, the
+    // same chunks reach it while its link is busy: its wire accuracy must fall to 0.
+    fn run_with(holder_busy: bool) -> (u64, u64) {
+        let out = run(2, cfg(), move |rank, e| {
+            use std::sync::atomic::Ordering::Relaxed;
+            for it in 1..=6 {
+                e.begin_iteration(it, None);
+                let prof = e.profiler().clone();
+                if rank == 1 && holder_busy {
+                    let _c = prof.comm(0, ironweave_profile::CommKind::Training, 1);
+                    std::thread::sleep(Duration::from_millis(60));
+                } else {
+                    {
+                        let _c = prof.comm(0, ironweave_profile::CommKind::Training, 1);
+                        std::thread::sleep(Duration::from_millis(30));
+                    }
+                    std::thread::sleep(Duration::from_millis(30));
+                }
+                e.end_iteration();
+                e.checkpoint(it, &refs(&state(rank, it))).unwrap();
+                e.commit(false).unwrap();
+            }
+            let c = e.counters();
+            (c.wire_chunks_in_window.load(Relaxed), c.wire_chunks.load(Relaxed))
+        });
+        out[1]
+    }
+    let (inside, n) = run_with(false);
+    assert!(n > 0 && inside > 0, "chunks released after the communication arrive in the idle window: {inside} of {n}");
+    let (inside, n) = run_with(true);
+    assert!(n > 0, "rank 1 received chunks");
+    assert_eq!(inside, 0, "rank 1's link was busy with its own training the whole time: {inside} of {n} judged idle");
+}

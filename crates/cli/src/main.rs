@@ -281,8 +281,9 @@ enum BenchCmd {
         /// Training configuration.
         #[arg(long, default_value = "configs/moe-wide.toml")]
         config: std::path::PathBuf,
-        /// Strategies to compare (`all`: none, blocking, async, gemini, capricorn, and
-        /// capricorn-multilink when the topology has several links; `gemini-sweep`: Gemini's
+        /// Strategies to compare (`all`: none, blocking, async, gemini, capricorn,
+        /// capricorn-always, capricorn-sparse, and capricorn-multilink when the topology has
+        /// several links; `gemini-sweep`: Gemini's
         /// span fill 0.7-1.0 and chunk sizes, `gemini-fill0.8-chunk1M` one of them).
         #[arg(long, value_delimiter = ',', default_value = "all")]
         strategies: Vec<String>,

@@ -1,7 +1,9 @@
 //! `ironweave bench sdp` on the emulated 2-host, 2-link cluster (root and iproute2; skipped
 //! visibly otherwise): one invocation probes the links, runs replicated, FULL_SHARD on each
-//! link, HYBRID_SHARD and HSDP with the planner's plan, and writes every row with the counters
-//! that show the mechanism — the link each row's traffic took, by the kernel's own counters.
+//! link and striped over both, HYBRID_SHARD with its cross-host all-reduce on each link and
+//! HSDP with the planner's plan, and writes every row with the counters that show the
+//! mechanism — the link each row's traffic took, by the kernel's own counters, and the
+//! communication threads' CPU per byte.
 
 mod common;
 
@@ -27,14 +29,18 @@ fn bench_sdp_rows_carry_their_links_and_predictions() {
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rows = v["rows"].as_array().unwrap();
     let names: Vec<&str> = rows.iter().map(|r| r["strategy"].as_str().unwrap()).collect();
-    assert_eq!(names, ["replicated", "full (a)", "full (b)", "hybrid", "hsdp"]);
+    assert_eq!(names, ["replicated", "full (a)", "full (b)", "full (striped a+b)", "hybrid", "hybrid (a)", "hsdp"]);
     let row = |n: &str| rows.iter().find(|r| r["strategy"] == n).unwrap();
     let link = |n: &str, l: &str| row(n)["link_bytes"][l].as_f64().unwrap();
     // each full row's traffic took the link it names (the other carries the loss average only)
     assert!(link("full (a)", "a") > 1e6 && link("full (a)", "b") < 1e5, "{text}");
     assert!(link("full (b)", "b") > 1e6 && link("full (b)", "a") < 1e5, "{text}");
-    // hybrid crosses hosts only with its shard all-reduce, on b; hsdp drives both links
+    // striped FULL_SHARD drives both links
+    assert!(link("full (striped a+b)", "a") > 1e6 && link("full (striped a+b)", "b") > 1e6, "{text}");
+    // hybrid crosses hosts only with its shard all-reduce, on b (on a for `hybrid (a)`); hsdp
+    // drives both links
     assert!(link("hybrid", "b") > 1e6 && link("hybrid", "a") < 1e5, "{text}");
+    assert!(link("hybrid (a)", "a") > 1e6 && link("hybrid (a)", "b") < 1e5, "{text}");
     assert!(link("hsdp", "a") > 1e6 && link("hsdp", "b") > 1e6, "{text}");
     // a quarter of the state under full, half under hybrid, in between under hsdp
     let state = |n: &str| row(n)["state_bytes_per_rank"].as_f64().unwrap();
@@ -50,6 +56,11 @@ fn bench_sdp_rows_carry_their_links_and_predictions() {
         let (l, l0) = (r["final_loss"].as_f64().unwrap(), rows[0]["final_loss"].as_f64().unwrap());
         assert!((l - l0).abs() <= 1e-4 * l0.abs(), "{}: final loss {l} vs replicated {l0}", r["strategy"]);
         assert!(r["link_utilization"].as_f64().unwrap() > 0.0);
+        // the communication threads' CPU per inter-host byte was measured (a byte costs at
+        // least a copy; under a microsecond on any machine this runs on)
+        let cpu = r["cpu_ns_per_byte"].as_f64().unwrap_or(0.0);
+        assert!(cpu > 0.01 && cpu < 1000.0, "{}: cpu_ns_per_byte {cpu}", r["strategy"]);
+        assert!(r["speedup_vs_best_baseline"].as_f64().unwrap() > 0.0);
     }
     assert!(base.join("runs/plan.json").exists() && base.join("runs/probe.json").exists());
     assert!(base.join("runs/hsdp/timeline.svg").exists() && base.join("runs/hsdp/trace.json").exists());

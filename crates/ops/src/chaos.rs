@@ -102,6 +102,10 @@ pub struct RunResult {
     pub recoveries: u64,
     /// The iteration restored (0: started over from the initial state), if any.
     pub restored_iter: Option<u64>,
+    /// Iterations trained again after the first recovery: the last one rank 0 logged before
+    /// it minus the one restored (`capricorn-sparse` restores an older snapshot and replays).
+    #[serde(default)]
+    pub replayed_iterations: u64,
     /// Wall time of the run.
     pub wall_s: f64,
     /// The fault happened (a rank was killed, or the persistent tier refused a write).
@@ -145,6 +149,20 @@ struct Bed<'a> {
     topology: Option<&'a ironweave_tcp::topology::Topology>,
     link_down_s: f64,
     long_outage_deadline_s: f64,
+    /// Iterations one snapshot spans (`capricorn-sparse[K]`: K; else 1): snapshots are taken
+    /// at iterations 1, 1 + K, 1 + 2K, ... until a recovery.
+    spread: u64,
+}
+
+impl Bed<'_> {
+    /// The snapshot iteration whose replication, commit or persistent write covers `iter`:
+    /// the newest snapshot at or before it, or for a persistent write (`at_or_after`) the
+    /// first snapshot at or after it.
+    fn snapshot_of(&self, iter: u64, at_or_after: bool) -> u64 {
+        let k = self.spread.max(1);
+        let m = iter.saturating_sub(1);
+        1 + k * if at_or_after { m.div_ceil(k) } else { m / k }
+    }
 }
 
 fn draw(kind: &str, rng: &mut Rng, bed: &Bed<'_>) -> Fault {
@@ -156,6 +174,12 @@ fn draw(kind: &str, rng: &mut Rng, bed: &Bed<'_>) -> Fault {
         persist_every * (1 + rng.below(((iters - 1) / persist_every.max(1)).max(1)))
     } else {
         2 + rng.below(iters.saturating_sub(2).max(1))
+    };
+    // the engine's points fire at snapshot iterations (every one unless capricorn-sparse)
+    let iter = match kind {
+        "persist" => bed.snapshot_of(iter, true),
+        "replica" | "commit" => bed.snapshot_of(iter, false),
+        _ => iter,
     };
     let none = Fault { text: String::new(), fail: None, env: None, full_disk_kib: None, link_down: None, deadline_s: None };
     match kind {
@@ -408,6 +432,20 @@ fn committed_before_fault(dir: &Path) -> Option<u64> {
     best
 }
 
+/// The last iteration rank 0 logged before the first recovery.
+fn logged_before_fault(dir: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(dir.join("iterations.jsonl")).ok()?;
+    let mut last = None;
+    for l in text.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(l) else { continue };
+        if v.get("recovered").is_some() {
+            break;
+        }
+        last = v["iter"].as_u64().or(last);
+    }
+    last
+}
+
 /// The iteration every rank restored (0: started over), from the run's output.
 fn restored_iter(stdout: &str) -> Option<u64> {
     for l in stdout.lines() {
@@ -489,6 +527,7 @@ fn campaign(a: &ChaosArgs, kinds: &[String], topo: Option<&ironweave_tcp::topolo
         topology: topo,
         link_down_s: a.link_down_s,
         long_outage_deadline_s: a.long_outage_deadline_s,
+        spread: choice.spread,
     };
     let mut rng = Rng(a.seed);
     let mut results = Vec::with_capacity(a.runs);
@@ -501,6 +540,10 @@ fn campaign(a: &ChaosArgs, kinds: &[String], topo: Option<&ironweave_tcp::topolo
         let rep = report_of(&dir).filter(|_| finished);
         let restored = restored_iter(&o.stdout);
         let before = committed_before_fault(&dir);
+        let replayed = match (logged_before_fault(&dir), restored) {
+            (Some(l), Some(r)) => l.saturating_sub(r),
+            _ => 0,
+        };
         let lost = match (before, restored) {
             (Some(b), Some(r)) if r < b => b - r,
             _ => 0,
@@ -531,6 +574,7 @@ fn campaign(a: &ChaosArgs, kinds: &[String], topo: Option<&ironweave_tcp::topolo
             error,
             recoveries: rep.as_ref().map_or(0, |(_, n)| *n),
             restored_iter: restored,
+            replayed_iterations: replayed,
             wall_s: o.wall_s,
             fault_fired: o.stderr.contains("with SIGKILL")
                 || o.stderr.contains("persistent tier failed")
@@ -574,8 +618,8 @@ fn print_summary(a: &ChaosArgs, clean_s: f64, rs: &[RunResult]) {
         );
     }
     // by kind: the table docs/RELIABILITY.md carries
-    println!("\n| fault kind | runs | fired | finished | final state = clean | committed iterations lost | recovered without a restart | hangs | median cost (s) |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("\n| fault kind | runs | fired | finished | final state = clean | committed iterations lost | iterations replayed (mean) | recovered without a restart | hangs | median cost (s) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut kinds: Vec<&str> = rs.iter().map(|r| r.kind.as_str()).collect();
     kinds.sort();
     kinds.dedup();
@@ -585,12 +629,13 @@ fn print_summary(a: &ChaosArgs, clean_s: f64, rs: &[RunResult]) {
         let mut cost: Vec<f64> = of.iter().filter(|r| r.finished).map(|r| r.recovery_s).collect();
         cost.sort_by(f64::total_cmp);
         println!(
-            "| {k} | {} | {} | {} | {} | {} | {} | {} | {:.1} |",
+            "| {k} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {:.1} |",
             of.len(),
             count(&|r| r.fault_fired),
             count(&|r| r.finished),
             count(&|r| r.finished && r.final_state_matches),
             of.iter().map(|r| r.lost_committed_iterations).sum::<u64>(),
+            of.iter().map(|r| r.replayed_iterations).sum::<u64>() as f64 / of.len().max(1) as f64,
             count(&|r| r.finished && r.recoveries == 0),
             count(&|r| r.hang),
             cost.get(cost.len() / 2).copied().unwrap_or(0.0)

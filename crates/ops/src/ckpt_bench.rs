@@ -77,7 +77,15 @@ pub struct Row {
     /// ns (None: nothing replicated). Paid on the cores that train.
     #[serde(default)]
     pub ckpt_cpu_ns_per_byte: Option<f64>,
+    /// Replica bytes per iteration per rank (the engine's count over the run, every holder
+    /// counted): what `capricorn-sparse` cuts.
+    #[serde(default)]
+    pub ckpt_bytes_per_iter: f64,
     pub partition_accuracy: Option<f64>,
+    /// Every holder's view: the share of received chunks whose wire time fell inside an idle
+    /// window of its own link (pooled over the rounds).
+    #[serde(default)]
+    pub wire_accuracy: Option<f64>,
     pub profiling_activations: u64,
     pub iterations: u64,
     pub state_bytes_per_rank: u64,
@@ -93,6 +101,8 @@ pub fn expand(strategies: &[String], links: usize) -> Result<Vec<String>> {
             out.extend(FIVE.iter().map(|x| x.to_string()));
             // the reference speculative activation is measured against
             out.push("capricorn-always".into());
+            // fewer bytes: a snapshot every 4 iterations, a quarter per iteration
+            out.push("capricorn-sparse".into());
             if links > 1 {
                 out.push("capricorn-multilink".into());
             }
@@ -277,9 +287,16 @@ fn run_all(
                         reps.iter().fold((0u64, 0u64), |(c, b), (r, _)| (c + r.ckpt_cpu_ns, b + r.ckpt_bytes_replicated));
                     (bytes > 0).then(|| cpu as f64 / bytes as f64)
                 },
+                ckpt_bytes_per_iter: r.ckpt_bytes_replicated as f64 / (r.iterations.max(1) * r.ranks.max(1) as u64) as f64,
                 partition_accuracy: {
                     let a: Vec<f64> = reps.iter().filter_map(|(r, _)| r.partition_accuracy).collect();
                     (!a.is_empty()).then(|| a.iter().sum::<f64>() / a.len() as f64)
+                },
+                wire_accuracy: {
+                    let (inside, n) = reps.iter().fold((0.0, 0u64), |(i, n), (r, _)| {
+                        (i + r.wire_accuracy.unwrap_or(0.0) * r.wire_chunks as f64, n + r.wire_chunks)
+                    });
+                    (n > 0).then(|| inside / n as f64)
                 },
                 profiling_activations: r.profiling_activations,
                 iterations: r.iterations,
@@ -315,23 +332,26 @@ fn mb(b: u64) -> String {
 /// The Markdown table of the rows (pasteable into docs/BENCHMARKS.md).
 pub fn table(rows: &[Row], storage_note: &str) -> String {
     let mut md = String::from(
-        "| strategy | median iteration | overhead vs none | capricorn's speedup over it | exposed checkpoint | replica CPU per byte | ckpt bytes on inter-host links | sent to other hosts (engine) | written to storage (emulated remote) | partition accuracy | profiling activations | committed |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| strategy | median iteration | overhead vs none | capricorn's speedup over it | exposed checkpoint | replicated per iteration and rank | replica CPU per byte | ckpt bytes on inter-host links | sent to other hosts (engine) | written to storage (emulated remote) | partition accuracy (sent, rank 0) | on the wire (every holder) | profiling activations | committed |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let cap = rows.iter().find(|r| r.strategy == "capricorn").map(|r| r.iter_time_s);
     for r in rows {
         md.push_str(&format!(
-            "| {} | {:.1} ms | {} | {} | {:.1} ms | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {:.1} ms | {} | {} | {:.1} ms | {} | {} | {} | {} | {} | {} | {} | {}/{} | {} |\n",
             r.strategy,
             r.iter_time_s * 1e3,
             r.overhead_vs_none.map(|o| format!("{:+.1}%", o * 100.0)).unwrap_or_else(|| "-".into()),
             cap.map(|c| format!("{:.2}x", r.iter_time_s / c)).unwrap_or_else(|| "-".into()),
             r.exposed_ckpt_s * 1e3,
+            if r.ckpt_bytes_per_iter > 0.0 { mb(r.ckpt_bytes_per_iter.round() as u64) } else { "-".into() },
             r.ckpt_cpu_ns_per_byte.map(|c| format!("{c:.2} ns")).unwrap_or_else(|| "-".into()),
             r.ckpt_bytes_inter_host.map(mb).unwrap_or_else(|| "-".into()),
             mb(r.ckpt_bytes_inter_host_sent),
             mb(r.ckpt_bytes_storage),
             r.partition_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into()),
+            r.wire_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into()),
             r.profiling_activations,
+            r.iterations,
             r.last_committed_iter.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
         ));
     }
@@ -368,6 +388,7 @@ mod tests {
         assert_eq!(expand(&v(&["capricorn", "none"]), 1).unwrap(), v(&["none", "capricorn"]));
         let mut five_and_always = v(&FIVE);
         five_and_always.push("capricorn-always".into());
+        five_and_always.push("capricorn-sparse".into());
         assert_eq!(expand(&v(&["all"]), 1).unwrap(), five_and_always);
         assert_eq!(expand(&v(&["all"]), 2).unwrap().last().unwrap(), "capricorn-multilink");
         assert!(expand(&v(&["capricorn-multilink"]), 1).unwrap_err().to_string().contains("two or more links"));

@@ -64,7 +64,9 @@ pub struct TrainArgs {
     /// Number of ranks (processes).
     #[arg(long, default_value_t = 4)]
     pub ranks: usize,
-    /// Checkpoint strategy: none, blocking, async, gemini, capricorn.
+    /// Checkpoint strategy: none, blocking, async, gemini, capricorn; or capricorn-sparse[K]
+    /// (a snapshot every K iterations, 1/K of it replicated per iteration, K=4 by default),
+    /// capricorn-multilink, capricorn-always, async-sustained, gemini-fillF-chunkSIZE.
     #[arg(long, default_value = "capricorn")]
     pub ckpt: String,
     /// Backend.
@@ -134,7 +136,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub sdp_plan: Option<PathBuf>,
     /// Links of the all-rank part and of the cross-host all-reduce: full=LINK,inter=LINK
-    /// (default: the job's first and last link).
+    /// (default: the job's first and last link); full=a+b stripes the all-rank part over
+    /// every link.
     #[arg(long)]
     pub sdp_links: Option<String>,
     /// Bandwidth of the persistent tier per host, as `tc` writes rates (`200mbit`, `1gbit`):
@@ -186,7 +189,17 @@ pub struct Report {
     pub iter_time_s: Vec<f64>,
     pub loss: Vec<f32>,
     pub ckpt_exposed_s: Vec<f64>,
+    /// Rank 0's chunk transfers as its sender threads timed them (`send` calls: bytes into
+    /// the socket buffer), mean over the iterations.
     pub partition_accuracy: Option<f64>,
+    /// Every rank as a holder: the share of the replica chunks it received whose time on the
+    /// wire (the `len / rate` before the last byte arrived) fell inside an idle window of its
+    /// own link, over the run (`ironweave_ckpt::partition::wire_accuracy`).
+    #[serde(default)]
+    pub wire_accuracy: Option<f64>,
+    /// Replica chunks the holders received and judged, all ranks.
+    #[serde(default)]
+    pub wire_chunks: u64,
     pub profiling_activations: u64,
     pub last_committed_iter: Option<u64>,
     pub recoveries: u64,
@@ -406,10 +419,17 @@ pub struct CkptChoice {
     /// `async-sustained`: Async skipping the iterations whose checkpoint would wait for the
     /// previous write (the interval its storage sustains).
     pub async_skip: bool,
+    /// `capricorn-sparse[K]`: one snapshot every K iterations, a 1/K part replicated per
+    /// iteration (`EngineConfig::spread_iters`; 1: every iteration, whole).
+    pub spread: u64,
 }
 
 /// Names beyond the engine's five.
-pub const VARIANTS: [&str; 4] = ["capricorn-multilink", "capricorn-always", "async-sustained", "gemini-fillF-chunkSIZE"];
+pub const VARIANTS: [&str; 5] =
+    ["capricorn-multilink", "capricorn-always", "capricorn-sparse[K]", "async-sustained", "gemini-fillF-chunkSIZE"];
+
+/// Iterations `capricorn-sparse` spreads a snapshot over when no K is given.
+pub const SPARSE_DEFAULT: u64 = 4;
 
 pub fn parse_strategy(s: &str) -> Result<CkptChoice> {
     let plain = |strategy| CkptChoice {
@@ -419,9 +439,21 @@ pub fn parse_strategy(s: &str) -> Result<CkptChoice> {
         gemini_fill: None,
         gemini_chunk: None,
         async_skip: false,
+        spread: 1,
     };
     Ok(match s {
         "capricorn-multilink" => CkptChoice { multilink: true, ..plain(Strategy::Capricorn) },
+        _ if s.starts_with("capricorn-sparse") => {
+            let k = &s["capricorn-sparse".len()..];
+            let spread = if k.is_empty() {
+                SPARSE_DEFAULT
+            } else {
+                k.parse::<u64>().ok().filter(|&k| (2..=1000).contains(&k)).ok_or_else(|| {
+                    err!("--ckpt {s}: the part count K of capricorn-sparseK must be a whole number from 2 to 1000 (capricorn-sparse: {SPARSE_DEFAULT})")
+                })?
+            };
+            CkptChoice { spread, ..plain(Strategy::Capricorn) }
+        }
         "capricorn-always" => CkptChoice { always_profile: true, ..plain(Strategy::Capricorn) },
         "async-sustained" => CkptChoice { async_skip: true, ..plain(Strategy::Async) },
         _ if s.starts_with("gemini-") => {
@@ -584,6 +616,11 @@ pub struct SdpReport {
     /// SHA-256 over every rank's state digest (its shards and step), in rank order.
     #[serde(default)]
     pub final_state_sha256: String,
+    /// CPU the ranks' communication threads used over the run, all ranks, ns
+    /// (`ironweave_transport::threads::comm_cpu_ns`: collective threads, TCP readers and
+    /// senders, striped lanes): on this bed every byte's CPU is paid on the training cores.
+    #[serde(default)]
+    pub comm_cpu_ns: u64,
 }
 
 /// Median of `v` after `skip` warm-up entries (of all when too short).
@@ -619,6 +656,7 @@ impl CkptChoice {
             gemini_fill: self.gemini_fill.unwrap_or(1.0),
             gemini_chunk_bytes: self.gemini_chunk.unwrap_or(0),
             async_skip_busy: self.async_skip,
+            spread_iters: self.spread,
             ..EngineConfig::default()
         }
     }
@@ -707,6 +745,18 @@ mod tests {
         assert_eq!(parse_strategy("gemini").unwrap().engine_config(Path::new("/tmp"), 1).gemini_fill, 1.0);
         for bad in ["gemini-fill0", "gemini-fill1.5", "gemini-chunk0", "gemini-speed9", "gemini-fillx"] {
             assert!(parse_strategy(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn sparse_capricorn_names_its_part_count() {
+        let e = |s: &str| parse_strategy(s).unwrap().engine_config(Path::new("/tmp"), 10);
+        assert_eq!((e("capricorn-sparse").strategy, e("capricorn-sparse").spread_iters), (Strategy::Capricorn, SPARSE_DEFAULT));
+        assert_eq!(e("capricorn-sparse8").spread_iters, 8);
+        assert_eq!(e("capricorn").spread_iters, 1);
+        for bad in ["capricorn-sparse1", "capricorn-sparse0", "capricorn-sparsex", "capricorn-sparse-4"] {
+            let m = parse_strategy(bad).unwrap_err().to_string();
+            assert!(m.contains("2 to 1000"), "{bad}: {m}");
         }
     }
 

@@ -57,6 +57,20 @@ fn link_index(comm: &ironweave_transport::Communicator, name: &str, default: usi
     if name.is_empty() {
         return Ok(default);
     }
+    if name.contains('+') {
+        // every link at once (the all-rank part only: `full=a+b`)
+        let infos = comm.links();
+        if infos.len() < 2 {
+            bail!("{name:?}: striping needs a job with two or more links; this one has one");
+        }
+        for n in name.split('+') {
+            link_index(comm, n, default)?;
+        }
+        if name.split('+').count() != infos.len() {
+            bail!("{name:?}: the all-rank part stripes over every link of the job ({} links)", infos.len());
+        }
+        return Ok(Groups::STRIPED);
+    }
     let infos = comm.links();
     infos.iter().position(|l| l.name == name || l.name.split_once(':').map(|(_, n)| n) == Some(name)).with_context(|| {
         format!("no link named {name:?}; this job has {:?}", infos.iter().map(|l| l.name.clone()).collect::<Vec<_>>())
@@ -98,8 +112,12 @@ impl Worker for SdpWorker<'_> {
         let comm = g.comm;
         let last = comm.links().len().saturating_sub(1);
         let (fl, il) = (link_index(comm, &self.a.full_link, 0)?, link_index(comm, &self.a.inter_link, last)?);
+        if il == Groups::STRIPED {
+            return Err(format!("--sdp-links inter={}: the cross-host part takes one link", self.a.inter_link).into());
+        }
         let names = comm.links();
-        self.links = (names[fl].name.clone(), names[il].name.clone());
+        let full_name = if fl == Groups::STRIPED { self.a.full_link.clone() } else { names[fl].name.clone() };
+        self.links = (full_name, names[il].name.clone());
         let groups = Groups::new(comm, self.a.ranks_per_host, fl, il)?;
         let mut tr = SdpTrainer::new(self.cfg.clone(), self.corpus.clone(), comm, groups, self.strategy, &self.a.fractions)?;
         if let Some((ranks, fi)) = &self.fail {
@@ -233,6 +251,10 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         ..Default::default()
     };
     rep.final_state_sha256 = done.job_state_sha256(&tr.state_digest())?;
+    // the communication threads' CPU of every rank (read while the links are still open)
+    let mut cpu = [ironweave_transport::threads::comm_cpu_ns().unwrap_or(0) as f64];
+    comm.all_reduce(&mut cpu, ironweave_transport::ReduceOp::Sum)?;
+    rep.comm_cpu_ns = cpu[0] as u64;
     let last_spans = std::mem::take(&mut w.last_spans);
     // every rank's lanes of the last iteration to rank 0 (empty if it ran before a restart)
     let bytes = serde_json::to_vec(&last_spans)?;

@@ -77,6 +77,15 @@ pub struct Row {
     pub predicted_over_measured: Option<f64>,
     /// The faster single-link `full` row's iteration time over this row's.
     pub speedup_vs_full: f64,
+    /// The strongest baseline's (every row but hsdp: replicated, full on either link or
+    /// striped, hybrid on either link) iteration time over this row's.
+    #[serde(default)]
+    pub speedup_vs_best_baseline: f64,
+    /// CPU the ranks' communication threads used over the run (collective threads, TCP
+    /// readers and senders, striped lanes; all ranks) per byte the inter-host links carried,
+    /// ns. On this bed every byte's CPU is paid on the cores that compute.
+    #[serde(default)]
+    pub cpu_ns_per_byte: Option<f64>,
     /// Loss of the last iteration (the same in every row: the same training).
     pub final_loss: f32,
     /// The links of the all-rank part and of the cross-host all-reduce.
@@ -89,13 +98,21 @@ struct Variant {
     links: Option<&'static str>,
 }
 
-const VARIANTS: [Variant; 5] = [
+/// The rows, in table order. `full (striped a+b)` is FULL_SHARD on the transport's striping
+/// (both links at once, balanced dynamically): FSDP at its best on this bed; `hybrid (a)` puts
+/// HYBRID_SHARD's cross-host all-reduce on the faster link. HSDP must beat the strongest.
+const VARIANTS: [Variant; 7] = [
     Variant { name: "replicated", sdp: "replicated", links: None },
     Variant { name: "full (a)", sdp: "full", links: Some("full=a,inter=b") },
     Variant { name: "full (b)", sdp: "full", links: Some("full=b,inter=a") },
+    Variant { name: "full (striped a+b)", sdp: "full", links: Some("full=a+b,inter=b") },
     Variant { name: "hybrid", sdp: "hybrid", links: Some("full=a,inter=b") },
+    Variant { name: "hybrid (a)", sdp: "hybrid", links: Some("full=b,inter=a") },
     Variant { name: "hsdp", sdp: "hsdp", links: Some("full=a,inter=b") },
 ];
+
+/// Index of the hsdp row in [`VARIANTS`].
+const HSDP: usize = 6;
 
 /// Runs the bench; returns the rows.
 pub fn bench(a: &SdpBenchArgs) -> Result<Vec<Row>> {
@@ -151,6 +168,23 @@ fn planner_inputs(a: &SdpBenchArgs, probe: &Path, model: &ModelDesc, compute_s: 
     let mut prof = ProfileTable::default();
     prof.ops.insert("layer".into(), MeasuredOp { flops, seconds: compute_s });
     Ok((c, prof))
+}
+
+/// `c` with its inter-node links merged into one as fast as all of them (the transport's
+/// striping, at its ideal) and as slow to start as the slowest.
+fn striped(c: &ClusterDesc) -> ClusterDesc {
+    use ironweave_plan::desc::Scope;
+    let mut out = c.clone();
+    let inter: Vec<_> = c.links.iter().filter(|l| l.scope == Scope::InterNode).cloned().collect();
+    if let Some(first) = inter.first() {
+        let mut one = first.clone();
+        one.name = inter.iter().map(|l| l.name.as_str()).collect::<Vec<_>>().join("+");
+        one.bandwidth_gbyte_s = inter.iter().map(|l| l.bandwidth_gbyte_s).sum();
+        one.latency_us = inter.iter().map(|l| l.latency_us).fold(0.0, f64::max);
+        out.links.retain(|l| l.scope != Scope::InterNode);
+        out.links.push(one);
+    }
+    out
 }
 
 /// Predicted iteration with every layer's all-device share `g` (1: full, 0: hybrid).
@@ -232,15 +266,24 @@ fn run_all(a: &SdpBenchArgs, topo: &crate::cluster::Topology, model: &ModelDesc)
     let mut c_b = c.clone();
     // full on link b: the cost model with b as the only inter-node link
     c_b.links.retain(|l| l.name != topo.links[0].name);
+    // hybrid with its cross-host all-reduce on a: the cost model with a as the only
+    // inter-node link (the host group's shards stay within the host)
+    let mut c_a = c.clone();
+    c_a.links.retain(|l| l.name != topo.links[1].name);
     let predictions: Vec<Option<f64>> = vec![
         None,
-        Some(predict(model, &c, &prof, &vec![1.0; nl])?),
+        Some(predict(model, &c_a, &prof, &vec![1.0; nl])?),
         Some(predict(model, &c_b, &prof, &vec![1.0; nl])?),
-        Some(predict(model, &c, &prof, &vec![0.0; nl])?),
+        // FULL_SHARD striped over both links: one inter-host link as fast as both together
+        Some(predict(model, &striped(&c), &prof, &vec![1.0; nl])?),
+        Some(predict(model, &c_b, &prof, &vec![0.0; nl])?),
+        Some(predict(model, &c_a, &prof, &vec![0.0; nl])?),
         Some(plan.predicted_iter_s),
     ];
     let iter_of = |r: &SdpReport| median_after(&r.iter_time_s, 2);
     let full_best = iter_of(&measured[1].0).min(iter_of(&measured[2].0));
+    let best_baseline =
+        measured.iter().enumerate().filter(|(i, _)| *i != HSDP).map(|(_, (r, _))| iter_of(r)).fold(f64::INFINITY, f64::min);
     let capacity: f64 = rates.iter().sum::<f64>() * 2.0;
     let rows = VARIANTS
         .iter()
@@ -263,6 +306,11 @@ fn run_all(a: &SdpBenchArgs, topo: &crate::cluster::Topology, model: &ModelDesc)
                 predicted_iter_time_s: pred,
                 predicted_over_measured: pred.map(|p| p / it),
                 speedup_vs_full: full_best / it,
+                speedup_vs_best_baseline: best_baseline / it,
+                cpu_ns_per_byte: {
+                    let b: u64 = bytes.iter().sum();
+                    (b > 0 && rep.comm_cpu_ns > 0).then(|| rep.comm_cpu_ns as f64 / b as f64)
+                },
                 final_loss: rep.loss.last().copied().unwrap_or(f32::NAN),
                 links: rep.links.clone(),
             }
@@ -274,16 +322,17 @@ fn run_all(a: &SdpBenchArgs, topo: &crate::cluster::Topology, model: &ModelDesc)
 
 fn print_table(rows: &[Row]) {
     println!(
-        "| strategy | iteration (ms) | vs faster full | predicted (ms) | predicted / measured | state per rank (MB) | link a (MB/iter) | link b (MB/iter) | link utilization | collective phases (ms) | compute (ms) | final loss |"
+        "| strategy | iteration (ms) | vs faster full | vs best baseline | predicted (ms) | predicted / measured | state per rank (MB) | link a (MB/iter) | link b (MB/iter) | link utilization | collective phases (ms) | compute (ms) | comm CPU per byte | final loss |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in rows {
         let mb = |k: &str| r.link_bytes.get(k).map_or("-".into(), |b| format!("{:.1}", *b as f64 / 1e6));
         println!(
-            "| {} | {:.1} | {:.2}x | {} | {} | {:.1} | {} | {} | {:.2} | {:.1} | {:.1} | {:.4} |",
+            "| {} | {:.1} | {:.2}x | {:.2}x | {} | {} | {:.1} | {} | {} | {:.2} | {:.1} | {:.1} | {} | {:.4} |",
             r.strategy,
             r.iter_time_s * 1e3,
             r.speedup_vs_full,
+            r.speedup_vs_best_baseline,
             r.predicted_iter_time_s.map_or("-".into(), |p| format!("{:.1}", p * 1e3)),
             r.predicted_over_measured.map_or("-".into(), |p| format!("{p:.2}")),
             r.state_bytes_per_rank as f64 / 1e6,
@@ -292,6 +341,7 @@ fn print_table(rows: &[Row]) {
             r.link_utilization,
             r.comm_busy_s * 1e3,
             r.compute_s * 1e3,
+            r.cpu_ns_per_byte.map_or("-".into(), |c| format!("{c:.2} ns")),
             r.final_loss
         );
     }

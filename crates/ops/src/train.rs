@@ -201,19 +201,28 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         use std::sync::atomic::Ordering::Relaxed;
         let c = e.counters();
         let cpu = c.replica_send_cpu_ns.load(Relaxed) + c.replica_recv_cpu_ns.load(Relaxed);
-        let mut v: Vec<i64> =
-            [c.replica_bytes.load(Relaxed), c.replica_bytes_inter_host.load(Relaxed), c.storage_bytes.load(Relaxed), cpu]
-                .into_iter()
-                .chain(c.replica_bytes_per_link.iter().map(|x| x.load(Relaxed)))
-                .map(|x| x as i64)
-                .collect();
+        let wire = [c.wire_chunks.load(Relaxed), c.wire_chunks_in_window.load(Relaxed)];
+        let mut v: Vec<i64> = [
+            c.replica_bytes.load(Relaxed),
+            c.replica_bytes_inter_host.load(Relaxed),
+            c.storage_bytes.load(Relaxed),
+            cpu,
+            wire[0],
+            wire[1],
+        ]
+        .into_iter()
+        .chain(c.replica_bytes_per_link.iter().map(|x| x.load(Relaxed)))
+        .map(|x| x as i64)
+        .collect();
         comm.all_reduce(&mut v, ironweave_transport::ReduceOp::Sum)?;
         let v: Vec<u64> = v.into_iter().map(|x| x.max(0) as u64).collect();
         rep.ckpt_bytes_replicated = v[0];
         rep.ckpt_bytes_inter_host_sent = v[1];
         rep.ckpt_bytes_storage = v[2];
         rep.ckpt_cpu_ns = v[3];
-        rep.ckpt_bytes_per_link = v[4..].to_vec();
+        rep.wire_chunks = v[4];
+        rep.wire_accuracy = (v[4] > 0).then(|| v[5] as f64 / v[4] as f64);
+        rep.ckpt_bytes_per_link = v[6..].to_vec();
         rep.state_bytes_per_rank = e.registry().total;
         rep.storage_bytes_per_s_per_rank = a.storage_bytes_per_s;
     }
@@ -425,9 +434,10 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         rep.mean_iter_s() * 1e3,
     );
     println!(
-        "checkpoints ({strategy}): mean exposed {:.2} ms, partition accuracy {}, profiling activations {}, last committed {committed}, recoveries {}; final state {}",
+        "checkpoints ({strategy}): mean exposed {:.2} ms, partition accuracy {} (sent) / {} (on the wire, every holder), profiling activations {}, last committed {committed}, recoveries {}; final state {}",
         mean(&rep.ckpt_exposed_s) * 1e3,
         rep.partition_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into()),
+        rep.wire_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into()),
         rep.profiling_activations,
         rep.recoveries,
         &rep.final_state_sha256[..16]

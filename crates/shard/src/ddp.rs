@@ -160,7 +160,7 @@ pub fn backward_with_buckets<R, E: From<ShardError>>(
         let (to_main, from_comm) = mpsc::channel::<ironweave_transport::Result<Done>>();
         let worker = comm.filter(|c| c.size() > 1).map(|comm| {
             let prof = prof.cloned();
-            s.spawn(move || {
+            std::thread::Builder::new().name("ddp-comm".into()).spawn_scoped(s, move || {
                 // buckets are averaged in the order they are handed over (the same on every rank)
                 for (k, mut flat) in from_main {
                     let t0 = Instant::now();
@@ -174,8 +174,13 @@ pub fn backward_with_buckets<R, E: From<ShardError>>(
                         break;
                     }
                 }
+                // communication's CPU (`ironweave_transport::threads::comm_cpu_ns`)
+                ironweave_transport::threads::count_this_thread();
             })
         });
+        let worker = worker
+            .transpose()
+            .map_err(|e| ShardError::Invalid(format!("cannot start the gradient communication thread: {e}")))?;
         let mut h = Handoff {
             buckets,
             next: 0,

@@ -119,10 +119,14 @@ pub struct Groups {
 }
 
 impl Groups {
+    /// `full_link` value that stripes the all-rank group over every link of the world (the
+    /// transport's striping: FSDP's FULL_SHARD on all links at once).
+    pub const STRIPED: usize = usize::MAX;
+
     /// Groups of `world` with `ranks_per_host` consecutive ranks per host: the all-rank group
-    /// on link `full_link`, the cross-host group on link `inter_link` (different links: their
-    /// collectives run at once), the host group on the world's first link. Collective: every
-    /// rank calls it.
+    /// on link `full_link` ([`Groups::STRIPED`]: over every link), the cross-host group on
+    /// link `inter_link` (different links: their collectives run at once), the host group on
+    /// the world's first link. Collective: every rank calls it.
     pub fn new(world: &Communicator, ranks_per_host: usize, full_link: usize, inter_link: usize) -> Result<Self> {
         let (n, r) = (world.size(), world.rank());
         let k = ranks_per_host.max(1);
@@ -139,7 +143,7 @@ impl Groups {
             let (_, v) = views.iter().find(|(l, _)| *l == link).expect("just added");
             Ok(v.split(color, r as u32)?)
         };
-        let full = split_on(full_link, 0)?;
+        let full = if full_link == Self::STRIPED { world.striped(None)?.split(0, r as u32)? } else { split_on(full_link, 0)? };
         let intra = split_on(0, (r / k) as u32)?;
         let inter = split_on(inter_link, (r % k) as u32)?;
         Ok(Groups { world: Arc::new(full), intra: Arc::new(intra), inter: Arc::new(inter) })

@@ -147,6 +147,7 @@ impl Communicator {
                     let f = &f;
                     s.spawn(move || {
                         let r = f(lane, i);
+                        crate::threads::count_this_thread();
                         if let Err(e) = &r {
                             // A peer's failure travels on as itself (every link names the lost
                             // rank); our own is said with the link it happened on.

@@ -174,3 +174,99 @@ mod tests {
         assert!(c.starts_with("1 compute thread per rank (2 cores / 2 ranks"), "{c}");
     }
 }
+
+/// Prefix of every thread the transport (and its callers' communication threads) start: the
+/// collective threads (`iw-coll-*`), TCP readers and senders (`iw-tcp-*`), UCX and verbs
+/// progress threads. [`comm_cpu_ns`] sums their CPU.
+pub const COMM_THREAD_PREFIX: &str = "iw-";
+
+/// CPU time, ns, the live threads of this process named `prefix*` have used (from
+/// `/proc/self/task/*/schedstat`, nanosecond precision; `stat`'s ticks where schedstat is
+/// missing). Threads that already ended are not counted: read it while the communicators are
+/// open. `None` off Linux or when `/proc` cannot be read.
+pub fn threads_cpu_ns(prefix: &str) -> Option<u64> {
+    let tasks = std::fs::read_dir("/proc/self/task").ok()?;
+    let mut total = 0u64;
+    for t in tasks.flatten() {
+        let p = t.path();
+        let Ok(name) = std::fs::read_to_string(p.join("comm")) else { continue };
+        if !name.trim_end().starts_with(prefix) {
+            continue;
+        }
+        total += task_cpu_ns(&p).unwrap_or(0);
+    }
+    Some(total)
+}
+
+/// CPU of short-lived communication threads that have ended (striped collectives' lanes, a
+/// backward's gradient thread), ns: they add their own at the end ([`count_this_thread`]).
+static ENDED_CPU_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Adds the calling thread's CPU so far to the communication CPU: the last call of a
+/// short-lived communication thread (not named [`COMM_THREAD_PREFIX`]`*`, so it is counted
+/// once).
+pub fn count_this_thread() {
+    ENDED_CPU_NS.fetch_add(this_thread_cpu_ns(), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// CPU time the calling thread has used, ns (0 where the clock cannot be read).
+pub fn this_thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes into the timespec we own; the clock id is a valid constant.
+    let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if r != 0 {
+        return 0;
+    }
+    (ts.tv_sec.max(0) as u64).saturating_mul(1_000_000_000).saturating_add(ts.tv_nsec.max(0) as u64)
+}
+
+/// CPU of this process's communication so far, ns: its live threads named
+/// [`COMM_THREAD_PREFIX`]`*` (collective threads, TCP readers and senders) and the short-lived
+/// ones that ended ([`count_this_thread`]). Read it before the communicators close.
+pub fn comm_cpu_ns() -> Option<u64> {
+    Some(threads_cpu_ns(COMM_THREAD_PREFIX)? + ENDED_CPU_NS.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+fn task_cpu_ns(task: &std::path::Path) -> Option<u64> {
+    if let Ok(s) = std::fs::read_to_string(task.join("schedstat")) {
+        return s.split_whitespace().next()?.parse().ok();
+    }
+    // stat: utime and stime are fields 14 and 15, after the `(comm)` that may hold spaces
+    let s = std::fs::read_to_string(task.join("stat")).ok()?;
+    let rest = &s[s.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf takes a valid constant and has no other preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Some(ticks * 1_000_000_000 / hz)
+}
+
+#[cfg(test)]
+mod cpu_tests {
+    use super::*;
+
+    #[test]
+    fn a_named_thread_that_spins_is_counted_and_others_are_not() {
+        let before = threads_cpu_ns("iw-cputest").unwrap();
+        assert_eq!(before, 0, "no such thread yet");
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::Builder::new()
+            .name("iw-cputest".into())
+            .spawn(move || {
+                let t0 = std::time::Instant::now();
+                let mut x = 0u64;
+                while t0.elapsed() < std::time::Duration::from_millis(60) {
+                    x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+                }
+                rx.recv().ok();
+                x
+            })
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(80));
+        let during = threads_cpu_ns("iw-cputest").unwrap();
+        tx.send(()).unwrap();
+        t.join().unwrap();
+        assert!(during >= 10_000_000, "a thread that spun for 60 ms used {during} ns");
+        assert_eq!(threads_cpu_ns("iw-no-such-thread").unwrap(), 0);
+    }
+}

@@ -26,7 +26,7 @@ use ironweave_profile::{
 };
 
 use crate::error::{CkptError, Result};
-use crate::partition::{partition_accuracy, ChunkSpan};
+use crate::partition::{partition_accuracy, wire_accuracy, ChunkSpan};
 use crate::persist::{self, TokenBucket};
 use crate::registry::Registry;
 use crate::schedule::{self, Releaser};
@@ -145,6 +145,13 @@ pub struct EngineConfig {
     /// the writer (emulated remote storage: a host's share of a file system); `None`: as fast
     /// as the local disk goes.
     pub storage_bytes_per_s: Option<f64>,
+    /// Capricorn replicates one snapshot over this many iterations, a `1/spread_iters` part
+    /// per iteration, and takes the next snapshot when the last part has gone (1: a snapshot
+    /// every iteration, whole). Fewer bytes per iteration; a recovery restores the newest
+    /// complete snapshot and replays the iterations since (up to `2 * spread_iters - 1`),
+    /// which is bit-identical because training is deterministic. Ignored by the other
+    /// strategies.
+    pub spread_iters: u64,
 }
 
 impl Default for EngineConfig {
@@ -170,6 +177,7 @@ impl Default for EngineConfig {
             host: String::new(),
             extra_links: Vec::new(),
             storage_bytes_per_s: None,
+            spread_iters: 1,
         }
     }
 }
@@ -226,6 +234,10 @@ pub struct IterationReport {
     pub chunks_in_window: u32,
     /// `chunks_in_window / chunks` (None without chunks; see `partition::partition_accuracy`).
     pub partition_accuracy: Option<f64>,
+    /// Replica chunks this rank received as a holder since the last report, and of them those
+    /// whose time on the wire fell inside an idle window of this rank's link (see
+    /// `partition::wire_accuracy`): the partition's accuracy as the link saw it.
+    pub wire_chunks: (u64, u64),
     /// Whether profiling ran this iteration.
     pub profiled: bool,
     /// Duration of the iteration, seconds.
@@ -234,6 +246,30 @@ pub struct IterationReport {
     /// copy, waits for buffers or writers, synchronous writes, commit waits): the checkpoint's
     /// exposed cost, seconds.
     pub exposed_s: f64,
+}
+
+/// A snapshot waiting for the iterations that replicate it.
+#[derive(Debug)]
+struct Pending {
+    snap: Arc<Snapshot>,
+    /// The next part to release (of [`Engine::spread`]).
+    part: u64,
+    /// Its `Begin` went to the holders (with the first part).
+    begun: bool,
+}
+
+impl Pending {
+    fn new(snap: Arc<Snapshot>) -> Self {
+        Pending { snap, part: 0, begun: false }
+    }
+}
+
+/// Byte range `[start, end)` of part `k` of `parts` over `total` bytes (equal parts, the last
+/// one ending at `total`).
+pub fn part_range(total: u64, parts: u64, k: u64) -> (u64, u64) {
+    let parts = parts.max(1) as u128;
+    let at = |k: u64| ((total as u128 * (k as u128).min(parts)) / parts) as u64;
+    (at(k), at(k + 1))
 }
 
 /// The checkpoint engine of one rank.
@@ -254,7 +290,9 @@ pub struct Engine {
     corrupt_in_transit: Arc<AtomicU64>,
     profiler: Arc<Profiler<MonotonicClock>>,
     sched: Arc<Mutex<Sched>>,
-    pending: Option<Arc<Snapshot>>,
+    /// The snapshot whose chunks the coming iterations release (with `spread_iters > 1`, the
+    /// parts not released yet).
+    pending: Option<Pending>,
     /// Iteration of the snapshot this iteration replicates (its chunks' accuracy is measured).
     sending: Option<u64>,
     activation: SpeculativeActivation,
@@ -303,6 +341,9 @@ impl Engine {
         }
         if matches!(cfg.strategy, Strategy::Blocking | Strategy::Async) && cfg.persist_dir.is_none() {
             return Err(CkptError::Invalid(format!("strategy `{}` writes to storage: set persist_dir", cfg.strategy.name())));
+        }
+        if cfg.spread_iters == 0 {
+            return Err(CkptError::Invalid("spread_iters must be at least 1 (1: a whole snapshot every iteration)".into()));
         }
         if let Some(r) = cfg.storage_bytes_per_s {
             if !(r.is_finite() && r > 0.0) {
@@ -456,9 +497,10 @@ impl Engine {
         for &s in &sources {
             for (k, c) in slots.iter().enumerate() {
                 let (c, ack, shared, stop) = (c.clone(), comm.clone(), shared.clone(), stop.clone());
-                let counters = self.counters.clone();
+                let (counters, prof, link) = (self.counters.clone(), profiler.clone(), self.link_ids[k]);
                 self.services.push(spawn(format!("ckpt-in-{s}.{k}"), move || {
-                    replicate::receive_replicas(&c, &ack, s, limit, &shared, &stop, &counters.replica_recv_cpu_ns)
+                    let meter = replicate::Meter { cpu: &counters.replica_recv_cpu_ns, arrived: Some((&prof, link)) };
+                    replicate::receive_replicas(&c, &ack, s, limit, &shared, &stop, meter)
                 })?);
             }
         }
@@ -625,8 +667,10 @@ impl Engine {
         let mut s = lock_sched(&self.sched);
         s.comms = 0;
         s.iter_start_ns = Some(now);
-        if let Some(snap) = self.pending.take() {
-            let total = snap.data.len() as u64;
+        if let Some(mut p) = self.pending.take() {
+            let parts = self.spread();
+            let (from, to) = part_range(p.snap.data.len() as u64, parts, p.part);
+            let total = to - from;
             let plan = match self.cfg.strategy {
                 Strategy::Capricorn => {
                     let windows: Vec<Vec<Window>> = self.link_ids.iter().map(|&l| self.predictor.predict(l)).collect();
@@ -653,15 +697,50 @@ impl Engine {
                     }
                 }
             };
-            s.begin(&snap);
+            let plan = schedule::shifted(plan, from);
+            if !p.begun {
+                s.begin(&p.snap);
+                p.begun = true;
+            }
+            s.more_parts = p.part + 1 < parts;
             s.releaser = Some(Releaser::new(plan));
             s.released = 0;
-            self.sending = Some(snap.iter);
-            self.last_sent = Some(snap.iter);
+            self.sending = Some(p.snap.iter);
+            if s.more_parts {
+                p.part += 1;
+                self.pending = Some(p);
+            } else {
+                self.last_sent = Some(p.snap.iter);
+            }
             let rel = s.releaser.as_mut().map(|r| r.start()).unwrap_or_default();
             s.dispatch(rel);
         }
         profile
+    }
+
+    /// Iterations one snapshot is replicated over (`spread_iters` for Capricorn, else 1).
+    fn spread(&self) -> u64 {
+        if self.cfg.strategy == Strategy::Capricorn {
+            self.cfg.spread_iters.max(1)
+        } else {
+            1
+        }
+    }
+
+    /// Whether an in-memory strategy writes iteration `iter`'s snapshot to the persistent tier:
+    /// every `persist_every` iterations; with snapshots every `spread` iterations, the snapshot
+    /// of the `spread` iterations that include a multiple of `persist_every`.
+    fn persist_due(&self, iter: u64) -> bool {
+        let every = self.cfg.persist_every;
+        if self.cfg.persist_dir.is_none() || every == 0 {
+            return false;
+        }
+        let k = self.spread();
+        if k == 1 {
+            iter % every == 0
+        } else {
+            iter / every != iter.saturating_sub(k) / every
+        }
     }
 
     /// End the current iteration (after the optimizer step): leftover chunks go now; a
@@ -699,6 +778,13 @@ impl Engine {
                 v
             };
             rep.partition_accuracy = partition_accuracy(&training, &spans, released, p.end_ns);
+            // what this rank received as a holder, judged on its own training traffic
+            let arrivals = std::mem::take(&mut lock(&self.shared).arrivals);
+            let rate = |link: u32| self.link_ids.iter().position(|&l| l == link).map_or(0.0, |k| self.slot_rate(k));
+            let (inside, n) = wire_accuracy(&training, &arrivals, rate, p.start_ns, p.end_ns);
+            rep.wire_chunks = (inside, n);
+            self.counters.wire_chunks.fetch_add(n, Ordering::Relaxed);
+            self.counters.wire_chunks_in_window.fetch_add(inside, Ordering::Relaxed);
             rep.chunks = released as u32;
             rep.chunks_in_window = rep.partition_accuracy.map_or(0, |a| (a * released as f64).round() as u32);
             if profiled {
@@ -778,10 +864,14 @@ impl Engine {
                 persisted = true;
             }
             Strategy::Gemini | Strategy::Capricorn => {
+                if self.pending.is_some() && self.spread() > 1 {
+                    // the parts of an earlier snapshot are still going out: no snapshot now
+                    return Ok(CheckpointReport { iter, bytes: 0, blocking_s: 0.0, persisted: false });
+                }
                 // whatever of the previous snapshot was not sent yet goes now
                 self.flush_pending();
                 let snap = self.snaps.take(iter, &self.registry, bufs)?;
-                if self.cfg.persist_dir.is_some() && self.cfg.persist_every > 0 && iter % self.cfg.persist_every == 0 {
+                if self.persist_due(iter) {
                     // the persistent tier backs the in-memory replicas up: a full or failing
                     // disk must not stop training (said once; counted every time)
                     match self.write_persistent(&snap) {
@@ -804,7 +894,7 @@ impl Engine {
                 if self.holders.is_empty() {
                     self.last_sent = Some(iter);
                 } else {
-                    self.pending = Some(snap);
+                    self.pending = Some(Pending::new(snap));
                 }
             }
         }
@@ -816,24 +906,29 @@ impl Engine {
         })
     }
 
-    /// Release every chunk still held back: the rest of the plan in progress, then a snapshot
-    /// whose iteration has not begun.
+    /// Release every chunk still held back: the rest of the plan in progress, then the parts
+    /// of a snapshot not released yet.
     fn flush_pending(&mut self) {
         lock_sched(&self.sched).flush();
         if let Some(prev) = self.pending.take() {
-            self.release_all(prev);
+            self.release_rest(prev);
         }
     }
 
-    /// Send a whole snapshot now, back to back.
-    fn release_all(&mut self, snap: Arc<Snapshot>) {
+    /// Send what is left of a snapshot now, back to back.
+    fn release_rest(&mut self, p: Pending) {
         let mut s = lock_sched(&self.sched);
-        s.begin(&snap);
-        let total = snap.data.len() as u64;
-        s.releaser = Some(Releaser::new(schedule::capricorn(total, &[], 1.0, 1.0, 1, self.cfg.chunk_bytes)));
+        if !p.begun {
+            s.begin(&p.snap);
+        }
+        let total = p.snap.data.len() as u64;
+        let from = part_range(total, self.spread(), p.part).0;
+        let plan = schedule::capricorn(total - from, &[], 1.0, 1.0, 1, self.cfg.chunk_bytes);
+        s.more_parts = false;
+        s.releaser = Some(Releaser::new(schedule::shifted(plan, from)));
         let rel = s.releaser.as_mut().map(|r| r.end()).unwrap_or_default();
         s.dispatch(rel);
-        self.last_sent = Some(snap.iter);
+        self.last_sent = Some(p.snap.iter);
     }
 
     /// Write the newest snapshot to the persistent tier now.

@@ -17,7 +17,7 @@ use ironweave_profile::{CommKind, MonotonicClock, Profiler};
 use ironweave_transport::Communicator;
 
 use crate::error::{CkptError, Result};
-use crate::partition::ChunkSpan;
+use crate::partition::{Arrival, ChunkSpan};
 use crate::persist::Manifest;
 use crate::schedule::{Releaser, Scheduled};
 use crate::snapshot::Snapshot;
@@ -51,7 +51,14 @@ pub(crate) struct Shared {
     pub(crate) lost_holders: BTreeSet<usize>,
     /// chunk transfers the sender threads finished, for the partition accuracy
     pub(crate) chunk_log: Vec<ChunkSpan>,
+    /// chunks this rank received as a holder since the last iteration's report (their wire
+    /// accuracy is judged on this rank's own training traffic)
+    pub(crate) arrivals: Vec<Arrival>,
 }
+
+/// At most this many arrivals wait for an iteration's report (a rank that stopped reporting
+/// must not grow the list without bound).
+pub(crate) const MAX_ARRIVALS: usize = 1 << 16;
 
 pub(crate) fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -78,17 +85,16 @@ pub struct Counters {
     /// CPU time the replica receiver threads spent receiving (reading sockets, landing chunks,
     /// verifying checksums, acknowledging, waiting in a poll), ns.
     pub replica_recv_cpu_ns: AtomicU64,
+    /// Replica chunks this rank received as a holder and judged (see
+    /// [`crate::partition::wire_accuracy`]).
+    pub wire_chunks: AtomicU64,
+    /// Of which on the wire entirely inside an idle window of this rank's link.
+    pub wire_chunks_in_window: AtomicU64,
 }
 
 /// CPU time the calling thread has used, ns (0 where the clock cannot be read).
 pub fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime writes into the timespec we own; the clock id is a valid constant.
-    let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    if r != 0 {
-        return 0;
-    }
-    (ts.tv_sec.max(0) as u64).saturating_mul(1_000_000_000).saturating_add(ts.tv_nsec.max(0) as u64)
+    ironweave_transport::threads::this_thread_cpu_ns()
 }
 
 impl Counters {
@@ -124,6 +130,9 @@ pub(crate) struct Sched {
     pub(crate) released: usize,
     /// `flush` is releasing: what goes now is a leftover.
     pub(crate) flushing: bool,
+    /// The plan in progress is one part of the snapshot and more follow in later iterations:
+    /// no `End` when it runs out.
+    pub(crate) more_parts: bool,
 }
 
 impl Sched {
@@ -146,13 +155,16 @@ impl Sched {
             }
         }
         if self.open && self.releaser.as_ref().is_some_and(|r| r.pending() == 0) {
+            self.releaser = None;
+            if self.more_parts {
+                return;
+            }
             // End goes on the first link (the holder acknowledges once it has every byte too);
             // the other links' threads let go of the snapshot, so its buffer can be reused
             for tx in self.txs.iter().flatten() {
                 let _ = tx.send(Job::End);
             }
             self.open = false;
-            self.releaser = None;
         }
     }
     /// Release everything still held back (before the buffer is needed again, or on commit).
@@ -319,9 +331,17 @@ pub(crate) fn replica_limit(own: u64) -> u64 {
     own.saturating_mul(16).max(1 << 30)
 }
 
+/// What a receiver thread measures: its CPU (added to `cpu` after each message) and, with a
+/// clock and the link's profiler index, when each chunk arrived (for the wire accuracy).
+#[derive(Clone, Copy)]
+pub(crate) struct Meter<'a> {
+    pub(crate) cpu: &'a AtomicU64,
+    pub(crate) arrived: Option<(&'a Profiler<MonotonicClock>, u32)>,
+}
+
 /// Receives what `src` sends on `comm` (one link); acknowledgements go on `ack`.
-/// `limit`: the most bytes one replica may claim (see [`replica_limit`]). The thread's CPU time
-/// goes to `cpu` after each message.
+/// `limit`: the most bytes one replica may claim (see [`replica_limit`]); `meter`: what the
+/// thread measures.
 pub(crate) fn receive_replicas(
     comm: &Communicator,
     ack: &Communicator,
@@ -329,15 +349,25 @@ pub(crate) fn receive_replicas(
     limit: u64,
     shared: &Mutex<Shared>,
     stop: &AtomicBool,
-    cpu: &AtomicU64,
+    meter: Meter<'_>,
 ) {
+    let Meter { cpu, arrived } = meter;
     let mut last = thread_cpu_ns();
     let r = poll_loop(comm, src, TAG_DATA, stop, |msg| {
+        // the last byte is in: when, for the wire accuracy
+        let in_ns = arrived.map(|(p, _)| p.now_ns());
         let r = receive_one(ack, src, limit, shared, &msg);
+        if let (Some((_, link)), Some(end_ns), Ok(true)) = (arrived, in_ns, &r) {
+            let a = Arrival { link, end_ns, len: msg.len().saturating_sub(CHUNK_HEADER) as u64 };
+            let mut sh = lock(shared);
+            if sh.arrivals.len() < MAX_ARRIVALS {
+                sh.arrivals.push(a);
+            }
+        }
         let now = thread_cpu_ns();
         cpu.fetch_add(now.saturating_sub(last), Ordering::Relaxed);
         last = now;
-        r
+        r.map(|_| ())
     });
     if let Err(e) = r {
         lock(shared).failures.push(format!("receiving replicas from rank {src}: {e}"));
@@ -345,7 +375,8 @@ pub(crate) fn receive_replicas(
 }
 
 /// One message of a replica stream from `src`: a Begin, a chunk landed in its buffer, an End.
-fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared>, msg: &[u8]) -> Result<()> {
+/// Returns whether it was a chunk.
+fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared>, msg: &[u8]) -> Result<bool> {
     match ReplicaMsg::decode(src, msg, limit)? {
         ReplicaMsg::Begin(man) => {
             let total = man.registry.total as usize;
@@ -353,7 +384,7 @@ fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared
             let reps = sh.store.entry(src).or_default();
             // the same Begin arrives once per link
             if reps.iter().any(|r| r.manifest.iter == man.iter) {
-                return Ok(());
+                return Ok(false);
             }
             // keep the two newest complete replicas and those still arriving over a slower
             // link (an older one's last chunks may follow a newer Begin); reuse the oldest
@@ -392,6 +423,7 @@ fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared
                 r.received += bytes.len() as u64;
             }
             finish_if_complete(ack, src, iter, shared)?;
+            return Ok(true);
         }
         ReplicaMsg::End { iter } => {
             let known = {
@@ -412,7 +444,7 @@ fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared
             }
         }
     }
-    Ok(())
+    Ok(false)
 }
 
 /// Receives `holder`'s acknowledgements.
@@ -474,7 +506,7 @@ mod hostile_peers {
         let stop = AtomicBool::new(false);
         let cpu = AtomicU64::new(0);
         let got = std::thread::scope(|s| {
-            let rx = s.spawn(|| receive_replicas(&b, &b, 0, 1 << 20, &shared, &stop, &cpu));
+            let rx = s.spawn(|| receive_replicas(&b, &b, 0, 1 << 20, &shared, &stop, Meter { cpu: &cpu, arrived: None }));
             for m in &msgs {
                 a.send_bytes(1, TAG_DATA, m).unwrap();
             }
