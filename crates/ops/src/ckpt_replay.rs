@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use crate::error::{bail, Context, Result};
 use ironweave_sim::ckpt::Strategy;
-use ironweave_sim::replay::{replay, Bed, Predicted, Step};
+use ironweave_sim::replay::{replay_with, Bed, Predicted, Step};
 use serde_json::Value;
 
 /// (a training communication?, seconds, rank 0's bytes).
@@ -394,7 +394,10 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
     };
     let strategies = Strategy::ALL;
     let fill = ironweave_ckpt::EngineConfig::default().window_fill;
-    let pred: Vec<Predicted> = replay(&bed, &strategies, fill, if topo.links.len() > 1 { rate(1)? } else { 0.0 })?;
+    // every capricorn-sparse[K] row measured is replayed with its K
+    let sparse: Vec<u64> =
+        m.rows.iter().filter_map(|r| crate::run::parse_strategy(&r.0).ok().filter(|c| c.spread > 1).map(|c| c.spread)).collect();
+    let pred: Vec<Predicted> = replay_with(&bed, &strategies, fill, if topo.links.len() > 1 { rate(1)? } else { 0.0 }, &sparse)?;
     println!(
         "Replay of {} on {} ({} hosts x {} ranks, link {:.0} MB/s per host, {:.1} MB of state per rank, storage {}), probes: snapshot {:.1} ms, {:.2} ns of CPU per checkpoint byte {path}",
         dir.display(),

@@ -193,7 +193,17 @@ fn run_sdp(a: &SimArgs) -> Result<()> {
 fn run_ckpt(a: &SimArgs) -> Result<()> {
     let (mp, cp) = inputs(a)?;
     let (m, c) = load_inputs(mp, cp, a.global_batch, a.probe.as_deref())?;
-    let strategies: Vec<Strategy> = a.strategies.iter().map(|s| Strategy::parse(s.trim())).collect::<Result<_, _>>()?;
+    // the engine's five by name; capricorn-sparse[K] as Capricorn spread over K iterations
+    let mut strategies: Vec<Strategy> = Vec::new();
+    let mut sparse: Vec<u64> = Vec::new();
+    for s in &a.strategies {
+        let s = s.trim();
+        if s.starts_with("capricorn-sparse") {
+            sparse.push(crate::run::parse_strategy(s)?.spread);
+        } else {
+            strategies.push(Strategy::parse(s)?);
+        }
+    }
     let load = match &a.load_trace {
         Some(p) => {
             let text = std::fs::read_to_string(p).with_context(|| format!("reading load trace {}", p.display()))?;
@@ -203,11 +213,11 @@ fn run_ckpt(a: &SimArgs) -> Result<()> {
         }
         None => LoadSource::Synthetic(SyntheticLoad { seed: a.seed, ..Default::default() }),
     };
-    let mut opts = CkptOptions { iterations: a.iterations, priority: a.priority, load: Some(load), ..Default::default() };
+    let mut opts = CkptOptions { iterations: a.iterations, priority: a.priority, load: Some(load), sparse, ..Default::default() };
     if let Some(f) = a.window_fill {
         opts.window_fill = f;
     }
-    eprintln!("simulating {} iterations x {} strategies ...", opts.iterations, strategies.len());
+    eprintln!("simulating {} iterations x {} strategies ...", opts.iterations, strategies.len() + opts.sparse.len());
     let rep = ckpt::simulate(&m, &c, &strategies, &opts)?;
     println!(
         "Per-iteration checkpointing: {} on {} ({} devices), {:.2} GB of state per device, {} iterations (first excluded)",
@@ -220,7 +230,7 @@ fn run_ckpt(a: &SimArgs) -> Result<()> {
     let none = rep.results.iter().find(|r| r.strategy == Strategy::None).map(|r| r.mean_iter_s);
     let cap = rep.results.iter().find(|r| r.strategy == Strategy::Capricorn).map(|r| r.mean_iter_s);
     println!(
-        "  {:<10} {:>11} {:>10} {:>18} {:>10} {:>10} {:>12}",
+        "  {:<16} {:>11} {:>10} {:>18} {:>10} {:>10} {:>12}",
         "strategy", "iteration", "overhead", "capricorn speedup", "accuracy", "profiled", "ckpt GB/it"
     );
     for r in &rep.results {
@@ -228,8 +238,8 @@ fn run_ckpt(a: &SimArgs) -> Result<()> {
         let sp = cap.map(|c| format!("{:.2}x", r.mean_iter_s / c)).unwrap_or_else(|| "-".into());
         let acc = r.partition_accuracy.map(|x| format!("{:.0}%", x * 100.0)).unwrap_or_else(|| "-".into());
         println!(
-            "  {:<10} {:>11} {:>10} {:>18} {:>10} {:>10} {:>12.2}",
-            r.strategy.name(),
+            "  {:<16} {:>11} {:>10} {:>18} {:>10} {:>10} {:>12.2}",
+            r.label,
             ms(r.mean_iter_s),
             over,
             sp,

@@ -64,6 +64,9 @@ pub struct CkptOptions {
     pub priority: bool,
     /// Expert loads.
     pub load: Option<LoadSource>,
+    /// Also simulate `capricorn-sparseK` for each K here: one snapshot every K iterations, a
+    /// `1/K` part replicated per iteration (`EngineConfig::spread_iters`).
+    pub sparse: Vec<u64>,
 }
 
 impl Default for CkptOptions {
@@ -79,6 +82,7 @@ impl Default for CkptOptions {
             profile_overhead: 0.02,
             priority: false,
             load: None,
+            sparse: Vec::new(),
         }
     }
 }
@@ -88,6 +92,9 @@ impl Default for CkptOptions {
 pub struct StrategyResult {
     /// Strategy.
     pub strategy: Strategy,
+    /// Its name in tables (`capricorn-sparse` for Capricorn spread over 4 iterations).
+    #[serde(default)]
+    pub label: String,
     /// Iteration times (after the first).
     pub iter_s: Vec<f64>,
     /// Mean of `iter_s`.
@@ -429,8 +436,19 @@ pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy
     }
     let compute_per_iter: f64 = (c.attn_s * 3.0 + c.mlp_s * 3.0) * model.layers as f64;
     let repl = repl_bytes.round() as u64;
+    if opts.sparse.iter().any(|&k| k < 2) {
+        return Err(SimError::Invalid("capricorn-sparseK spreads a snapshot over K ≥ 2 iterations".into()));
+    }
+    // (strategy, iterations one snapshot is spread over, label)
+    let runs: Vec<(Strategy, usize, String)> = strategies
+        .iter()
+        .map(|&s| (s, 1, s.name().to_string()))
+        .chain(opts.sparse.iter().map(|&k| {
+            (Strategy::Capricorn, k as usize, if k == 4 { "capricorn-sparse".into() } else { format!("capricorn-sparse{k}") })
+        }))
+        .collect();
     let mut results = Vec::new();
-    for &strat in strategies {
+    for (strat, spread, label) in runs {
         let mut dag = Dag::default();
         let s = setup(&mut dag, cluster, opts.priority);
         let nic_bw = dag.resources[s.nic].bytes_per_s.unwrap_or(1.0);
@@ -480,13 +498,15 @@ pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy
             // replicate the previous snapshot during this iteration, as the engine plans it
             let mut mine = Vec::new();
             if strat.in_memory() && it > 0 {
-                let snap = *d2h.last().expect("snapshot of the previous iteration");
+                // the snapshot this iteration's part belongs to (every one: the previous)
+                let snap = d2h[(it - 1) / spread];
+                let part = repl / spread as u64;
                 let plan = if strat == Strategy::Capricorn {
                     let w = predictor.predict(0);
                     if w.is_empty() {
-                        schedule::capricorn(repl, &[], 1.0, 1.0, 1, u64::MAX)
+                        schedule::capricorn(part, &[], 1.0, 1.0, 1, u64::MAX)
                     } else {
-                        schedule::capricorn(repl, &w, nic_bw, opts.window_fill, MIN_CHUNK, u64::MAX)
+                        schedule::capricorn(part, &w, nic_bw, opts.window_fill, MIN_CHUNK, u64::MAX)
                     }
                 } else {
                     schedule::gemini(repl, &gemini_spans, nic_bw, opts.gemini_chunk_bytes.round() as u64, 1.0)
@@ -524,14 +544,17 @@ pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy
                         dag.transfer(format!("it{it} write storage"), "ckpt", s.storage, state, 0.0, Class::Checkpoint, vec![h]);
                     writes.push(dag.mark(format!("it{it} written"), vec![w1, w2]));
                 }
-                Strategy::Gemini | Strategy::Capricorn => {
-                    // double buffer: the buffer being filled was sent two iterations ago
+                Strategy::Gemini | Strategy::Capricorn if it % spread == 0 => {
+                    // double buffer: the buffer being filled held the snapshot before the
+                    // previous one, whose last part went `spread + 1` iterations ago
                     let mut deps = vec![end];
-                    if sends_done.len() >= 2 {
-                        deps.push(sends_done[sends_done.len() - 2]);
+                    if sends_done.len() > spread {
+                        deps.push(sends_done[sends_done.len() - spread - 1]);
                     }
                     d2h.push(dag.transfer(format!("it{it} d2h"), "ckpt", s.pcie, state, 0.0, Class::Checkpoint, deps));
                 }
+                // sparse: no snapshot between
+                Strategy::Gemini | Strategy::Capricorn => {}
             }
             ends.push(end);
             prev_end = Some(end);
@@ -580,10 +603,11 @@ pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy
         let ckpt_bytes = match strat {
             Strategy::None => 0.0,
             Strategy::Blocking | Strategy::Async => state,
-            _ => repl_bytes,
+            _ => repl_bytes / spread as f64,
         };
         results.push(StrategyResult {
             strategy: strat,
+            label,
             iter_s,
             mean_iter_s: mean,
             ckpt_bytes_per_iter: ckpt_bytes,

@@ -79,6 +79,18 @@ const WARM: usize = 3;
 /// Predicts each strategy's iteration time on the bed. `multilink`: Capricorn may also use a
 /// second link of `second_link_bytes_per_s` with no training traffic (0: one link).
 pub fn replay(bed: &Bed, strategies: &[Strategy], window_fill: f64, second_link_bytes_per_s: f64) -> Result<Vec<Predicted>> {
+    replay_with(bed, strategies, window_fill, second_link_bytes_per_s, &[])
+}
+
+/// [`replay`], and `capricorn-sparseK` for each K of `sparse` (one snapshot every K
+/// iterations, a `1/K` part replicated per iteration: `EngineConfig::spread_iters`).
+pub fn replay_with(
+    bed: &Bed,
+    strategies: &[Strategy],
+    window_fill: f64,
+    second_link_bytes_per_s: f64,
+    sparse: &[u64],
+) -> Result<Vec<Predicted>> {
     let positive = bed.link_bytes_per_s.is_finite() && bed.link_bytes_per_s > 0.0;
     if bed.steps.is_empty() || !positive || bed.ranks_per_host == 0 || bed.hosts < 2 {
         return Err(SimError::Invalid(
@@ -91,16 +103,24 @@ pub fn replay(bed: &Bed, strategies: &[Strategy], window_fill: f64, second_link_
             // Gemini's spans are those of its last profiled start-up iteration, with its own
             // replication running (the engine profiles iterations 1-3 and keeps the third's):
             // replay once to see them, then again with them
-            let (_, seen) = one(bed, s, window_fill, 0.0, None)?;
-            one(bed, s, window_fill, 0.0, seen.get(GEMINI_PROFILED).map(Vec::as_slice))?.0
+            let (_, seen) = one(bed, s, window_fill, 0.0, None, 1)?;
+            one(bed, s, window_fill, 0.0, seen.get(GEMINI_PROFILED).map(Vec::as_slice), 1)?.0
         } else {
-            one(bed, s, window_fill, 0.0, None)?.0
+            one(bed, s, window_fill, 0.0, None, 1)?.0
         };
         out.push(p);
     }
     if second_link_bytes_per_s > 0.0 {
-        let mut p = one(bed, Strategy::Capricorn, window_fill, second_link_bytes_per_s, None)?.0;
+        let mut p = one(bed, Strategy::Capricorn, window_fill, second_link_bytes_per_s, None, 1)?.0;
         p.strategy = "capricorn-multilink".into();
+        out.push(p);
+    }
+    for &k in sparse {
+        if k < 2 {
+            return Err(SimError::Invalid(format!("capricorn-sparse{k}: a snapshot spreads over 2 or more iterations")));
+        }
+        let mut p = one(bed, Strategy::Capricorn, window_fill, 0.0, None, k as usize)?.0;
+        p.strategy = if k == 4 { "capricorn-sparse".into() } else { format!("capricorn-sparse{k}") };
         out.push(p);
     }
     Ok(out)
@@ -118,10 +138,13 @@ fn one(
     fill: f64,
     second: f64,
     gemini_spans: Option<&[PWindow]>,
+    spread: usize,
 ) -> Result<(Predicted, Vec<Vec<PWindow>>)> {
     let host_state = bed.state_bytes_per_rank * bed.ranks_per_host as f64;
+    // a snapshot every `spread` iterations, a 1/spread part of it replicated per iteration
+    let spread = spread.max(1);
     // CPU every host spends moving its replicas, all taken from the shared cores
-    let moved = if strat.in_memory() { host_state * bed.hosts as f64 } else { 0.0 };
+    let moved = if strat.in_memory() { host_state * bed.hosts as f64 / spread as f64 } else { 0.0 };
     let cpu_stretch = moved * bed.cpu_s_per_byte / bed.cores.max(1) as f64;
     let compute_total: f64 = bed.steps.iter().map(|s| if let Step::Compute(c) = s { *c } else { 0.0 }).sum();
     let scale = if compute_total > 0.0 { 1.0 + cpu_stretch / compute_total } else { 1.0 };
@@ -168,8 +191,10 @@ fn one(
         comms_of.push(comms.clone());
         let mut mine = Vec::new();
         if strat.in_memory() && it > 0 {
-            let snap = *snaps.last().expect("the previous snapshot");
-            let total = host_state.round() as u64;
+            // the snapshot this iteration's part belongs to, and the part's bytes
+            let base = (it - 1) / spread * spread;
+            let snap = snaps[base];
+            let total = (host_state / spread as f64).round() as u64;
             let plan = match (strat, second > 0.0) {
                 (Strategy::Capricorn, false) if it > 1 => {
                     schedule::capricorn(total, &predicted, bed.link_bytes_per_s, fill, 1 << 20, u64::MAX)
@@ -210,13 +235,14 @@ fn one(
         }
         chunks.push(mine);
         // after the optimizer step: the snapshot (training waits for it) and the writes
-        let snap_s = if strat == Strategy::None { 0.0 } else { bed.snapshot_s };
+        // (sparse: only every `spread` iterations; the others take no snapshot)
+        let snap_s = if strat == Strategy::None || it % spread != 0 { 0.0 } else { bed.snapshot_s };
         let mut sdeps = vec![end];
         match strat {
             // one host buffer: the next snapshot waits for the previous write
             Strategy::Async => sdeps.extend(writes.last()),
             // double buffer: the one being filled was sent two iterations ago
-            Strategy::Gemini | Strategy::Capricorn if sent.len() >= 2 => sdeps.push(sent[sent.len() - 2]),
+            Strategy::Gemini | Strategy::Capricorn if spread == 1 && sent.len() >= 2 => sdeps.push(sent[sent.len() - 2]),
             _ => {}
         }
         let snap = dag.compute(format!("it{it} snapshot"), "ckpt", cpu, snap_s, sdeps);
@@ -361,6 +387,11 @@ mod tests {
 
     #[test]
     fn replayed_strategies_cost_what_their_mechanism_says() {
+        let sp = replay_with(&bed(), &[Strategy::Capricorn], 0.9, 0.0, &[4]).unwrap();
+        // a quarter of the bytes per iteration: never slower than replicating it all
+        assert_eq!(sp[1].strategy, "capricorn-sparse");
+        assert!(sp[1].iter_time_s <= sp[0].iter_time_s * 1.0001, "{sp:?}");
+        assert!(replay_with(&bed(), &[], 0.9, 0.0, &[1]).is_err());
         let p = replay(&bed(), &Strategy::ALL, 0.9, 0.0).unwrap();
         let t = |s: &str| p.iter().find(|x| x.strategy == s).unwrap().iter_time_s;
         assert!((t("none") - 0.42).abs() < 1e-6, "{}", t("none"));

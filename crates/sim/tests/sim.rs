@@ -173,6 +173,20 @@ fn ckpt_scenario_is_deterministic_for_a_seed() {
     }
 }
 
+#[test]
+fn sparse_capricorn_moves_a_kth_of_the_bytes_and_is_never_slower() {
+    let (m, c) = moe();
+    let opts = CkptOptions { iterations: 12, sparse: vec![4], ..Default::default() };
+    let r = ckpt::simulate(&m, &c, &[Strategy::None, Strategy::Capricorn], &opts).unwrap();
+    let (none, full, sparse) = (&r.results[0], &r.results[1], &r.results[2]);
+    assert_eq!(sparse.label, "capricorn-sparse");
+    assert!((sparse.ckpt_bytes_per_iter * 4.0 / full.ckpt_bytes_per_iter - 1.0).abs() < 1e-9);
+    assert!(sparse.mean_iter_s <= full.mean_iter_s * (1.0 + 1e-9), "{} vs {}", sparse.mean_iter_s, full.mean_iter_s);
+    assert!(sparse.mean_iter_s >= none.mean_iter_s * (1.0 - 1e-9));
+    let bad = CkptOptions { sparse: vec![1], ..opts };
+    assert!(ckpt::simulate(&m, &c, &[Strategy::Capricorn], &bad).is_err());
+}
+
 fn trace(iterations: usize, shift_at: Option<usize>, moe_layers: usize, experts: usize) -> LoadTrace {
     // popular experts in the first half, then (after the shift) in the second half
     let base: Vec<f64> = (0..experts).map(|e| if e < experts / 2 { 100.0 + (e % 3) as f64 } else { 2.0 }).collect();

@@ -175,22 +175,23 @@ mod tests {
     }
 }
 
-/// Prefix of every thread the transport (and its callers' communication threads) start: the
-/// collective threads (`iw-coll-*`), TCP readers and senders (`iw-tcp-*`), UCX and verbs
-/// progress threads. [`comm_cpu_ns`] sums their CPU.
-pub const COMM_THREAD_PREFIX: &str = "iw-";
+/// Name prefixes of the threads the transport starts: the collective threads (`iw-coll-*`),
+/// TCP readers, senders and acceptors (`iw-tcp-*`), UCX and verbs progress threads, the
+/// rendezvous server. [`comm_cpu_ns`] sums their CPU. (Prefixes, not `iw-` alone: a binary
+/// named `iw-something` names its main thread so.)
+pub const COMM_THREAD_PREFIXES: [&str; 5] = ["iw-coll-", "iw-tcp-", "iw-ucx-", "iw-verbs-", "iw-rendezvous"];
 
-/// CPU time, ns, the live threads of this process named `prefix*` have used (from
-/// `/proc/self/task/*/schedstat`, nanosecond precision; `stat`'s ticks where schedstat is
-/// missing). Threads that already ended are not counted: read it while the communicators are
-/// open. `None` off Linux or when `/proc` cannot be read.
-pub fn threads_cpu_ns(prefix: &str) -> Option<u64> {
+/// CPU time, ns, the live threads of this process whose name starts with one of `prefixes`
+/// have used (from `/proc/self/task/*/schedstat`, nanosecond precision; `stat`'s ticks where
+/// schedstat is missing). Threads that already ended are not counted: read it while the
+/// communicators are open. `None` off Linux or when `/proc` cannot be read.
+pub fn threads_cpu_ns(prefixes: &[&str]) -> Option<u64> {
     let tasks = std::fs::read_dir("/proc/self/task").ok()?;
     let mut total = 0u64;
     for t in tasks.flatten() {
         let p = t.path();
         let Ok(name) = std::fs::read_to_string(p.join("comm")) else { continue };
-        if !name.trim_end().starts_with(prefix) {
+        if !prefixes.iter().any(|x| name.trim_end().starts_with(x)) {
             continue;
         }
         total += task_cpu_ns(&p).unwrap_or(0);
@@ -203,8 +204,8 @@ pub fn threads_cpu_ns(prefix: &str) -> Option<u64> {
 static ENDED_CPU_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Adds the calling thread's CPU so far to the communication CPU: the last call of a
-/// short-lived communication thread (not named [`COMM_THREAD_PREFIX`]`*`, so it is counted
-/// once).
+/// short-lived communication thread (not named after [`COMM_THREAD_PREFIXES`], so it is
+/// counted once).
 pub fn count_this_thread() {
     ENDED_CPU_NS.fetch_add(this_thread_cpu_ns(), std::sync::atomic::Ordering::Relaxed);
 }
@@ -220,11 +221,11 @@ pub fn this_thread_cpu_ns() -> u64 {
     (ts.tv_sec.max(0) as u64).saturating_mul(1_000_000_000).saturating_add(ts.tv_nsec.max(0) as u64)
 }
 
-/// CPU of this process's communication so far, ns: its live threads named
-/// [`COMM_THREAD_PREFIX`]`*` (collective threads, TCP readers and senders) and the short-lived
+/// CPU of this process's communication so far, ns: its live threads named after
+/// [`COMM_THREAD_PREFIXES`] (collective threads, TCP readers and senders) and the short-lived
 /// ones that ended ([`count_this_thread`]). Read it before the communicators close.
 pub fn comm_cpu_ns() -> Option<u64> {
-    Some(threads_cpu_ns(COMM_THREAD_PREFIX)? + ENDED_CPU_NS.load(std::sync::atomic::Ordering::Relaxed))
+    Some(threads_cpu_ns(&COMM_THREAD_PREFIXES)? + ENDED_CPU_NS.load(std::sync::atomic::Ordering::Relaxed))
 }
 
 fn task_cpu_ns(task: &std::path::Path) -> Option<u64> {
@@ -247,7 +248,7 @@ mod cpu_tests {
 
     #[test]
     fn a_named_thread_that_spins_is_counted_and_others_are_not() {
-        let before = threads_cpu_ns("iw-cputest").unwrap();
+        let before = threads_cpu_ns(&["iw-cputest"]).unwrap();
         assert_eq!(before, 0, "no such thread yet");
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let t = std::thread::Builder::new()
@@ -263,10 +264,10 @@ mod cpu_tests {
             })
             .unwrap();
         std::thread::sleep(std::time::Duration::from_millis(80));
-        let during = threads_cpu_ns("iw-cputest").unwrap();
+        let during = threads_cpu_ns(&["iw-cputest"]).unwrap();
         tx.send(()).unwrap();
         t.join().unwrap();
         assert!(during >= 10_000_000, "a thread that spun for 60 ms used {during} ns");
-        assert_eq!(threads_cpu_ns("iw-no-such-thread").unwrap(), 0);
+        assert_eq!(threads_cpu_ns(&["iw-no-such-thread"]).unwrap(), 0);
     }
 }
