@@ -171,7 +171,11 @@ fn speculative_activation_on_synthetic_traces() {
 /// batch of 8 sequences): from one iteration to the next the raw shares move by a median 0.09
 /// and up to 0.6 in total variation.
 fn recorded() -> Vec<ExpertLoad> {
-    let v: serde_json::Value = serde_json::from_str(include_str!("data/moe-small-load.json")).unwrap();
+    parse_trace(include_str!("data/moe-small-load.json"))
+}
+
+fn parse_trace(text: &str) -> Vec<ExpertLoad> {
+    let v: serde_json::Value = serde_json::from_str(text).unwrap();
     v["iterations"]
         .as_array()
         .unwrap()
@@ -213,6 +217,31 @@ fn speculative_activation_is_rare_on_a_real_load_and_quick_after_a_flip() {
     let at = activations(&flipped);
     let first = at.iter().copied().find(|&i| i >= 50);
     assert!(first.is_some_and(|i| i <= 52), "flip at 50, re-profiled at {at:?}");
+}
+
+/// Issue 29: the 10% above comes from the trace the smoothing was tuned on. moe-wide's load,
+/// recorded live (80 iterations, 4 MoE layers x 16 experts, the bench's workload) and never used
+/// for tuning, says what a live run gets: this test prints the rate and checks only what the
+/// design promises on any trace — fewer activations than re-profiling on every raw change, and
+/// none once the smoothed load is still. The rate itself is reported in docs/BENCHMARKS.md.
+#[test]
+fn speculative_activation_on_a_trace_it_was_not_tuned_on() {
+    let t = parse_trace(include_str!("data/moe-wide-load.json"));
+    assert_eq!(t.len(), 80);
+    let at = activations(&t);
+    let raw = activations_with(SpeculativeActivation::with_alpha(DEFAULT_THRESHOLD, 1.0), &t);
+    let steady = at.iter().filter(|&&i| i >= 10).count();
+    eprintln!(
+        "moe-wide, live trace: {} activations in 80 iterations ({} of the 70 after iteration 10); raw load: {}; at {at:?}",
+        at.len(),
+        steady,
+        raw.len()
+    );
+    assert!(at.len() < raw.len(), "smoothing must re-profile less than the raw load: {at:?} vs {raw:?}");
+    // the same load held still after iteration 40: no activation after the smoothing settles
+    let held: Vec<ExpertLoad> = t.iter().enumerate().map(|(i, l)| if i < 40 { l.clone() } else { t[39].clone() }).collect();
+    let at = activations(&held);
+    assert!(at.iter().all(|&i| i < 45), "a still load re-profiled: {at:?}");
 }
 
 #[test]

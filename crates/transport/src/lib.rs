@@ -55,6 +55,7 @@ pub use comm::{CommOptions, Communicator, DEFAULT_TIMEOUT, MAX_USER_TAG};
 pub use dtype::{finish_avg, reduce_into, DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
+pub use link::set_background_thread;
 pub use link::{
     join_until, wait_blocking_send, Buf, BufMut, DeviceSlice, Link, LinkInfo, Mailbox, MemKind, NativeCollectives, PendingSend,
     Progress, RecvBuf, RecvHandle, SendCompleter, SendHandle, SeqTable, SpeedSource, Tag, PROGRESS_SPIN,

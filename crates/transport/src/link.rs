@@ -761,6 +761,23 @@ impl Drop for Driving<'_> {
 /// before it sleeps on the condition variable (the backend's own thread then delivers).
 pub const PROGRESS_SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 
+thread_local! {
+    static BACKGROUND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the calling thread as a background receiver (a checkpoint replica or acknowledgement
+/// thread): its waits never drive the backend's progress hook — no polling of the sockets, no
+/// [`PROGRESS_SPIN`] — but sleep at once until the backend's own threads deliver. A waiter that
+/// polls saves a thread hand-off per message, worth it on a training collective's critical
+/// path; a thread that waits most of its life would spend the training cores on it.
+pub fn set_background_thread(on: bool) {
+    BACKGROUND.with(|b| b.set(on));
+}
+
+fn is_background_thread() -> bool {
+    BACKGROUND.with(std::cell::Cell::get)
+}
+
 impl Mailbox {
     /// Installs `f`, called (without the mailbox lock) after each receive is posted: a
     /// backend whose progress thread holds rendezvous messages until their receive is posted
@@ -1141,9 +1158,9 @@ impl Mailbox {
                 let after = now.saturating_duration_since(start.unwrap_or(now));
                 return Err(Error::Timeout { what: format!("receive from rank {src}"), after });
             }
-            if let Some(p) =
-                self.progress.get().filter(|_| progressed || now.saturating_duration_since(last_progress) < PROGRESS_SPIN)
-            {
+            if let Some(p) = self.progress.get().filter(|_| {
+                (progressed || now.saturating_duration_since(last_progress) < PROGRESS_SPIN) && !is_background_thread()
+            }) {
                 drop(st);
                 if driving.hook.is_none() {
                     p.0.begin();

@@ -352,6 +352,9 @@ pub(crate) fn receive_replicas(
     meter: Meter<'_>,
 ) {
     let Meter { cpu, arrived } = meter;
+    // a replica arrives over many milliseconds: sleep between messages, never poll the
+    // sockets on the training cores
+    ironweave_transport::set_background_thread(true);
     let mut last = thread_cpu_ns();
     let r = poll_loop(comm, src, TAG_DATA, stop, |msg| {
         // the last byte is in: when, for the wire accuracy
@@ -449,6 +452,8 @@ fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared
 
 /// Receives `holder`'s acknowledgements.
 pub(crate) fn receive_acks(comm: &Communicator, holder: usize, shared: &Mutex<Shared>, stop: &AtomicBool) {
+    // a few acknowledgements per iteration: sleep, do not poll
+    ironweave_transport::set_background_thread(true);
     let r = poll_loop(comm, holder, TAG_ACK, stop, |msg| {
         let a = Ack::decode(holder, &msg)?;
         let mut sh = lock(shared);
