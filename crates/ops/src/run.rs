@@ -64,9 +64,9 @@ pub struct TrainArgs {
     /// Number of ranks (processes).
     #[arg(long, default_value_t = 4)]
     pub ranks: usize,
-    /// Checkpoint strategy: none, blocking, async, gemini, capricorn; or capricorn-sparse[K]
-    /// (a snapshot every K iterations, 1/K of it replicated per iteration, K=4 by default),
-    /// capricorn-multilink, capricorn-always, async-sustained, gemini-fillF-chunkSIZE.
+    /// Checkpoint strategy: none, blocking, async, gemini, capricorn; or `capricorn-sparseK`
+    /// (a snapshot every K iterations, 1/K of it replicated per iteration; `capricorn-sparse`:
+    /// K=4), capricorn-multilink, capricorn-always, async-sustained, gemini-fillF-chunkSIZE.
     #[arg(long, default_value = "capricorn")]
     pub ckpt: String,
     /// Backend.
