@@ -77,6 +77,20 @@ pub fn ckpt_files(data: &[u8]) {
             assert!(man.registry.total <= LIMIT);
         }
         let _ = Snapshot::verify(&data[..data.len().min(4096)], &man.sums, "fuzz");
+        // the global layout: indexed (or refused) without a panic, and a plan onto the same
+        // layout copies each target byte at most once
+        let sums = (!man.tensor_xxh3.is_empty()).then_some(man.tensor_xxh3.as_slice());
+        if man.check_from(man.rank as usize, LIMIT).is_ok() {
+            if let Ok(idx) = ironweave_ckpt::layout::index(&[(&man.registry, sums)]) {
+                if let Ok(plan) = ironweave_ckpt::layout::plan(&idx, &man.registry) {
+                    for f in &plan {
+                        let t = &man.registry.tensors[f.target];
+                        let copied: u64 = f.from.iter().flat_map(|(_, r)| r.iter()).map(|c| c.run).sum();
+                        assert!(copied <= t.len, "{copied} bytes planned into a {}-byte tensor", t.len);
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -23,6 +23,18 @@ pub enum CkptError {
         /// What is wrong with it.
         why: String,
     },
+    /// A checkpoint's global layout does not fit the model or the loading layout: a tensor
+    /// missing or of another shape, a slice outside its tensor, owner slices that overlap or
+    /// leave a hole, a slice that failed its checksum.
+    #[error("checkpoint layout: tensor `{tensor}`{}: {detail}", file.as_ref().map(|f| format!(" in {f}")).unwrap_or_default())]
+    Layout {
+        /// The global tensor.
+        tensor: String,
+        /// The file it was read from or found in, if one.
+        file: Option<String>,
+        /// What is wrong.
+        detail: String,
+    },
     /// No valid checkpoint anywhere.
     #[error("no valid checkpoint to restore: tried {tried}\n  hint: {hint}")]
     NothingToRestore {

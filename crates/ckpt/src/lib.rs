@@ -29,6 +29,7 @@
 pub mod engine;
 mod error;
 pub mod fault;
+pub mod layout;
 pub mod partition;
 pub mod persist;
 pub mod registry;
@@ -38,5 +39,6 @@ pub mod wire;
 
 pub use engine::{placement, placement_on_hosts, CheckpointReport, Counters, Engine, EngineConfig, Restored, Source};
 pub use error::{CkptError, Result};
+pub use layout::GlobalSlice;
 pub use registry::{Dtype, Registry, TensorMeta, TensorSpec};
 pub use snapshot::{ChunkSum, Snapshot, SnapshotBuffers};

@@ -36,6 +36,14 @@ pub struct Manifest {
     pub registry: Registry,
     /// Chunk checksums.
     pub sums: Vec<ChunkSum>,
+    /// xxh3 of each tensor's bytes, in registry order (files of the persistent tier: a loader
+    /// that reads single tensors verifies each one it reads; empty in replication messages).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tensor_xxh3: Vec<u64>,
+    /// The parallel layout that wrote it (`world`, `kind`, degrees, experts per rank: free-form
+    /// names the writer chose, shown by `ironweave ckpt inspect`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub layout: BTreeMap<String, String>,
 }
 
 impl Manifest {
@@ -51,8 +59,15 @@ impl Manifest {
         if self.rank as usize != src {
             return Err(bad(format!("it says it is rank {}'s", self.rank)));
         }
-        let specs: Vec<crate::registry::TensorSpec> =
-            self.registry.tensors.iter().map(|t| crate::registry::TensorSpec::new(t.name.clone(), t.dtype, &t.shape)).collect();
+        let specs: Vec<crate::registry::TensorSpec> = self
+            .registry
+            .tensors
+            .iter()
+            .map(|t| crate::registry::TensorSpec {
+                global: t.global.clone(),
+                ..crate::registry::TensorSpec::new(t.name.clone(), t.dtype, &t.shape)
+            })
+            .collect();
         let laid = Registry::new(&specs).map_err(|e| bad(format!("layout: {e}")))?;
         if laid != self.registry {
             return Err(bad("offsets, lengths or total do not follow from the shapes".into()));
@@ -75,6 +90,8 @@ impl Manifest {
             iter: snap.iter,
             registry: (*snap.registry).clone(),
             sums: snap.sums().to_vec(),
+            tensor_xxh3: Vec::new(),
+            layout: BTreeMap::new(),
         }
     }
 }
@@ -178,6 +195,18 @@ pub fn write(dir: &Path, snap: &Snapshot, rank: u32, world: u32) -> Result<PathB
 
 /// [`write()`], the data paced by `bucket` when given.
 pub fn write_with(dir: &Path, snap: &Snapshot, rank: u32, world: u32, bucket: Option<&Mutex<TokenBucket>>) -> Result<PathBuf> {
+    write_layout(dir, snap, rank, world, bucket, &BTreeMap::new())
+}
+
+/// [`write_with`], the manifest naming the parallel `layout` that wrote it.
+pub fn write_layout(
+    dir: &Path,
+    snap: &Snapshot,
+    rank: u32,
+    world: u32,
+    bucket: Option<&Mutex<TokenBucket>>,
+    layout: &BTreeMap<String, String>,
+) -> Result<PathBuf> {
     let (data_path, man_path) = paths(dir, snap.iter, rank);
     let d = data_path.parent().expect("has a parent");
     fs::create_dir_all(d).map_err(|e| CkptError::io(d, e))?;
@@ -189,7 +218,15 @@ pub fn write_with(dir: &Path, snap: &Snapshot, rank: u32, world: u32, bucket: Op
     let h = header(&snap.registry, &meta)?;
     let n = (h.len() as u64).to_le_bytes();
     write_atomic(&data_path, &[&n, &h, &snap.data], bucket, Some((rank as usize, snap.iter)))?;
-    let m = serde_json::to_vec_pretty(&Manifest::of(snap, rank, world)).map_err(|e| CkptError::Invalid(e.to_string()))?;
+    let mut man = Manifest::of(snap, rank, world);
+    man.tensor_xxh3 = snap
+        .registry
+        .tensors
+        .iter()
+        .map(|t| xxhash_rust::xxh3::xxh3_64(&snap.data[t.offset as usize..(t.offset + t.len) as usize]))
+        .collect();
+    man.layout = layout.clone();
+    let m = serde_json::to_vec_pretty(&man).map_err(|e| CkptError::Invalid(e.to_string()))?;
     write_atomic(&man_path, &[&m], None, None)?;
     sync_dir(d)?;
     sync_dir(dir)?;
@@ -245,7 +282,7 @@ pub fn parse_safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<(Registry, 
         if offs[1] - offs[0] != want {
             return Err(bad(format!("tensor `{name}`: {} bytes for shape {shape:?} of {}", offs[1] - offs[0], dtype.name())));
         }
-        tensors.push(TensorMeta { name: name.clone(), dtype, shape, offset: offs[0], len: want });
+        tensors.push(TensorMeta { name: name.clone(), dtype, shape, offset: offs[0], len: want, global: None });
     }
     tensors.sort_by_key(|t| (t.offset, t.len));
     let mut end = 0;
@@ -279,7 +316,7 @@ pub fn load(dir: &Path, iter: u64, rank: u32) -> Result<Snapshot> {
     let (reg, data) = read_safetensors(&data_path)?;
     let mut want = man.registry.tensors.clone();
     want.sort_by_key(|t| (t.offset, t.len));
-    if reg.tensors != want {
+    if reg.tensors.len() != want.len() || reg.tensors.iter().zip(&want).any(|(a, b)| !a.same_bytes(b)) {
         return Err(CkptError::Corrupt {
             what: data_path.display().to_string(),
             detail: "tensors differ from the manifest's".into(),
@@ -287,6 +324,141 @@ pub fn load(dir: &Path, iter: u64, rank: u32) -> Result<Snapshot> {
     }
     Snapshot::verify(&data, &man.sums, &data_path.display().to_string())?;
     Ok(Snapshot::with_sums(iter, Arc::new(man.registry), data, man.sums))
+}
+
+/// Reads and checks rank `rank`'s manifest of iteration `iter` under `dir`.
+pub fn read_manifest(dir: &Path, iter: u64, rank: u32) -> Result<Manifest> {
+    let (_, man_path) = paths(dir, iter, rank);
+    let text = fs::read(&man_path).map_err(|e| CkptError::io(&man_path, e))?;
+    let man: Manifest = serde_json::from_slice(&text)
+        .map_err(|e| CkptError::Format { path: man_path.clone(), why: format!("manifest is not valid: {e}") })?;
+    if man.format != FORMAT || man.iter != iter || man.rank != rank {
+        return Err(CkptError::Format {
+            path: man_path,
+            why: format!(
+                "manifest says format {}, iteration {}, rank {}; expected {FORMAT}, {iter}, {rank}",
+                man.format, man.iter, man.rank
+            ),
+        });
+    }
+    // the layout must follow from the shapes (a hand-edited or foreign manifest)
+    man.check_from(rank as usize, u64::MAX)
+        .map_err(|e| CkptError::Format { path: paths(dir, iter, rank).1, why: e.to_string() })?;
+    Ok(man)
+}
+
+/// Every rank's manifest of iteration `iter` under `dir` (the world size from rank 0's): a
+/// missing one is an error naming the file (a checkpoint whose write did not finish on every
+/// rank).
+pub fn read_manifests(dir: &Path, iter: u64) -> Result<Vec<Manifest>> {
+    let first = read_manifest(dir, iter, 0)?;
+    let world = first.world;
+    let mut out = vec![first];
+    for r in 1..world {
+        let m = read_manifest(dir, iter, r)?;
+        if m.world != world {
+            return Err(CkptError::Format {
+                path: paths(dir, iter, r).1,
+                why: format!("world {} here, {world} in rank 0's manifest", m.world),
+            });
+        }
+        out.push(m);
+    }
+    Ok(out)
+}
+
+/// The newest iteration under `dir` every rank of which wrote its files completely (all
+/// `world` manifests present; a manifest is written after its data file), with the reasons
+/// newer ones were passed over.
+pub fn newest_complete(dir: &Path) -> Result<(u64, Vec<String>)> {
+    let mut skipped = Vec::new();
+    for it in iterations(dir, 0) {
+        match read_manifests(dir, it) {
+            Ok(_) => return Ok((it, skipped)),
+            Err(e) => skipped.push(format!("iteration {it}: {e}")),
+        }
+    }
+    Err(CkptError::NothingToRestore {
+        tried: format!(
+            "{}: {}",
+            dir.display(),
+            if skipped.is_empty() { "no iteration with rank 0's manifest".to_string() } else { skipped.join("; ") }
+        ),
+        hint:
+            "give the directory a job's persistent tier wrote (`<report dir>/persist`), with every rank's files of one iteration"
+                .into(),
+    })
+}
+
+/// Start of the data section of a safetensors file (after its 8-byte length and header),
+/// checked against the file's size.
+fn data_start(f: &mut File, path: &Path) -> Result<u64> {
+    use std::io::Read;
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n).map_err(|e| CkptError::io(path, e))?;
+    let n = u64::from_le_bytes(n);
+    let size = f.metadata().map_err(|e| CkptError::io(path, e))?.len();
+    if n > MAX_HEADER || n.saturating_add(8) > size {
+        return Err(CkptError::Format {
+            path: path.to_path_buf(),
+            why: format!("header length {n} exceeds the file ({size} bytes)"),
+        });
+    }
+    Ok(8 + n)
+}
+
+/// Loads iteration `iter` of the checkpoint under `dir` into the layout `want` (a registry whose
+/// tensors name their global slices), whatever layout wrote it: the manifests are indexed
+/// ([`crate::layout::index`]: refused when they do not make one model), each owner slice this
+/// rank needs is read by range from its file and checked against its checksum, and the parts
+/// of it this rank's tensors cover are copied in. Reads only the slices it needs.
+pub fn load_global(dir: &Path, iter: u64, want: &Registry) -> Result<Snapshot> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mans = read_manifests(dir, iter)?;
+    let files: Vec<(&Registry, Option<&[u64]>)> =
+        mans.iter().map(|m| (&m.registry, (!m.tensor_xxh3.is_empty()).then_some(m.tensor_xxh3.as_slice()))).collect();
+    let idx = crate::layout::index(&files)?;
+    let fills = crate::layout::plan(&idx, want)?;
+    let mut data = vec![0u8; want.total as usize];
+    let mut open: BTreeMap<usize, (File, u64, PathBuf)> = BTreeMap::new();
+    for f in &fills {
+        let t = &want.tensors[f.target];
+        let g = t.global.as_ref().expect("planned tensors have a global slice");
+        let src_t = &idx[&g.tensor];
+        for (si, runs) in &f.from {
+            let s = &src_t.sources[*si];
+            let (fh, start, p) = match open.entry(s.file) {
+                std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    let p = paths(dir, iter, s.file as u32).0;
+                    let mut fh = File::open(&p).map_err(|e| CkptError::io(&p, e))?;
+                    let start = data_start(&mut fh, &p)?;
+                    v.insert((fh, start, p))
+                }
+            };
+            let mut buf = vec![0u8; s.len as usize];
+            fh.seek(SeekFrom::Start(*start + s.offset)).map_err(|e| CkptError::io(&*p, e))?;
+            fh.read_exact(&mut buf).map_err(|e| CkptError::Layout {
+                tensor: g.tensor.clone(),
+                file: Some(p.display().to_string()),
+                detail: format!("{} bytes at {} cannot be read ({e}): the file is truncated", s.len, *start + s.offset),
+            })?;
+            if let Some(x) = s.xxh3 {
+                if xxhash_rust::xxh3::xxh3_64(&buf) != x {
+                    return Err(CkptError::Layout {
+                        tensor: g.tensor.clone(),
+                        file: Some(p.display().to_string()),
+                        detail: "its bytes do not match the manifest's checksum".into(),
+                    });
+                }
+            }
+            for c in runs {
+                let (src, dst, n) = (c.src as usize, (t.offset + c.dst) as usize, c.run as usize);
+                data[dst..dst + n].copy_from_slice(&buf[src..src + n]);
+            }
+        }
+    }
+    Ok(Snapshot::new(iter, Arc::new(want.clone()), data))
 }
 
 /// Iterations that have a manifest for `rank` under `dir`, newest first.

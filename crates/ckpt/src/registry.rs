@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{CkptError, Result};
+use crate::layout::GlobalSlice;
 
 /// Element type, named as safetensors names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -67,9 +68,22 @@ pub struct TensorMeta {
     pub offset: u64,
     /// Length in bytes (`product(shape) × dtype size`).
     pub len: u64,
+    /// The slice of a global tensor this buffer holds (None: a rank-local buffer; a checkpoint
+    /// without global slices loads only onto the layout that wrote it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global: Option<GlobalSlice>,
 }
 
-/// What the trainer registers: a name, a type, a shape.
+impl TensorMeta {
+    /// Whether two metas describe the same bytes (name, type, shape, place), whatever their
+    /// global slices say.
+    pub fn same_bytes(&self, o: &TensorMeta) -> bool {
+        self.name == o.name && self.dtype == o.dtype && self.shape == o.shape && self.offset == o.offset && self.len == o.len
+    }
+}
+
+/// What the trainer registers: a name, a type, a shape, and optionally the slice of a global
+/// tensor it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorSpec {
     /// Name.
@@ -78,12 +92,20 @@ pub struct TensorSpec {
     pub dtype: Dtype,
     /// Shape.
     pub shape: Vec<u64>,
+    /// The slice of a global tensor it holds ([`crate::layout`]).
+    pub global: Option<GlobalSlice>,
 }
 
 impl TensorSpec {
     /// Convenience constructor.
     pub fn new(name: impl Into<String>, dtype: Dtype, shape: &[u64]) -> Self {
-        TensorSpec { name: name.into(), dtype, shape: shape.to_vec() }
+        TensorSpec { name: name.into(), dtype, shape: shape.to_vec(), global: None }
+    }
+
+    /// The same tensor as slice `g` of a global tensor.
+    pub fn with_global(mut self, g: GlobalSlice) -> Self {
+        self.global = Some(g);
+        self
     }
 }
 
@@ -114,7 +136,14 @@ impl Registry {
             let Some(len) = len else {
                 return Err(CkptError::Invalid(format!("tensor `{}`: shape {:?} overflows", s.name, s.shape)));
             };
-            tensors.push(TensorMeta { name: s.name.clone(), dtype: s.dtype, shape: s.shape.clone(), offset, len });
+            tensors.push(TensorMeta {
+                name: s.name.clone(),
+                dtype: s.dtype,
+                shape: s.shape.clone(),
+                offset,
+                len,
+                global: s.global.clone(),
+            });
             offset = offset.checked_add(len).ok_or_else(|| CkptError::Invalid("state larger than 2^64 bytes".into()))?;
         }
         Ok(Registry { tensors, total: offset })

@@ -37,6 +37,11 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// A snapshot of `data` laid out as `registry`, its checksums computed on first use.
+    pub fn new(iter: u64, registry: Arc<Registry>, data: Vec<u8>) -> Self {
+        Snapshot { iter, registry, data, sums: std::sync::OnceLock::new(), sum_chunk: 256 << 10 }
+    }
+
     /// A snapshot whose checksums are already known (received or loaded).
     pub fn with_sums(iter: u64, registry: Arc<Registry>, data: Vec<u8>, sums: Vec<ChunkSum>) -> Self {
         let sum_chunk = sums.first().map(|c| c.len).unwrap_or(256 << 10).max(1);

@@ -166,7 +166,16 @@ mod tests {
 
     fn manifest(rank: u32, iter: u64) -> Manifest {
         let registry = Registry::new(&[TensorSpec::new("w", Dtype::F32, &[4])]).unwrap();
-        Manifest { format: FORMAT.into(), rank, world: 2, iter, registry, sums: vec![] }
+        Manifest {
+            format: FORMAT.into(),
+            rank,
+            world: 2,
+            iter,
+            registry,
+            sums: vec![],
+            tensor_xxh3: vec![],
+            layout: Default::default(),
+        }
     }
 
     #[test]

@@ -6,8 +6,8 @@
 //! run. Backends are reached only through the `ironweave` facade.
 
 use ironweave_ops::{
-    backend, bench, chaos, ckpt_bench, ckpt_replay, ckpt_selftest, cluster, launch, overlap, plan, progress, report, scaling,
-    sdp, sdp_bench, selftest, simulate, snapbench, train,
+    backend, bench, chaos, ckpt_bench, ckpt_replay, ckpt_selftest, ckpt_tool, cluster, launch, overlap, plan, progress, report,
+    scaling, sdp, sdp_bench, selftest, simulate, snapbench, train,
 };
 
 use std::time::Duration;
@@ -108,6 +108,11 @@ enum Cmd {
         #[command(flatten)]
         args: simulate::SimArgs,
     },
+    /// Checkpoints on disk: what a persistent tier holds, verified.
+    Ckpt {
+        #[command(subcommand)]
+        what: CkptCmd,
+    },
     /// An emulated cluster: hosts in network namespaces joined by rate-limited links.
     Cluster {
         #[command(subcommand)]
@@ -189,6 +194,22 @@ struct PlanArgs {
     /// Use link figures measured by `ironweave cluster probe --json FILE` instead of the description's.
     #[arg(long)]
     probe: Option<std::path::PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+enum CkptCmd {
+    /// The iterations of a persistent tier, the layout that wrote the newest complete one, its
+    /// global tensors and owner slices; every file and tensor verified; the layout-free digest.
+    Inspect {
+        /// The directory (`<report dir>/persist`).
+        dir: std::path::PathBuf,
+        /// Iteration (default: the newest every rank finished writing).
+        #[arg(long)]
+        iter: Option<u64>,
+        /// Also write the whole inspection (every tensor and slice) here as JSON.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -628,6 +649,14 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Cmd::Cluster { what } => cluster_cmd(what),
+        Cmd::Ckpt { what: CkptCmd::Inspect { dir, iter, json } } => {
+            let i = ckpt_tool::inspect(&dir, iter)?;
+            print!("{}", ckpt_tool::summary(&i));
+            if let Some(p) = json {
+                std::fs::write(&p, serde_json::to_vec_pretty(&i)?).with_context(|| format!("writing {}", p.display()))?;
+            }
+            Ok(0)
+        }
         Cmd::Train(args) => Ok(ironweave_ops::train(&args)?),
         Cmd::Report { dir, out } => {
             let p = report::write(&dir, out.as_deref())?;

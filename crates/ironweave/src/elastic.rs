@@ -112,6 +112,15 @@ pub enum Error {
         /// What the restore found.
         source: CkptError,
     },
+    /// The checkpoint [`Config::resume_from`] names could not be loaded onto this job's layout
+    /// (on some rank: every rank ends with this, no generation starts).
+    #[error("cannot resume from {}: {detail}", dir.display())]
+    Resume {
+        /// The directory.
+        dir: std::path::PathBuf,
+        /// What went wrong (this rank's error, or which rank failed).
+        detail: String,
+    },
     /// Generations kept failing.
     #[error("gave up after {reformations} re-formations; the last generation failed with: {last}")]
     GaveUp {
@@ -127,10 +136,11 @@ pub enum Error {
 
 impl Error {
     /// The exit status a rank should end with: [`EXIT_UNRECOVERABLE`] for
-    /// [`Error::Unrecoverable`], 1 otherwise.
+    /// [`Error::Unrecoverable`] and [`Error::Resume`], 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Error::Unrecoverable { .. } => EXIT_UNRECOVERABLE,
+            // a restart would meet the same copies (or the same files) again
+            Error::Unrecoverable { .. } | Error::Resume { .. } => EXIT_UNRECOVERABLE,
             _ => 1,
         }
     }
@@ -170,6 +180,11 @@ pub struct Config {
     /// Set the compute threads of this process from its share of the host's cores before any
     /// thread pool exists (see [`ironweave_transport::threads`]); on by default.
     pub set_threads: bool,
+    /// Start the job's first generation from the newest complete checkpoint in this directory
+    /// (a persistent tier: `<report dir>/persist`), whatever world size and layout wrote it —
+    /// every tensor the worker registers must name its global slice
+    /// ([`ironweave_ckpt::GlobalSlice`]). None: start from the worker's initial state.
+    pub resume_from: Option<std::path::PathBuf>,
 }
 
 /// Default [`Config::max_reformations`].
@@ -197,6 +212,7 @@ impl Config {
             checkpoint_links: CheckpointLinks::Training,
             backend: None,
             set_threads: true,
+            resume_from: None,
         }
     }
 }
@@ -380,6 +396,26 @@ pub trait Worker {
 
     /// Called when a generation ends, by failure or because the last iteration ran.
     fn on_stop(&mut self) {}
+
+    /// The parallel layout of this rank's state (free-form names: `world`, `kind`, degrees),
+    /// written into the persistent tier's manifests; called after [`Worker::join`].
+    fn layout(&self) -> std::collections::BTreeMap<String, String> {
+        Default::default()
+    }
+}
+
+/// A job started from another job's checkpoint ([`Config::resume_from`]).
+#[derive(Debug, Clone)]
+pub struct Resumed {
+    /// The directory.
+    pub dir: std::path::PathBuf,
+    /// The iteration loaded; the job continues after it.
+    pub iter: u64,
+    /// The world size that wrote it.
+    pub written_by: u32,
+    /// The layout-free digest of the loaded global state ([`global_state_sha256`]; rank 0
+    /// only, and only when every global tensor is whole on one rank).
+    pub global_sha256: Option<String>,
 }
 
 /// A rank of an elastic job: joined from the environment, run with [`Job::run`].
@@ -474,6 +510,7 @@ impl Job {
         let mut recoveries = 0u64;
         let mut last_source: Option<RestoreSource> = None;
         let mut fresh = true;
+        let mut resumed: Option<Resumed> = None;
         loop {
             let comm = self.form(gen)?;
             let joined = worker.join(&Generation { comm: &comm, number: gen, fresh_process: fresh });
@@ -489,13 +526,19 @@ impl Job {
                     match engine.as_mut() {
                         Some(e) => e.rebind(comm.clone())?,
                         None => {
-                            let ecfg = self.engine_config(&comm)?;
+                            let mut ecfg = self.engine_config(&comm)?;
+                            ecfg.layout = worker.layout();
                             engine = Some(Engine::new(comm.clone(), Registry::new(&worker.state_specs())?, ecfg)?);
                         }
                     }
                     let e = engine.as_mut().expect("set above");
                     (|| -> Result<(), BoxError> {
                         let mut start = 1;
+                        if let (false, Some(dir), None) = (need_restore, &self.cfg.resume_from, &resumed) {
+                            let r = resume(e, worker, dir)?;
+                            start = r.iter + 1;
+                            resumed = Some(r);
+                        }
                         if need_restore {
                             let rec = restore(e, worker, gen)?;
                             recoveries += 1;
@@ -513,13 +556,13 @@ impl Job {
                 Ok(()) => {
                     let mut e = engine.take().expect("ran");
                     let last_committed = e.commit(true)?;
-                    return Ok(Finished { engine: e, comm, recoveries, last_source, last_committed, generation: gen });
+                    return Ok(Finished { engine: e, comm, recoveries, last_source, last_committed, generation: gen, resumed });
                 }
                 Err(err) => {
                     let err = match err.downcast::<Error>() {
                         Ok(e) => match *e {
-                            // no re-formation brings lost copies back: end the job
-                            e @ Error::Unrecoverable { .. } => return Err(e),
+                            // no re-formation brings lost copies back (or mends the files): end the job
+                            e @ (Error::Unrecoverable { .. } | Error::Resume { .. }) => return Err(e),
                             e => Box::new(e) as BoxError,
                         },
                         Err(other) => other,
@@ -585,6 +628,94 @@ fn chain(err: &(dyn std::error::Error + 'static)) -> String {
     s
 }
 
+/// The first generation's start from another job's checkpoint: the newest complete iteration
+/// under `dir`, loaded into this rank's registered layout.
+fn resume<W: Worker>(e: &mut Engine, worker: &mut W, dir: &std::path::Path) -> Result<Resumed, BoxError> {
+    // every rank loads its part; any failure ends every rank (collective), none starts over
+    let loaded = (|| -> Result<(u64, Vec<String>, u32, Snapshot), BoxError> {
+        let (iter, skipped) = ironweave_ckpt::persist::newest_complete(dir)?;
+        let written_by = ironweave_ckpt::persist::read_manifest(dir, iter, 0)?.world;
+        let snap = ironweave_ckpt::persist::load_global(dir, iter, e.registry())?;
+        worker.restore(&snap)?;
+        Ok((iter, skipped, written_by, snap))
+    })();
+    let me = e.comm().rank() as i64;
+    let mut failed = [if loaded.is_err() { me } else { -1 }];
+    e.comm().all_reduce(&mut failed, ReduceOp::Max)?;
+    let (iter, skipped, written_by, snap) = match (loaded, failed[0]) {
+        (Err(err), _) => return Err(Box::new(Error::Resume { dir: dir.to_path_buf(), detail: chain(&*err) })),
+        (Ok(_), r) if r >= 0 => {
+            return Err(Box::new(Error::Resume { dir: dir.to_path_buf(), detail: format!("rank {r} could not load its part") }))
+        }
+        (Ok(x), _) => x,
+    };
+    let bufs: Vec<&[u8]> =
+        snap.registry.tensors.iter().map(|t| &snap.data[t.offset as usize..(t.offset + t.len) as usize]).collect();
+    let global_sha256 = global_state_sha256(e.comm(), e.registry(), &bufs)?;
+    if e.comm().rank() == 0 {
+        for s in &skipped {
+            eprintln!("resume: passed over {s}");
+        }
+    }
+    Ok(Resumed { dir: dir.to_path_buf(), iter, written_by, global_sha256 })
+}
+
+/// The layout-free digest of the job's state (`ironweave_ckpt::layout::global_digest`): every
+/// rank hashes the global tensors it owns whole, rank 0 gathers the hashes and returns the hex
+/// digest (collective; None on the other ranks, and when some owned slice is only part of its
+/// global tensor). `bufs`: the state in `registry` order.
+pub fn global_state_sha256(comm: &Communicator, registry: &Registry, bufs: &[&[u8]]) -> Result<Option<String>> {
+    use ironweave_ckpt::layout;
+    let mut mine: Vec<u8> = Vec::new();
+    let mut whole = true;
+    for (t, b) in registry.tensors.iter().zip(bufs) {
+        let Some(g) = t.global.as_ref().filter(|g| g.owner) else {
+            whole &= t.global.is_some();
+            continue;
+        };
+        if g.offsets.iter().any(|&o| o != 0) || g.shape != t.shape {
+            whole = false;
+            continue;
+        }
+        mine.extend_from_slice(&(g.tensor.len() as u32).to_le_bytes());
+        mine.extend_from_slice(g.tensor.as_bytes());
+        mine.extend_from_slice(&layout::tensor_sha256(b));
+    }
+    const TAG: u32 = 0x6710_0001;
+    let mut ok = [i64::from(!whole)];
+    comm.all_reduce(&mut ok, ironweave_transport::ReduceOp::Max)?;
+    if comm.rank() != 0 {
+        comm.send_bytes(0, TAG, &mine)?;
+        return Ok(None);
+    }
+    let mut all = vec![mine];
+    for r in 1..comm.size() {
+        all.push(comm.recv_bytes(r, TAG)?);
+    }
+    if ok[0] != 0 {
+        return Ok(None);
+    }
+    let mut per = std::collections::BTreeMap::new();
+    for (r, b) in all.iter().enumerate() {
+        let mut at = 0usize;
+        while at < b.len() {
+            let n = b.get(at..at + 4).map(|x| u32::from_le_bytes(x.try_into().expect("4 bytes")) as usize);
+            let (Some(n), true) = (n, at + 4 + n.unwrap_or(0) + 32 <= b.len()) else {
+                return Err(
+                    ironweave_transport::Error::InvalidArgument(format!("rank {r}'s tensor digests are malformed")).into()
+                );
+            };
+            let name = String::from_utf8_lossy(&b[at + 4..at + 4 + n]).into_owned();
+            let d: [u8; 32] = b[at + 4 + n..at + 4 + n + 32].try_into().expect("32 bytes");
+            if per.insert(name.clone(), d).is_some() {
+                return Err(ironweave_transport::Error::InvalidArgument(format!("global tensor `{name}` is owned twice")).into());
+            }
+            at += 4 + n + 32;
+        }
+    }
+    Ok(Some(layout::hex(&layout::global_digest(&per))))
+}
+
 /// The collective restore of a generation after a failure.
 fn restore<W: Worker>(e: &mut Engine, worker: &mut W, generation: u16) -> Result<Recovery, BoxError> {
     // the newest iteration any rank saw committed before the failure (a restarted rank
@@ -623,6 +754,7 @@ pub struct Finished {
     last_source: Option<RestoreSource>,
     last_committed: Option<u64>,
     generation: u16,
+    resumed: Option<Resumed>,
 }
 
 impl Finished {
@@ -668,6 +800,17 @@ impl Finished {
     /// (collective), hex. Equal for two runs that end in the same state.
     pub fn job_state_sha256(&self, mine: &[u8; 32]) -> Result<String> {
         job_state_sha256(&self.comm, mine)
+    }
+
+    /// The checkpoint the job started from ([`Config::resume_from`]).
+    pub fn resumed(&self) -> Option<&Resumed> {
+        self.resumed.as_ref()
+    }
+
+    /// [`global_state_sha256`] of `bufs` (the worker's state in its registered order) on this
+    /// job's communicator.
+    pub fn global_state_sha256(&self, bufs: &[&[u8]]) -> Result<Option<String>> {
+        global_state_sha256(&self.comm, self.engine.registry(), bufs)
     }
 
     /// Waits for the engine's background work (persistent writes) and stops its threads.

@@ -38,6 +38,7 @@ pub mod chaos;
 pub mod ckpt_bench;
 pub mod ckpt_replay;
 pub mod ckpt_selftest;
+pub mod ckpt_tool;
 pub mod cluster;
 pub mod error;
 pub mod launch;
@@ -59,6 +60,12 @@ pub use error::{Error, Result};
 /// `ironweave train`: sharded (`--sdp`), tensor parallel (`--tp`, `--schedule`, `--tp-plan`)
 /// or data and expert parallel; returns the command's exit status.
 pub fn train(a: &run::TrainArgs) -> Result<i32> {
+    let sharded_or_tp = a.sdp.is_some() || a.sdp_plan.is_some() || a.tp.is_some() || a.tp_plan.is_some();
+    if a.resume_from.is_some() && sharded_or_tp {
+        error::bail!(
+            "--resume-from loads onto another layout for the data- and expert-parallel runs only so far; --sdp and --tp runs resume from their own in-memory and persistent checkpoints"
+        );
+    }
     if a.sdp.is_some() || a.sdp_plan.is_some() {
         if a.tp.is_some() || a.tp_plan.is_some() {
             error::bail!("--sdp and --tp do not combine yet: choose one");

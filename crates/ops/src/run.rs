@@ -145,6 +145,11 @@ pub struct TrainArgs {
     /// ranks share it equally). Default: the local disk, unpaced.
     #[arg(long)]
     pub storage_rate: Option<String>,
+    /// Start from the newest complete checkpoint in this persistent tier (`<report dir>/persist`
+    /// of another run), whatever world size or expert placement wrote it (MoE configs); the
+    /// job continues after that iteration. `report.json` gains `restored_global_state_sha256`.
+    #[arg(long)]
+    pub resume_from: Option<PathBuf>,
 }
 
 impl TrainArgs {
@@ -175,6 +180,7 @@ impl TrainArgs {
             sdp: None,
             sdp_plan: None,
             sdp_links: None,
+            resume_from: None,
         }
     }
 }
@@ -245,6 +251,19 @@ pub struct Report {
     /// Bytes written to the persistent tier over the run, all ranks.
     #[serde(default)]
     pub ckpt_bytes_storage: u64,
+    /// The layout-free digest of the final global state (`ironweave::elastic::global_state_sha256`):
+    /// equal across world sizes and expert placements for the same tensors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_state_sha256: Option<String>,
+    /// With `--resume-from`: the iteration loaded, the world size that wrote it, and the
+    /// layout-free digest of the state as loaded (equal to the writer's `global_state_sha256`
+    /// at that iteration when the load is exact).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from_iter: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from_world: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored_global_state_sha256: Option<String>,
     /// CPU the replica sender and receiver threads used over the run, all ranks, ns: divided by
     /// `ckpt_bytes_replicated`, what each checkpoint byte costs the cores that train.
     #[serde(default)]
@@ -664,9 +683,15 @@ impl CkptChoice {
 
 /// This rank of an elastic job of `iters` iterations under `ecfg` (the launcher exports the
 /// backend `ironweave train --backend` named); rank 0 says the compute threads chosen.
-pub fn join_job(iters: u64, ecfg: EngineConfig, links: ironweave::elastic::CheckpointLinks) -> Result<ironweave::elastic::Job> {
+pub fn join_job(
+    iters: u64,
+    ecfg: EngineConfig,
+    links: ironweave::elastic::CheckpointLinks,
+    resume_from: Option<&Path>,
+) -> Result<ironweave::elastic::Job> {
     let mut cfg = ironweave::elastic::Config::new(iters, ecfg);
     cfg.checkpoint_links = links;
+    cfg.resume_from = resume_from.map(Path::to_path_buf);
     let job = ironweave::elastic::Job::from_env(cfg)?;
     if let (0, Some(t)) = (job.rank(), job.threads()) {
         eprintln!("ironweave train: {t}");
@@ -726,6 +751,11 @@ pub fn run_elastic<W: ironweave::elastic::Worker>(
             if rank == 0 {
                 eprintln!("rank 0: cannot recover: {e}");
             }
+            std::process::exit(e.exit_code());
+        }
+        Err(e @ ironweave::elastic::Error::Resume { .. }) => {
+            // every rank says it: the one whose part failed names the tensor and the file
+            eprintln!("rank {rank}: {e}");
             std::process::exit(e.exit_code());
         }
         Err(e) => Err(e.into()),

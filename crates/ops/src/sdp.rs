@@ -216,7 +216,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
     let dir = &a.report_dir;
     std::fs::create_dir_all(dir)?;
     let ecfg = choice.engine_config(dir, a.persist_every);
-    let job = crate::run::join_job(iters, ecfg, elastic::CheckpointLinks::Training)?;
+    let job = crate::run::join_job(iters, ecfg, elastic::CheckpointLinks::Training, None)?;
     let rank = job.rank();
     let mut w = SdpWorker {
         a,

@@ -16,7 +16,7 @@ use ironweave_train::dist::Dist;
 use ironweave_train::model::Params;
 use ironweave_train::{StepReport, TrainConfig, Trainer};
 
-use crate::error::{bail, Context, Result};
+use crate::error::{bail, err, Context, Result};
 use crate::run::{host_fail_to_ranks, load_config, parse_fail, parse_strategy, process_footprint, RankLog, Report, TrainArgs};
 
 /// The hidden `train-worker`'s options (set by `ironweave train`).
@@ -41,6 +41,9 @@ pub struct WorkerArgs {
     /// This rank's share of the emulated storage bandwidth, bytes/s.
     #[arg(long)]
     pub storage_bytes_per_s: Option<f64>,
+    /// Start from the newest complete checkpoint in this persistent tier.
+    #[arg(long)]
+    pub resume_from: Option<PathBuf>,
 }
 
 /// The reference MoE trainer as an elastic worker: the runtime owns generations, restores and
@@ -152,6 +155,10 @@ impl Worker for MoeWorker {
     fn on_stop(&mut self) {
         self.log.stop();
     }
+
+    fn layout(&self) -> std::collections::BTreeMap<String, String> {
+        self.trainer.as_ref().map(Trainer::layout).unwrap_or_default()
+    }
 }
 
 /// The hidden `train-worker`: one rank of `ironweave train`, on the elastic runtime.
@@ -171,7 +178,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         ..choice.engine_config(&a.report_dir, a.persist_every)
     };
     let links = if choice.multilink { elastic::CheckpointLinks::All } else { elastic::CheckpointLinks::Training };
-    let job = crate::run::join_job(iters, ecfg.clone(), links)?;
+    let job = crate::run::join_job(iters, ecfg.clone(), links, a.resume_from.as_deref())?;
     let rank = job.rank();
     let mut w = MoeWorker {
         seed: (cfg.train.seed as i64).to_le_bytes(),
@@ -227,6 +234,19 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         rep.storage_bytes_per_s_per_rank = a.storage_bytes_per_s;
     }
     rep.final_state_sha256 = done.job_state_sha256(&tr.state_digest())?;
+    // the layout-free digest of the final state, and of the state a resumed job loaded
+    {
+        let (mut bufs, _, _) = tr.state_bytes();
+        let (step, seed) = ((tr.params.step as i64).to_le_bytes(), (cfg.train.seed as i64).to_le_bytes());
+        bufs.push(&step);
+        bufs.push(&seed);
+        rep.global_state_sha256 = done.global_state_sha256(&bufs)?;
+    }
+    if let Some(r) = done.resumed() {
+        rep.resumed_from_iter = Some(r.iter);
+        rep.resumed_from_world = Some(r.written_by);
+        rep.restored_global_state_sha256 = r.global_sha256.clone();
+    }
     rep.restore_sources =
         done.restore_sources()?.into_iter().map(|s| s.map_or("", elastic::RestoreSource::name).to_string()).collect();
     // the placement every rank derived from the hosts they exchanged
@@ -358,6 +378,21 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         }
     }
     std::fs::create_dir_all(report_dir).with_context(|| format!("creating {}", report_dir.display()))?;
+    if let Some(from) = &a.resume_from {
+        // the report directory's own persistent tier is cleared below: never resume from it
+        let (f, p) = (std::fs::canonicalize(from), std::fs::canonicalize(report_dir.join("persist")));
+        if let (Ok(f), Ok(p)) = (f, p) {
+            if f.starts_with(&p) {
+                bail!(
+                    "--resume-from {}: that is this run's own persistent tier, which a new run clears; copy it elsewhere or give another --report-dir",
+                    from.display()
+                );
+            }
+        }
+        let (it, _) =
+            ironweave::ckpt::persist::newest_complete(from).map_err(|e| err!("--resume-from {}: {e}", from.display()))?;
+        eprintln!("ironweave train: resuming from {} iteration {it}", from.display());
+    }
     let _ = std::fs::remove_dir_all(report_dir.join("persist"));
     let _ = std::fs::remove_file(report_dir.join("report.json"));
     let _ = std::fs::remove_file(report_dir.join("iterations.jsonl"));
@@ -385,6 +420,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     if let Some(r) = storage_per_rank {
         args.extend(["--storage-bytes-per-s".into(), format!("{r}")]);
+    }
+    if let Some(d) = &a.resume_from {
+        args.extend(["--resume-from".into(), d.display().to_string()]);
     }
     let topology = match &a.topology {
         Some(p) => Some((crate::cluster::Topology::load(p)?, a.ranks_per_host.max(1))),

@@ -208,18 +208,40 @@ impl Trainer {
 
     /// The checkpoint layout of this rank's state: every parameter with its two moments, the
     /// optimizer step (which is also the data position) and the seed.
+    ///
+    /// Every tensor is the whole of a global tensor of the same name: an expert's on the rank
+    /// that holds it (its owner), a dense tensor on every rank (data parallelism keeps them
+    /// equal; rank 0's copy is the owner). So the persistent tier's files load onto another
+    /// world size or expert placement (`ironweave_ckpt::layout`).
     pub fn state_specs(&self) -> Vec<ironweave_ckpt::TensorSpec> {
-        use ironweave_ckpt::{Dtype, TensorSpec};
+        use ironweave_ckpt::{Dtype, GlobalSlice, TensorSpec};
+        let whole = |name: String, shape: &[u64], owner: bool| {
+            TensorSpec::new(name.clone(), Dtype::F32, shape).with_global(GlobalSlice::whole(name, shape, owner))
+        };
         let mut v = Vec::new();
         for p in &self.params.list {
             let shape: Vec<u64> = p.shape.iter().map(|&d| d as u64).collect();
-            v.push(TensorSpec::new(p.name.clone(), Dtype::F32, &shape));
-            v.push(TensorSpec::new(format!("adam.m.{}", p.name), Dtype::F32, &shape));
-            v.push(TensorSpec::new(format!("adam.v.{}", p.name), Dtype::F32, &shape));
+            let owner = is_expert(&p.name) || self.rank == 0;
+            v.push(whole(p.name.clone(), &shape, owner));
+            v.push(whole(format!("adam.m.{}", p.name), &shape, owner));
+            v.push(whole(format!("adam.v.{}", p.name), &shape, owner));
         }
-        v.push(TensorSpec::new("step", Dtype::I64, &[]));
-        v.push(TensorSpec::new("seed", Dtype::I64, &[]));
+        for n in ["step", "seed"] {
+            v.push(TensorSpec::new(n, Dtype::I64, &[]).with_global(GlobalSlice::whole(n, &[], self.rank == 0)));
+        }
         v
+    }
+
+    /// The parallel layout of this rank's state, as the persistent tier's manifests name it.
+    pub fn layout(&self) -> std::collections::BTreeMap<String, String> {
+        let w = self.dist.as_ref().map_or(1, |d| d.world());
+        let mut m = std::collections::BTreeMap::new();
+        m.insert("kind".into(), "data + expert parallel (experts e on rank e mod world)".into());
+        m.insert("world".into(), w.to_string());
+        m.insert("experts".into(), self.cfg.model.experts.to_string());
+        m.insert("experts_per_rank".into(), (self.cfg.model.experts / w.max(1)).to_string());
+        m.insert("model".into(), self.cfg.name.clone());
+        m
     }
 
     /// The state as byte buffers, in `state_specs` order.

@@ -152,6 +152,9 @@ pub struct EngineConfig {
     /// which is bit-identical because training is deterministic. Ignored by the other
     /// strategies.
     pub spread_iters: u64,
+    /// The parallel layout this rank's state belongs to (`world`, `kind`, degrees: names of the
+    /// trainer's choosing), written into every manifest of the persistent tier.
+    pub layout: std::collections::BTreeMap<String, String>,
 }
 
 impl Default for EngineConfig {
@@ -178,6 +181,7 @@ impl Default for EngineConfig {
             extra_links: Vec::new(),
             storage_bytes_per_s: None,
             spread_iters: 1,
+            layout: Default::default(),
         }
     }
 }
@@ -826,6 +830,7 @@ impl Engine {
             &self.comm,
             self.storage.as_deref(),
             &self.counters,
+            &self.cfg.layout,
         )
     }
 
@@ -857,9 +862,9 @@ impl Engine {
                 let snap = self.snaps.take(iter, &self.registry, bufs)?;
                 let dir = self.cfg.persist_dir.clone().expect("checked in new");
                 let (bucket, counters) = (self.storage.clone(), self.counters.clone());
-                let comm = self.comm.clone();
+                let (comm, layout) = (self.comm.clone(), self.cfg.layout.clone());
                 self.writer = Some(spawn("ckpt-writer".into(), move || {
-                    write_paced(&dir, &snap, &comm, bucket.as_deref(), &counters).map(|_| snap.iter)
+                    write_paced(&dir, &snap, &comm, bucket.as_deref(), &counters, &layout).map(|_| snap.iter)
                 })?);
                 persisted = true;
             }
@@ -1015,8 +1020,9 @@ fn write_paced(
     comm: &Communicator,
     bucket: Option<&Mutex<TokenBucket>>,
     counters: &Counters,
+    layout: &std::collections::BTreeMap<String, String>,
 ) -> Result<PathBuf> {
-    let p = persist::write_with(dir, snap, comm.rank() as u32, comm.size() as u32, bucket)?;
+    let p = persist::write_layout(dir, snap, comm.rank() as u32, comm.size() as u32, bucket, layout)?;
     counters.storage_bytes.fetch_add(snap.data.len() as u64, Ordering::Relaxed);
     Ok(p)
 }

@@ -492,7 +492,16 @@ mod hostile_peers {
 
     fn manifest(rank: u32, bytes: u64, sums: Vec<ChunkSum>) -> Manifest {
         let registry = Registry::new(&[TensorSpec::new("w", Dtype::U8, &[bytes])]).unwrap();
-        Manifest { format: FORMAT.into(), rank, world: 2, iter: 1, registry, sums }
+        Manifest {
+            format: FORMAT.into(),
+            rank,
+            world: 2,
+            iter: 1,
+            registry,
+            sums,
+            tensor_xxh3: vec![],
+            layout: Default::default(),
+        }
     }
 
     fn begin(m: &Manifest) -> Vec<u8> {
