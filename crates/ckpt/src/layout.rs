@@ -386,6 +386,115 @@ mod tests {
         assert!(plan(&idx, &shape).unwrap_err().to_string().contains("another model"));
     }
 
+    /// A tensor of `shape` split into `parts` row blocks (random cut points from `rng`): the
+    /// slices (offsets, extent) of each part.
+    fn random_rows(shape: &[u64], parts: usize, rng: &mut ironweave_units::SplitMix64) -> Vec<(Vec<u64>, Vec<u64>)> {
+        let rows = shape[0];
+        let mut cuts: Vec<u64> = (1..parts).map(|_| rng.below(rows + 1)).collect();
+        cuts.push(0);
+        cuts.push(rows);
+        cuts.sort_unstable();
+        cuts.windows(2)
+            .map(|w| {
+                let mut off = vec![0; shape.len()];
+                off[0] = w[0];
+                let mut ext = shape.to_vec();
+                ext[0] = w[1] - w[0];
+                (off, ext)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn random_layouts_n_to_m_move_every_element_and_moment_to_its_place() {
+        // property: for random tensors (weights and both moments), random N-way writer and
+        // M-way reader row splits (empty parts included) and 2-d column splits on the reader,
+        // the planned copies put every element of every tensor where the reader wants it
+        let mut rng = ironweave_units::SplitMix64(7);
+        for case in 0..200 {
+            let (n, m) = (1 + rng.below(5) as usize, 1 + rng.below(5) as usize);
+            let shape = vec![1 + rng.below(9), 1 + rng.below(7)];
+            let names = ["w", "adam.m.w", "adam.v.w"];
+            // global values: element i of tensor k is (k * 1000 + i) as f32
+            let value = |k: usize, i: u64| (k as f32) * 1000.0 + i as f32;
+            let cols = shape[1];
+            let writers = random_rows(&shape, n, &mut rng);
+            let mut files: Vec<(Registry, Vec<u8>)> = Vec::new();
+            for (off, ext) in &writers {
+                let specs: Vec<TensorSpec> = names
+                    .iter()
+                    .map(|nm| {
+                        TensorSpec::new(*nm, Dtype::F32, ext).with_global(GlobalSlice {
+                            tensor: nm.to_string(),
+                            shape: shape.clone(),
+                            offsets: off.clone(),
+                            owner: true,
+                        })
+                    })
+                    .collect();
+                let r = reg(specs);
+                let mut data = Vec::new();
+                for k in 0..names.len() {
+                    for row in off[0]..off[0] + ext[0] {
+                        for c in 0..cols {
+                            data.extend_from_slice(&value(k, row * cols + c).to_le_bytes());
+                        }
+                    }
+                }
+                files.push((r, data));
+            }
+            let idx = index(&files.iter().map(|(r, _)| (r, None)).collect::<Vec<_>>()).unwrap();
+            // readers: row blocks, each further cut in two column halves
+            for (off, ext) in random_rows(&shape, m, &mut rng) {
+                let half = ext[1] / 2;
+                for (c0, cw) in [(0, half), (half, ext[1] - half)] {
+                    let (o, e) = (vec![off[0], c0], vec![ext[0], cw]);
+                    let want = reg(names
+                        .iter()
+                        .map(|nm| {
+                            TensorSpec::new(*nm, Dtype::F32, &e).with_global(GlobalSlice {
+                                tensor: nm.to_string(),
+                                shape: shape.clone(),
+                                offsets: o.clone(),
+                                owner: true,
+                            })
+                        })
+                        .collect());
+                    let mut got = vec![0u8; want.total as usize];
+                    for f in plan(&idx, &want).unwrap() {
+                        let t = &want.tensors[f.target];
+                        let src = &idx[&t.global.as_ref().unwrap().tensor];
+                        for (si, runs) in &f.from {
+                            let s = &src.sources[*si];
+                            let data = &files[s.file].1[s.offset as usize..(s.offset + s.len) as usize];
+                            for c in runs {
+                                let at = (t.offset + c.dst) as usize;
+                                got[at..at + c.run as usize].copy_from_slice(&data[c.src as usize..(c.src + c.run) as usize]);
+                            }
+                        }
+                    }
+                    for (k, t) in want.tensors.iter().enumerate() {
+                        for r in 0..e[0] {
+                            for c in 0..e[1] {
+                                let at = (t.offset + (r * e[1] + c) * 4) as usize;
+                                let v = f32::from_le_bytes(got[at..at + 4].try_into().unwrap());
+                                let want_v = value(k, (o[0] + r) * cols + o[1] + c);
+                                assert_eq!(
+                                    v,
+                                    want_v,
+                                    "case {case}: {n}->{m}, tensor {}, element ({}, {})",
+                                    t.name,
+                                    o[0] + r,
+                                    o[1] + c
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_digest_does_not_depend_on_order_of_insertion() {
         let mut a = BTreeMap::new();

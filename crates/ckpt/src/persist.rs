@@ -421,12 +421,19 @@ pub fn load_global(dir: &Path, iter: u64, want: &Registry) -> Result<Snapshot> {
     let fills = crate::layout::plan(&idx, want)?;
     let mut data = vec![0u8; want.total as usize];
     let mut open: BTreeMap<usize, (File, u64, PathBuf)> = BTreeMap::new();
+    // every (target tensor, source slice) read in file order, so each file is read front to
+    // back (the kernel's read-ahead works) whatever order the target registers its tensors in
+    let mut reads: Vec<(&crate::registry::TensorMeta, &str, &crate::layout::Source, &Vec<crate::layout::Copy>)> = Vec::new();
     for f in &fills {
         let t = &want.tensors[f.target];
         let g = t.global.as_ref().expect("planned tensors have a global slice");
-        let src_t = &idx[&g.tensor];
         for (si, runs) in &f.from {
-            let s = &src_t.sources[*si];
+            reads.push((t, g.tensor.as_str(), &idx[&g.tensor].sources[*si], runs));
+        }
+    }
+    reads.sort_by_key(|r| (r.2.file, r.2.offset));
+    for (t, gname, s, runs) in reads {
+        {
             let (fh, start, p) = match open.entry(s.file) {
                 std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
                 std::collections::btree_map::Entry::Vacant(v) => {
@@ -436,25 +443,37 @@ pub fn load_global(dir: &Path, iter: u64, want: &Registry) -> Result<Snapshot> {
                     v.insert((fh, start, p))
                 }
             };
-            let mut buf = vec![0u8; s.len as usize];
+            // a slice that lands whole in the tensor is read straight into place; a part of
+            // one is read whole (its checksum covers all of it) and the runs copied out
+            let whole = matches!(runs.as_slice(), [c] if c.src == 0 && c.run == s.len);
+            let mut buf = Vec::new();
+            let into: &mut [u8] = if whole {
+                let at = (t.offset + runs[0].dst) as usize;
+                &mut data[at..at + s.len as usize]
+            } else {
+                buf.resize(s.len as usize, 0);
+                &mut buf
+            };
             fh.seek(SeekFrom::Start(*start + s.offset)).map_err(|e| CkptError::io(&*p, e))?;
-            fh.read_exact(&mut buf).map_err(|e| CkptError::Layout {
-                tensor: g.tensor.clone(),
+            fh.read_exact(into).map_err(|e| CkptError::Layout {
+                tensor: gname.to_string(),
                 file: Some(p.display().to_string()),
                 detail: format!("{} bytes at {} cannot be read ({e}): the file is truncated", s.len, *start + s.offset),
             })?;
             if let Some(x) = s.xxh3 {
-                if xxhash_rust::xxh3::xxh3_64(&buf) != x {
+                if xxhash_rust::xxh3::xxh3_64(into) != x {
                     return Err(CkptError::Layout {
-                        tensor: g.tensor.clone(),
+                        tensor: gname.to_string(),
                         file: Some(p.display().to_string()),
                         detail: "its bytes do not match the manifest's checksum".into(),
                     });
                 }
             }
-            for c in runs {
-                let (src, dst, n) = (c.src as usize, (t.offset + c.dst) as usize, c.run as usize);
-                data[dst..dst + n].copy_from_slice(&buf[src..src + n]);
+            if !whole {
+                for c in runs {
+                    let (src, dst, n) = (c.src as usize, (t.offset + c.dst) as usize, c.run as usize);
+                    data[dst..dst + n].copy_from_slice(&buf[src..src + n]);
+                }
             }
         }
     }

@@ -210,6 +210,24 @@ enum CkptCmd {
         #[arg(long)]
         json: Option<std::path::PathBuf>,
     },
+    /// Rewrite a MoE checkpoint for another world size (experts e on rank e mod ranks): every
+    /// rank's files and manifest, as that job's persistent tier would write them.
+    Reshard {
+        /// The source directory (`<report dir>/persist`).
+        dir: std::path::PathBuf,
+        /// Where the result goes (a new directory).
+        #[arg(long)]
+        to: std::path::PathBuf,
+        /// World size of the result.
+        #[arg(long)]
+        ranks: usize,
+        /// The model's training configuration (its parameters' names and shapes).
+        #[arg(long)]
+        config: std::path::PathBuf,
+        /// Iteration (default: the newest every rank finished writing).
+        #[arg(long)]
+        iter: Option<u64>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -260,6 +278,9 @@ enum BenchCmd {
     /// on each link, HYBRID_SHARD and HSDP with the planner's plan, in one run; each row with
     /// the planner's prediction, bytes per link and link utilization.
     Sdp(sdp_bench::SdpBenchArgs),
+    /// A MoE checkpoint of N ranks loaded onto other world sizes (other expert placements),
+    /// beside `cat` of its files; the page cache dropped before each timing (root).
+    Reshard(ckpt_tool::ReshardBenchArgs),
     /// Collectives over local processes, nccl-tests style, each row verified.
     Collectives {
         /// Number of ranks (processes).
@@ -512,6 +533,10 @@ fn run(cli: Cli) -> Result<i32> {
             ckpt_bench::bench(&a)?;
             Ok(0)
         }
+        Cmd::Bench { what: BenchCmd::Reshard(a), .. } => {
+            ckpt_tool::bench(&a)?;
+            Ok(0)
+        }
         Cmd::Bench { what: BenchCmd::Sdp(a), .. } => {
             launch::install_signal_handlers();
             sdp_bench::bench(&a)?;
@@ -649,6 +674,23 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Cmd::Cluster { what } => cluster_cmd(what),
+        Cmd::Ckpt { what: CkptCmd::Reshard { dir, to, ranks, config, iter } } => {
+            let (cfg, _) = ironweave_ops::run::load_config(&config)?;
+            let r = ckpt_tool::reshard(&dir, iter, &to, ranks, &cfg)?;
+            println!(
+                "resharded iteration {} from {} to {} ranks into {}: {:.1} MB read in {:.2} s, {:.1} MB written in {:.2} s; global_state_sha256 {}",
+                r.iter,
+                r.from_world,
+                r.to_world,
+                to.display(),
+                r.bytes_read as f64 / 1e6,
+                r.load_s,
+                r.bytes_written as f64 / 1e6,
+                r.write_s,
+                r.global_state_sha256
+            );
+            Ok(0)
+        }
         Cmd::Ckpt { what: CkptCmd::Inspect { dir, iter, json } } => {
             let i = ckpt_tool::inspect(&dir, iter)?;
             print!("{}", ckpt_tool::summary(&i));

@@ -1,7 +1,8 @@
 //! Checkpoints that load onto another layout (issue 30): a MoE job written by 4 ranks resumes
 //! on 2 and one written by 2 resumes on 4 — every rank reads only the tensors its experts need
 //! — and the layout-free digest of the state as loaded equals the writer's at that iteration;
-//! `ckpt inspect` verifies the files and says the same digest; a kill in the middle of a
+//! `ckpt inspect` verifies the files and says the same digest, and so does `ckpt reshard`'s
+//! rewrite for the other world size; a kill in the middle of a
 //! persistent write leaves an incomplete iteration that inspection and a resume pass over.
 
 use std::path::{Path, PathBuf};
@@ -89,6 +90,22 @@ fn a_moe_checkpoint_of_4_ranks_loads_onto_2_and_one_of_2_onto_4_bit_exact() {
         let owners = &ins["tensors"]["adam.m.l1.e3.w1"]["slices"];
         assert_eq!(owners.as_array().map(Vec::len), Some(1), "{owners}");
         assert_eq!(owners[0][0], (3 % from) as u64, "expert 3's moments live with expert 3: {owners}");
+        // offline: rewritten for the other world size, the same global state
+        let off = base.join(format!("resharded{from}to{to}"));
+        let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
+            .current_dir(root())
+            .args(["ckpt", "reshard"])
+            .arg(&persist)
+            .arg("--to")
+            .arg(&off)
+            .args(["--ranks", &to.to_string(), "--config", "configs/moe-tiny.toml"])
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains(&g), "{text}");
+        let (ins2, text) = inspect(&off);
+        assert_eq!((ins2["world"].as_u64(), ins2["iter"].as_u64()), (Some(to as u64), Some(6)), "{text}");
+        assert_eq!(ins2["global_state_sha256"], g.as_str(), "{text}");
         // the reader: another world size, two more iterations
         let (ok, read, text) = train(&b, to, 8, &["--resume-from", persist.to_str().unwrap()], &[]);
         assert!(ok, "{text}");
@@ -156,5 +173,30 @@ fn bad_checkpoints_are_refused_naming_the_tensor_and_the_file() {
     let (ok, _, text) =
         train_cfg("configs/moe-small.toml", &base.join("r2"), 2, 5, &["--resume-from", persist.to_str().unwrap()], &[]);
     assert!(!ok && text.contains("another model"), "{text}");
+    std::fs::remove_dir_all(&base).ok();
+}
+
+#[test]
+fn bench_reshard_prints_a_row_per_target_and_checks_the_digest() {
+    let base = tmp("bench-reshard");
+    let json = base.join("rows.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
+        .current_dir(root())
+        .args(["bench", "reshard", "--config", "configs/moe-tiny.toml", "--to", "2,1", "--rounds", "1", "--out"])
+        .arg(base.join("out"))
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{text}");
+    for r in rows {
+        assert_eq!(r["exact"], true, "{r}");
+        assert!(r["load_s"].as_f64().unwrap() > 0.0 && r["plain_read_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["bytes_read"].as_u64().unwrap() > 0, "{r}");
+    }
     std::fs::remove_dir_all(&base).ok();
 }

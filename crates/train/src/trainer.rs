@@ -214,22 +214,7 @@ impl Trainer {
     /// equal; rank 0's copy is the owner). So the persistent tier's files load onto another
     /// world size or expert placement (`ironweave_ckpt::layout`).
     pub fn state_specs(&self) -> Vec<ironweave_ckpt::TensorSpec> {
-        use ironweave_ckpt::{Dtype, GlobalSlice, TensorSpec};
-        let whole = |name: String, shape: &[u64], owner: bool| {
-            TensorSpec::new(name.clone(), Dtype::F32, shape).with_global(GlobalSlice::whole(name, shape, owner))
-        };
-        let mut v = Vec::new();
-        for p in &self.params.list {
-            let shape: Vec<u64> = p.shape.iter().map(|&d| d as u64).collect();
-            let owner = is_expert(&p.name) || self.rank == 0;
-            v.push(whole(p.name.clone(), &shape, owner));
-            v.push(whole(format!("adam.m.{}", p.name), &shape, owner));
-            v.push(whole(format!("adam.v.{}", p.name), &shape, owner));
-        }
-        for n in ["step", "seed"] {
-            v.push(TensorSpec::new(n, Dtype::I64, &[]).with_global(GlobalSlice::whole(n, &[], self.rank == 0)));
-        }
-        v
+        specs_of(self.params.list.iter().map(|p| (p.name.as_str(), p.shape.as_slice())), self.rank)
     }
 
     /// The parallel layout of this rank's state, as the persistent tier's manifests name it.
@@ -291,6 +276,42 @@ impl Trainer {
     pub fn state_sha256(&self) -> String {
         self.state_digest().iter().map(|b| format!("{b:02x}")).collect()
     }
+}
+
+/// The checkpoint layout (with global slices) of `rank` holding `params` (name, shape).
+fn specs_of<'a>(params: impl Iterator<Item = (&'a str, &'a [usize])>, rank: usize) -> Vec<ironweave_ckpt::TensorSpec> {
+    use ironweave_ckpt::{Dtype, GlobalSlice, TensorSpec};
+    let whole = |name: String, shape: &[u64], owner: bool| {
+        TensorSpec::new(name.clone(), Dtype::F32, shape).with_global(GlobalSlice::whole(name, shape, owner))
+    };
+    let mut v = Vec::new();
+    for (name, shape) in params {
+        let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+        let owner = is_expert(name) || rank == 0;
+        v.push(whole(name.to_string(), &shape, owner));
+        v.push(whole(format!("adam.m.{name}"), &shape, owner));
+        v.push(whole(format!("adam.v.{name}"), &shape, owner));
+    }
+    for n in ["step", "seed"] {
+        v.push(TensorSpec::new(n, Dtype::I64, &[]).with_global(GlobalSlice::whole(n, &[], rank == 0)));
+    }
+    v
+}
+
+/// The checkpoint layout [`Trainer::state_specs`] gives rank `rank` of `world` for `cfg`,
+/// without a job (offline resharding): the dense tensors, and the experts `e` with
+/// `e mod world == rank` — also when they do not divide evenly, which a loader may take even
+/// though training refuses it.
+pub fn state_specs_for(cfg: &TrainConfig, rank: usize, world: usize) -> Vec<ironweave_ckpt::TensorSpec> {
+    let mut params = init(cfg);
+    let w = world.max(1);
+    params.list.retain(|p| {
+        match p.name.split('.').nth(1).and_then(|s| s.strip_prefix('e')).and_then(|x| x.parse::<usize>().ok()) {
+            Some(e) => e % w == rank,
+            None => true,
+        }
+    });
+    specs_of(params.list.iter().map(|p| (p.name.as_str(), p.shape.as_slice())), rank)
 }
 
 pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {
