@@ -200,3 +200,27 @@ fn bench_reshard_prints_a_row_per_target_and_checks_the_digest() {
     }
     std::fs::remove_dir_all(&base).ok();
 }
+
+#[test]
+fn a_full_shard_gpt_checkpoint_of_4_ranks_loads_replicated_on_2_bit_exact() {
+    // FULL_SHARD keeps a quarter of every layer's flat parameters and moments per rank (padding
+    // left out of the files); replicated data parallelism wants whole layers: each of the 2
+    // ranks reads every rank's slices of each layer and the loaded global state is the one the
+    // files hold (`ckpt inspect` assembles it from the shards)
+    let base = tmp("reshard-gpt");
+    let a = base.join("full4");
+    let (ok, _, text) = train_cfg("configs/gpt-sdp.toml", &a, 4, 3, &["--sdp", "full"], &[]);
+    assert!(ok, "{text}");
+    let persist = a.join("persist");
+    let (ins, text) = inspect(&persist);
+    assert_eq!(ins["world"], 4, "{text}");
+    let split = ins["tensors"]["layer0.m"]["slices"].as_array().map(Vec::len);
+    assert_eq!(split, Some(4), "layer 0's first moment is in 4 shards: {text}");
+    let b = base.join("rep2");
+    let (ok, read, text) =
+        train_cfg("configs/gpt-sdp.toml", &b, 2, 4, &["--sdp", "replicated", "--resume-from", persist.to_str().unwrap()], &[]);
+    assert!(ok, "{text}");
+    assert_eq!(read["resumed_from_iter"], 3, "{text}");
+    assert_eq!(read["restored_global_state_sha256"], ins["global_state_sha256"], "full 4 -> replicated 2 is not exact\n{text}");
+    std::fs::remove_dir_all(&base).ok();
+}

@@ -60,10 +60,9 @@ pub use error::{Error, Result};
 /// `ironweave train`: sharded (`--sdp`), tensor parallel (`--tp`, `--schedule`, `--tp-plan`)
 /// or data and expert parallel; returns the command's exit status.
 pub fn train(a: &run::TrainArgs) -> Result<i32> {
-    let sharded_or_tp = a.sdp.is_some() || a.sdp_plan.is_some() || a.tp.is_some() || a.tp_plan.is_some();
-    if a.resume_from.is_some() && sharded_or_tp {
+    if a.resume_from.is_some() && (a.tp.is_some() || a.tp_plan.is_some()) {
         error::bail!(
-            "--resume-from loads onto another layout for the data- and expert-parallel runs only so far; --sdp and --tp runs resume from their own in-memory and persistent checkpoints"
+            "--resume-from loads onto another layout for the data- and expert-parallel and the --sdp runs so far; --tp runs resume from their own in-memory and persistent checkpoints"
         );
     }
     if a.sdp.is_some() || a.sdp_plan.is_some() {

@@ -640,6 +640,35 @@ pub struct SdpReport {
     /// senders, striped lanes): on this bed every byte's CPU is paid on the training cores.
     #[serde(default)]
     pub comm_cpu_ns: u64,
+    /// The layout-free digest of the final state (None when shards split the global tensors:
+    /// `ironweave ckpt inspect` assembles them from the persistent tier).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_state_sha256: Option<String>,
+    /// With `--resume-from`: as in [`Report`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from_iter: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from_world: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored_global_state_sha256: Option<String>,
+}
+
+/// `--resume-from FROM` of a run reporting to `report_dir`: refused when it is that run's own
+/// persistent tier (which a new run clears) or holds no complete checkpoint; says which
+/// iteration it will load.
+pub fn check_resume_from(from: &Path, report_dir: &Path) -> Result<()> {
+    let (f, p) = (std::fs::canonicalize(from), std::fs::canonicalize(report_dir.join("persist")));
+    if let (Ok(f), Ok(p)) = (f, p) {
+        if f.starts_with(&p) {
+            bail!(
+                "--resume-from {}: that is this run's own persistent tier, which a new run clears; copy it elsewhere or give another --report-dir",
+                from.display()
+            );
+        }
+    }
+    let (it, _) = ironweave::ckpt::persist::newest_complete(from).map_err(|e| err!("--resume-from {}: {e}", from.display()))?;
+    eprintln!("ironweave train: resuming from {} iteration {it}", from.display());
+    Ok(())
 }
 
 /// Median of `v` after `skip` warm-up entries (of all when too short).

@@ -48,6 +48,9 @@ pub struct SdpWorkerArgs {
     pub fail: Option<String>,
     #[arg(long, default_value_t = 10)]
     pub persist_every: u64,
+    /// Start from the newest complete checkpoint in this persistent tier (any sharding).
+    #[arg(long)]
+    pub resume_from: Option<PathBuf>,
 }
 
 /// Lanes of the trace: compute, then one per group (each on its own link).
@@ -200,6 +203,14 @@ impl Worker for SdpWorker<'_> {
     fn on_stop(&mut self) {
         self.log.stop();
     }
+
+    fn layout(&self) -> std::collections::BTreeMap<String, String> {
+        let mut m = std::collections::BTreeMap::new();
+        m.insert("kind".into(), format!("sharded data parallel `{}`", self.strategy.name()));
+        m.insert("ranks_per_host".into(), self.a.ranks_per_host.to_string());
+        m.insert("model".into(), self.cfg.name.clone());
+        m
+    }
 }
 
 /// The per-rank program of `train --sdp`, on the elastic runtime (a failed collective re-forms
@@ -216,7 +227,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
     let dir = &a.report_dir;
     std::fs::create_dir_all(dir)?;
     let ecfg = choice.engine_config(dir, a.persist_every);
-    let job = crate::run::join_job(iters, ecfg, elastic::CheckpointLinks::Training, None)?;
+    let job = crate::run::join_job(iters, ecfg, elastic::CheckpointLinks::Training, a.resume_from.as_deref())?;
     let rank = job.rank();
     let mut w = SdpWorker {
         a,
@@ -251,6 +262,17 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         ..Default::default()
     };
     rep.final_state_sha256 = done.job_state_sha256(&tr.state_digest())?;
+    {
+        let (mut bufs, step, seed) = tr.state_bufs();
+        bufs.push(&step);
+        bufs.push(&seed);
+        rep.global_state_sha256 = done.global_state_sha256(&bufs)?;
+    }
+    if let Some(r) = done.resumed() {
+        rep.resumed_from_iter = Some(r.iter);
+        rep.resumed_from_world = Some(r.written_by);
+        rep.restored_global_state_sha256 = r.global_sha256.clone();
+    }
     // the communication threads' CPU of every rank (read while the links are still open)
     let mut cpu = [ironweave_transport::threads::comm_cpu_ns().unwrap_or(0) as f64];
     comm.all_reduce(&mut cpu, ironweave_transport::ReduceOp::Sum)?;
@@ -340,6 +362,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     for f in ["report.json", "iterations.jsonl"] {
         let _ = std::fs::remove_file(a.report_dir.join(f));
     }
+    if let Some(from) = &a.resume_from {
+        crate::run::check_resume_from(from, &a.report_dir)?;
+    }
     let _ = std::fs::remove_dir_all(a.report_dir.join("persist"));
     let mut args = vec![
         "sdp-worker".to_string(),
@@ -362,6 +387,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     ];
     if let Some(f) = &a.fail {
         args.extend(["--fail".into(), f.clone()]);
+    }
+    if let Some(d) = &a.resume_from {
+        args.extend(["--resume-from".into(), d.display().to_string()]);
     }
     if !fractions.is_empty() {
         args.extend(["--fractions".into(), fractions.iter().map(|f| format!("{f}")).collect::<Vec<_>>().join(",")]);

@@ -16,7 +16,7 @@ use ironweave_train::dist::Dist;
 use ironweave_train::model::Params;
 use ironweave_train::{StepReport, TrainConfig, Trainer};
 
-use crate::error::{bail, err, Context, Result};
+use crate::error::{bail, Context, Result};
 use crate::run::{host_fail_to_ranks, load_config, parse_fail, parse_strategy, process_footprint, RankLog, Report, TrainArgs};
 
 /// The hidden `train-worker`'s options (set by `ironweave train`).
@@ -379,19 +379,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     std::fs::create_dir_all(report_dir).with_context(|| format!("creating {}", report_dir.display()))?;
     if let Some(from) = &a.resume_from {
-        // the report directory's own persistent tier is cleared below: never resume from it
-        let (f, p) = (std::fs::canonicalize(from), std::fs::canonicalize(report_dir.join("persist")));
-        if let (Ok(f), Ok(p)) = (f, p) {
-            if f.starts_with(&p) {
-                bail!(
-                    "--resume-from {}: that is this run's own persistent tier, which a new run clears; copy it elsewhere or give another --report-dir",
-                    from.display()
-                );
-            }
-        }
-        let (it, _) =
-            ironweave::ckpt::persist::newest_complete(from).map_err(|e| err!("--resume-from {}: {e}", from.display()))?;
-        eprintln!("ironweave train: resuming from {} iteration {it}", from.display());
+        crate::run::check_resume_from(from, report_dir)?;
     }
     let _ = std::fs::remove_dir_all(report_dir.join("persist"));
     let _ = std::fs::remove_file(report_dir.join("report.json"));

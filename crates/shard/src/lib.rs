@@ -358,6 +358,23 @@ impl std::fmt::Debug for Reduce {
     }
 }
 
+/// One tensor of a sharded rank's checkpoint ([`ShardEngine::checkpoint_tensors`]).
+#[derive(Debug, Clone)]
+pub struct CheckpointTensor<'a> {
+    /// The rank-local name (`7.1.m`: layer 7, part 1, first moment).
+    pub name: String,
+    /// Its elements.
+    pub values: &'a [f32],
+    /// The global tensor it is a slice of (`layer7.m`).
+    pub global: String,
+    /// The global tensor's length (the layer's elements).
+    pub global_len: usize,
+    /// Where the slice starts in it.
+    pub offset: usize,
+    /// Whether this copy is the one a loader reads.
+    pub owner: bool,
+}
+
 /// The sharded engine of one rank.
 pub struct ShardEngine {
     groups: Groups,
@@ -636,22 +653,60 @@ impl ShardEngine {
         out
     }
 
+    /// What a checkpoint holds of this rank's shards, each with its place in the global model:
+    /// `(name, elements, global tensor, its length, offset in it, owner)` — the elements of a
+    /// block that are the layer's (padding left out: it stays zero), as a slice of the flat
+    /// global tensor `layer{l}.p` / `.m` / `.v`. Owners: every rank for the all-rank part (the
+    /// blocks are disjoint), the ranks of the first host for a host part (the other hosts hold
+    /// equal copies), rank 0 under `replicated`.
+    pub fn checkpoint_tensors(&self) -> Vec<CheckpointTensor<'_>> {
+        let first_host = self.groups.inter.rank() == 0;
+        let rank0 = self.groups.world.rank() == 0;
+        let mut out = Vec::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            let layer_len: usize = layer.parts.iter().map(|(_, p)| p.len).sum();
+            for (k, (over, part)) in layer.parts.iter().enumerate() {
+                let held = part.held();
+                let owner = match over {
+                    Over::World => true,
+                    Over::Host => first_host,
+                    Over::Nobody => rank0,
+                };
+                for (what, v) in [("p", &part.p), ("m", &part.m), ("v", &part.v)] {
+                    out.push(CheckpointTensor {
+                        name: format!("{l}.{k}.{what}"),
+                        values: &v[..held.len()],
+                        global: format!("layer{l}.{what}"),
+                        global_len: layer_len,
+                        offset: held.start,
+                        owner,
+                    });
+                }
+            }
+        }
+        out
+    }
+
     /// Loads shards saved from [`Self::shard_tensors`] (by name; each must have its size) and
     /// the step count.
     pub fn load_shards(&mut self, steps: u64, tensor: impl Fn(&str) -> Option<Vec<u8>>) -> Result<()> {
         for (l, layer) in self.layers.iter_mut().enumerate() {
             for (k, (_, part)) in layer.parts.iter_mut().enumerate() {
+                let held = part.held().len();
                 for (what, dst) in [("p", &mut part.p), ("m", &mut part.m), ("v", &mut part.v)] {
                     let name = format!("{l}.{k}.{what}");
                     let b =
                         tensor(&name).ok_or_else(|| ShardError::Invalid(format!("the restored state lacks shard `{name}`")))?;
-                    if b.len() != dst.len() * 4 {
+                    // the whole block, or its held elements alone ([`Self::checkpoint_tensors`]:
+                    // the padding is zero)
+                    if b.len() != dst.len() * 4 && b.len() != held * 4 {
                         return Err(ShardError::Invalid(format!(
                             "shard `{name}`: {} bytes restored for {} floats (a checkpoint of another layout)",
                             b.len(),
                             dst.len()
                         )));
                     }
+                    dst.fill(0.0);
                     for (d, c) in dst.iter_mut().zip(b.chunks_exact(4)) {
                         *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
                     }

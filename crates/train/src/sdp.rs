@@ -315,22 +315,35 @@ impl SdpTrainer {
     /// The checkpoint layout of this rank's state: its shards (parameters and both moments of
     /// each part), the step and the seed — registered with the checkpoint engine like any
     /// rank's state.
+    ///
+    /// Each shard is a slice of a flat global tensor per layer (`layer7.p`, `.m`, `.v`: the
+    /// layer's parameters in order, and their moments), padding left out, so a checkpoint of
+    /// one sharding loads onto another (`ironweave_ckpt::layout`).
     pub fn state_specs(&self) -> Vec<ironweave_ckpt::TensorSpec> {
-        use ironweave_ckpt::{Dtype, TensorSpec};
+        use ironweave_ckpt::{Dtype, GlobalSlice, TensorSpec};
         let mut v: Vec<TensorSpec> = self
             .engine
-            .shard_tensors()
+            .checkpoint_tensors()
             .into_iter()
-            .map(|(name, x)| TensorSpec::new(format!("shard.{name}"), Dtype::F32, &[x.len() as u64]))
+            .map(|t| {
+                TensorSpec::new(format!("shard.{}", t.name), Dtype::F32, &[t.values.len() as u64]).with_global(GlobalSlice {
+                    tensor: t.global,
+                    shape: vec![t.global_len as u64],
+                    offsets: vec![t.offset as u64],
+                    owner: t.owner,
+                })
+            })
             .collect();
-        v.push(TensorSpec::new("step", Dtype::I64, &[]));
-        v.push(TensorSpec::new("seed", Dtype::I64, &[]));
+        let rank0 = self.world.rank() == 0;
+        for n in ["step", "seed"] {
+            v.push(TensorSpec::new(n, Dtype::I64, &[]).with_global(GlobalSlice::whole(n, &[], rank0)));
+        }
         v
     }
 
     /// The state as byte buffers, in `state_specs` order (step and seed last).
     pub fn state_bufs(&self) -> (Vec<&[u8]>, [u8; 8], [u8; 8]) {
-        let v = self.engine.shard_tensors().into_iter().map(|(_, x)| crate::trainer::f32_bytes(x)).collect();
+        let v = self.engine.checkpoint_tensors().into_iter().map(|t| crate::trainer::f32_bytes(t.values)).collect();
         (v, (self.iter as i64).to_le_bytes(), (self.tr.cfg.train.seed as i64).to_le_bytes())
     }
 
