@@ -300,19 +300,8 @@ pub fn parse_safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<(Registry, 
 
 /// Load and verify a rank's checkpoint of one iteration.
 pub fn load(dir: &Path, iter: u64, rank: u32) -> Result<Snapshot> {
-    let (data_path, man_path) = paths(dir, iter, rank);
-    let text = fs::read(&man_path).map_err(|e| CkptError::io(&man_path, e))?;
-    let man: Manifest = serde_json::from_slice(&text)
-        .map_err(|e| CkptError::Format { path: man_path.clone(), why: format!("manifest is not valid: {e}") })?;
-    if man.format != FORMAT || man.iter != iter || man.rank != rank {
-        return Err(CkptError::Format {
-            path: man_path,
-            why: format!(
-                "manifest says format {}, iteration {}, rank {}; expected {FORMAT}, {iter}, {rank}",
-                man.format, man.iter, man.rank
-            ),
-        });
-    }
+    let (data_path, _) = paths(dir, iter, rank);
+    let man = read_manifest(dir, iter, rank)?;
     let (reg, data) = read_safetensors(&data_path)?;
     let mut want = man.registry.tensors.clone();
     want.sort_by_key(|t| (t.offset, t.len));

@@ -671,6 +671,12 @@ pub fn check_resume_from(from: &Path, report_dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// What `report.json` says of a job started with `--resume-from`: the iteration loaded, the
+/// world size that wrote it, and the layout-free digest of the loaded state.
+pub fn resumed_of(done: &ironweave::elastic::Finished) -> (Option<u64>, Option<u32>, Option<String>) {
+    done.resumed().map_or((None, None, None), |r| (Some(r.iter), Some(r.written_by), r.global_sha256.clone()))
+}
+
 /// Median of `v` after `skip` warm-up entries (of all when too short).
 pub fn median_after(v: &[f64], skip: usize) -> f64 {
     let mut s: Vec<f64> = if v.len() > skip { v[skip..].to_vec() } else { v.to_vec() };

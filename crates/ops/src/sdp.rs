@@ -268,11 +268,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         bufs.push(&seed);
         rep.global_state_sha256 = done.global_state_sha256(&bufs)?;
     }
-    if let Some(r) = done.resumed() {
-        rep.resumed_from_iter = Some(r.iter);
-        rep.resumed_from_world = Some(r.written_by);
-        rep.restored_global_state_sha256 = r.global_sha256.clone();
-    }
+    (rep.resumed_from_iter, rep.resumed_from_world, rep.restored_global_state_sha256) = crate::run::resumed_of(&done);
     // the communication threads' CPU of every rank (read while the links are still open)
     let mut cpu = [ironweave_transport::threads::comm_cpu_ns().unwrap_or(0) as f64];
     comm.all_reduce(&mut cpu, ironweave_transport::ReduceOp::Sum)?;

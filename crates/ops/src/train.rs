@@ -242,11 +242,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         bufs.push(&seed);
         rep.global_state_sha256 = done.global_state_sha256(&bufs)?;
     }
-    if let Some(r) = done.resumed() {
-        rep.resumed_from_iter = Some(r.iter);
-        rep.resumed_from_world = Some(r.written_by);
-        rep.restored_global_state_sha256 = r.global_sha256.clone();
-    }
+    (rep.resumed_from_iter, rep.resumed_from_world, rep.restored_global_state_sha256) = crate::run::resumed_of(&done);
     rep.restore_sources =
         done.restore_sources()?.into_iter().map(|s| s.map_or("", elastic::RestoreSource::name).to_string()).collect();
     // the placement every rank derived from the hosts they exchanged
