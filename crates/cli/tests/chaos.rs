@@ -8,6 +8,15 @@
 mod common;
 
 use std::process::Command;
+use std::sync::Mutex;
+
+/// The campaigns on the emulated cluster share its namespaces and links (one brings it up and
+/// takes it down; another's link outages would land on it): they run one at a time.
+static CLUSTER: Mutex<()> = Mutex::new(());
+
+fn cluster_lock() -> std::sync::MutexGuard<'static, ()> {
+    CLUSTER.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// Runs `ironweave chaos` with `args` (plus `--out` and `--json` in a fresh directory) and
 /// checks what every campaign must give: `runs` runs, each of whose faults happened, none hung,
@@ -62,6 +71,7 @@ fn chaos_on_the_emulated_cluster_survives_host_kills_and_link_outages() {
     if !common::can_run_emulated("chaos_on_the_emulated_cluster_survives_host_kills_and_link_outages") {
         return;
     }
+    let _one_at_a_time = cluster_lock();
     let (runs, text) = campaign(
         "chaos-cluster",
         4,
@@ -97,6 +107,7 @@ fn sparse_capricorn_replays_to_the_clean_state_after_kills_on_the_emulated_clust
     // clean run's bit for bit. Off the emulated cluster (not root), the same on one host.
     let cluster = common::can_run_emulated("sparse_capricorn_replays_to_the_clean_state_after_kills_on_the_emulated_cluster");
     let mut args = vec!["--seed", "11", "--ckpt", "capricorn-sparse", "--faults", "kill,replica"];
+    let _one_at_a_time = cluster.then(cluster_lock);
     if cluster {
         args.extend(["--topology", "topologies/2host-2link.toml", "--ranks-per-host", "2"]);
     }
