@@ -12,6 +12,19 @@ fn root() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
 }
 
+/// `ironweave`, run from the repository root.
+fn ironweave() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ironweave"));
+    c.current_dir(root());
+    c
+}
+
+/// Runs `c`: whether it succeeded, and its standard output and error together.
+fn output(c: &mut Command) -> (bool, String) {
+    let out = c.output().unwrap();
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("ironweave-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -33,34 +46,25 @@ fn train_cfg(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> (bool, serde_json::Value, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
-        .current_dir(root())
-        .args(["train", "--config", config, "--quiet", "--persist-every", "3"])
-        .args(["--ranks", &ranks.to_string(), "--iters", &iters.to_string(), "--report-dir"])
-        .arg(dir)
-        .args(extra)
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let (ok, text) = output(
+        ironweave()
+            .args(["train", "--config", config, "--quiet", "--persist-every", "3"])
+            .args(["--ranks", &ranks.to_string(), "--iters", &iters.to_string(), "--report-dir"])
+            .arg(dir)
+            .args(extra)
+            .envs(env.iter().copied()),
+    );
     let rep = std::fs::read(dir.join("report.json"))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or(serde_json::Value::Null);
-    (out.status.success(), rep, text)
+    (ok, rep, text)
 }
 
 fn inspect(dir: &Path) -> (serde_json::Value, String) {
     let json = dir.with_extension("inspect.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
-        .args(["ckpt", "inspect"])
-        .arg(dir)
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{text}");
+    let (ok, text) = output(ironweave().args(["ckpt", "inspect"]).arg(dir).arg("--json").arg(&json));
+    assert!(ok, "{text}");
     (serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap(), text)
 }
 
@@ -92,17 +96,13 @@ fn a_moe_checkpoint_of_4_ranks_loads_onto_2_and_one_of_2_onto_4_bit_exact() {
         assert_eq!(owners[0][0], (3 % from) as u64, "expert 3's moments live with expert 3: {owners}");
         // offline: rewritten for the other world size, the same global state
         let off = base.join(format!("resharded{from}to{to}"));
-        let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
-            .current_dir(root())
-            .args(["ckpt", "reshard"])
-            .arg(&persist)
-            .arg("--to")
-            .arg(&off)
-            .args(["--ranks", &to.to_string(), "--config", "configs/moe-tiny.toml"])
-            .output()
-            .unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success() && text.contains(&g), "{text}");
+        let (ok, text) = output(ironweave().args(["ckpt", "reshard"]).arg(&persist).arg("--to").arg(&off).args([
+            "--ranks",
+            &to.to_string(),
+            "--config",
+            "configs/moe-tiny.toml",
+        ]));
+        assert!(ok && text.contains(&g), "{text}");
         let (ins2, text) = inspect(&off);
         assert_eq!((ins2["world"].as_u64(), ins2["iter"].as_u64()), (Some(to as u64), Some(6)), "{text}");
         assert_eq!(ins2["global_state_sha256"], g.as_str(), "{text}");
@@ -160,13 +160,7 @@ fn bad_checkpoints_are_refused_naming_the_tensor_and_the_file() {
     let n = bytes.len();
     bytes[n - 100] ^= 0x40;
     std::fs::write(&data, &bytes).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
-        .args(["ckpt", "inspect"])
-        .arg(&persist)
-        .arg("--iter")
-        .arg("3")
-        .output()
-        .unwrap();
+    let out = ironweave().args(["ckpt", "inspect"]).arg(&persist).arg("--iter").arg("3").output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("rank-00001"), "{err}");
     // a truncated file: a resume refuses it (no iteration is complete and valid)
@@ -186,16 +180,14 @@ fn bad_checkpoints_are_refused_naming_the_tensor_and_the_file() {
 fn bench_reshard_prints_a_row_per_target_and_checks_the_digest() {
     let base = tmp("bench-reshard");
     let json = base.join("rows.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
-        .current_dir(root())
-        .args(["bench", "reshard", "--config", "configs/moe-tiny.toml", "--to", "2,1", "--rounds", "1", "--out"])
-        .arg(base.join("out"))
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{text}");
+    let (ok, text) = output(
+        ironweave()
+            .args(["bench", "reshard", "--config", "configs/moe-tiny.toml", "--to", "2,1", "--rounds", "1", "--out"])
+            .arg(base.join("out"))
+            .arg("--json")
+            .arg(&json),
+    );
+    assert!(ok, "{text}");
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{text}");

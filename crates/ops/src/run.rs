@@ -251,19 +251,9 @@ pub struct Report {
     /// Bytes written to the persistent tier over the run, all ranks.
     #[serde(default)]
     pub ckpt_bytes_storage: u64,
-    /// The layout-free digest of the final global state (`ironweave::elastic::global_state_sha256`):
-    /// equal across world sizes and expert placements for the same tensors.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub global_state_sha256: Option<String>,
-    /// With `--resume-from`: the iteration loaded, the world size that wrote it, and the
-    /// layout-free digest of the state as loaded (equal to the writer's `global_state_sha256`
-    /// at that iteration when the load is exact).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resumed_from_iter: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resumed_from_world: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub restored_global_state_sha256: Option<String>,
+    /// The layout-free digests of the final state and of a resumed job's loaded state.
+    #[serde(flatten)]
+    pub digests: Digests,
     /// CPU the replica sender and receiver threads used over the run, all ranks, ns: divided by
     /// `ckpt_bytes_replicated`, what each checkpoint byte costs the cores that train.
     #[serde(default)]
@@ -640,17 +630,10 @@ pub struct SdpReport {
     /// senders, striped lanes): on this bed every byte's CPU is paid on the training cores.
     #[serde(default)]
     pub comm_cpu_ns: u64,
-    /// The layout-free digest of the final state (None when shards split the global tensors:
+    /// As in [`Report`] (the final digest is None when shards split the global tensors:
     /// `ironweave ckpt inspect` assembles them from the persistent tier).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub global_state_sha256: Option<String>,
-    /// With `--resume-from`: as in [`Report`].
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resumed_from_iter: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resumed_from_world: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub restored_global_state_sha256: Option<String>,
+    #[serde(flatten)]
+    pub digests: Digests,
 }
 
 /// `--resume-from FROM` of a run reporting to `report_dir`: refused when it is that run's own
@@ -671,10 +654,37 @@ pub fn check_resume_from(from: &Path, report_dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// What `report.json` says of a job started with `--resume-from`: the iteration loaded, the
-/// world size that wrote it, and the layout-free digest of the loaded state.
-pub fn resumed_of(done: &ironweave::elastic::Finished) -> (Option<u64>, Option<u32>, Option<String>) {
-    done.resumed().map_or((None, None, None), |r| (Some(r.iter), Some(r.written_by), r.global_sha256.clone()))
+/// The layout-free digests `report.json` carries (train and sdp runs alike).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Digests {
+    /// The final global state's (`ironweave::elastic::global_state_sha256`): equal across
+    /// world sizes and layouts for the same tensors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_state_sha256: Option<String>,
+    /// With `--resume-from`: the iteration loaded, the world size that wrote it, and the
+    /// layout-free digest of the state as loaded (equal to the writer's `global_state_sha256`
+    /// at that iteration when the load is exact).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from_iter: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from_world: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored_global_state_sha256: Option<String>,
+}
+
+impl Digests {
+    /// The digests of a finished job whose final state is `bufs` (in its registered order;
+    /// collective).
+    pub fn of(done: &ironweave::elastic::Finished, bufs: &[&[u8]]) -> Result<Self> {
+        let (resumed_from_iter, resumed_from_world, restored_global_state_sha256) =
+            done.resumed().map_or((None, None, None), |r| (Some(r.iter), Some(r.written_by), r.global_sha256.clone()));
+        Ok(Digests {
+            global_state_sha256: done.global_state_sha256(bufs)?,
+            resumed_from_iter,
+            resumed_from_world,
+            restored_global_state_sha256,
+        })
+    }
 }
 
 /// Median of `v` after `skip` warm-up entries (of all when too short).

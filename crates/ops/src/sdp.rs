@@ -266,9 +266,8 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         let (mut bufs, step, seed) = tr.state_bufs();
         bufs.push(&step);
         bufs.push(&seed);
-        rep.global_state_sha256 = done.global_state_sha256(&bufs)?;
+        rep.digests = crate::run::Digests::of(&done, &bufs)?;
     }
-    (rep.resumed_from_iter, rep.resumed_from_world, rep.restored_global_state_sha256) = crate::run::resumed_of(&done);
     // the communication threads' CPU of every rank (read while the links are still open)
     let mut cpu = [ironweave_transport::threads::comm_cpu_ns().unwrap_or(0) as f64];
     comm.all_reduce(&mut cpu, ironweave_transport::ReduceOp::Sum)?;

@@ -236,13 +236,11 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
     rep.final_state_sha256 = done.job_state_sha256(&tr.state_digest())?;
     // the layout-free digest of the final state, and of the state a resumed job loaded
     {
-        let (mut bufs, _, _) = tr.state_bytes();
-        let (step, seed) = ((tr.params.step as i64).to_le_bytes(), (cfg.train.seed as i64).to_le_bytes());
+        let (mut bufs, step, seed) = tr.state_bytes();
         bufs.push(&step);
         bufs.push(&seed);
-        rep.global_state_sha256 = done.global_state_sha256(&bufs)?;
+        rep.digests = crate::run::Digests::of(&done, &bufs)?;
     }
-    (rep.resumed_from_iter, rep.resumed_from_world, rep.restored_global_state_sha256) = crate::run::resumed_of(&done);
     rep.restore_sources =
         done.restore_sources()?.into_iter().map(|s| s.map_or("", elastic::RestoreSource::name).to_string()).collect();
     // the placement every rank derived from the hosts they exchanged
