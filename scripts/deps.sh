@@ -11,16 +11,37 @@
 #   libucx-dev                  the UCX backend loads libucp at run time (bindings are checked in)
 #   iproute2                    the emulated cluster (ip netns, veth, tc)
 #   python3, python3-pip        the persistent tier's interoperability test (safetensors, numpy)
-#   chromium                    the report test opens `ironweave report`'s page headless
+#   chromium                    the report tests open `ironweave report`'s and `airq train`'s pages headless
+#   r-cran-spacetime            the air-quality forecaster's data: spacetime/data/air.rda (AirBase
+#                               PM10, read by crates/airq's own R-format reader; R itself is
+#                               never run)
 #
 # IRONWEAVE_DEPS=build limits the list to what the default features need to build (the main
-# job: cmake, g++, libclang-dev; UCX is loaded at run time and verbs is opt-in).
+# job: cmake, g++, libclang-dev; UCX is loaded at run time and verbs is opt-in);
+# IRONWEAVE_DEPS=airq to that and r-cran-spacetime (scripts/airq.sh).
 ironweave_install_deps() {
-  local want=(cmake g++ libclang-dev)
-  if [ "${IRONWEAVE_DEPS:-all}" != build ]; then
+  local want=(cmake g++ libclang-dev) p
+  # installed without their recommendations (r-cran-spacetime's pull in GDAL and R's build tools)
+  local lean=()
+  if [ "${IRONWEAVE_DEPS:-all}" = airq ]; then
+    lean+=(r-cran-spacetime)
+  elif [ "${IRONWEAVE_DEPS:-all}" != build ]; then
     want+=(pkg-config libibverbs-dev librdmacm-dev libucx-dev iproute2 python3 python3-pip chromium)
+    lean+=(r-cran-spacetime)
   fi
-  local need=() p
+  local need_lean=()
+  for p in "${lean[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || need_lean+=("$p")
+  done
+  if [ ${#need_lean[@]} -gt 0 ]; then
+    echo "installing ${need_lean[*]}" >&2
+    if [ "$(id -u)" != 0 ]; then
+      echo "error: these Debian packages are missing and installing them needs root: ${need_lean[*]}" >&2
+      return 1
+    fi
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_lean[@]}" >/dev/null
+  fi
+  local need=()
   for p in "${want[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
   done
@@ -32,7 +53,7 @@ ironweave_install_deps() {
     fi
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
   fi
-  if [ "${IRONWEAVE_DEPS:-all}" != build ] && ! python3 -c "import safetensors, numpy" >/dev/null 2>&1; then
+  if [ "${IRONWEAVE_DEPS:-all}" = all ] && ! python3 -c "import safetensors, numpy" >/dev/null 2>&1; then
     echo "installing Python safetensors and numpy" >&2
     python3 -m pip install --quiet safetensors numpy 2>/dev/null \
       || python3 -m pip install --quiet --break-system-packages safetensors numpy

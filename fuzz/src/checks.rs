@@ -148,3 +148,16 @@ pub fn plans(data: &[u8]) {
         }
     }
 }
+
+/// R data files (crates/airq's reader): any bytes, as an `.rda` file, as a bare serialized
+/// stream and as the AirBase data set; errors are fine, panics and huge allocations are not,
+/// and a stream that parses parses the same again.
+pub fn rdata(data: &[u8]) {
+    use ironweave_airq::rdata::{parse_rda, parse_serialized};
+    let _ = parse_rda(data);
+    let _ = ironweave_airq::data::AirData::parse(data);
+    if let Ok(o) = parse_serialized(data) {
+        let again = parse_serialized(data).map(|x| format!("{x:?}"));
+        assert_eq!(again.ok(), Some(format!("{o:?}")), "a second parse differs");
+    }
+}

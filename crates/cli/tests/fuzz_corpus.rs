@@ -46,3 +46,8 @@ fn configs_corpus() {
 fn plans_corpus() {
     replay("plans", checks::plans);
 }
+
+#[test]
+fn rdata_corpus() {
+    replay("rdata", checks::rdata);
+}

@@ -1,0 +1,105 @@
+//! Air-quality forecasting with domain-adversarial transfer, trained on ironweave as a user
+//! would: a hybrid recurrent network (1D-CNN, bi-GRU, bi-LSTM, regression head, domain
+//! classifier behind a gradient-reversal layer) forecasts daily PM10 at German AirBase
+//! stations, learning from stations of several source states to forecast well in a target state
+//! with little data.
+//!
+//! It sits on the public [`ironweave`] facade and candle only — the second model family of the
+//! workspace and the test that a user's own model gets data-parallel training and Capricorn's
+//! per-iteration in-memory checkpoints (and `kill -9` recovery) without reaching into
+//! ironweave's internals. The layers:
+//!
+//! - [`rdata`]: a reader of R's XDR serialization (the `.rda` files Debian ships);
+//! - [`data`]: the AirBase PM10 set of `r-cran-spacetime` (stations, states, series);
+//! - [`pipeline`]: domains, the chronological split, windows, normalisation, masked batches;
+//! - [`model`]: the network, the reversal layer, both adversarial strategies;
+//! - [`train`]: the task (which stations teach what), training on any ironweave communicator,
+//!   the elastic worker for `ironweave launch`, evaluation;
+//! - [`experiment`]: the grid of methods × source domains × seeds and its table;
+//! - [`report`]: the HTML report (loss curves, forecast vs observed, the station map);
+//! - [`run`]: one training run as a rank of an `ironweave launch` job, then scoring and the report.
+
+#![warn(missing_docs)]
+
+pub mod data;
+pub mod experiment;
+pub mod model;
+pub mod pipeline;
+pub mod rdata;
+pub mod report;
+pub mod run;
+pub mod train;
+
+/// Errors of the forecaster.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The data is missing or not what it should be; the message says what to install.
+    #[error("{0}")]
+    Data(String),
+    /// An R data file this reader cannot read.
+    #[error("R data format: {0}")]
+    Format(String),
+    /// A setting that cannot work (unknown state, too few sources, ...).
+    #[error("invalid setting: {0}")]
+    Config(String),
+    /// candle failed.
+    #[error("tensor computation failed: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// ironweave's candle adapter failed.
+    #[error(transparent)]
+    Trainer(#[from] ironweave::candle::Error),
+    /// A collective failed.
+    #[error(transparent)]
+    Transport(#[from] ironweave::Error),
+    /// The job failed (ironweave's elastic runtime); `code` is the exit status to end with
+    /// (75: a committed iteration was lost, restarting cannot help).
+    #[error("{message}")]
+    Job {
+        /// Exit status.
+        code: i32,
+        /// What happened.
+        message: String,
+    },
+    /// Writing results failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being written or read.
+        what: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// Result of the forecaster.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A small deterministic generator (SplitMix64): batches are a function of (seed, iteration,
+/// rank), so a recovered run draws what the uninterrupted one drew.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// Seeded from any number of words.
+    pub fn new(words: &[u64]) -> Rng {
+        let mut r = Rng(0x243F_6A88_85A3_08D3);
+        for &w in words {
+            r.0 ^= w;
+            r.next_u64();
+        }
+        r
+    }
+
+    /// The next 64 bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: usize) -> usize {
+        ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
+    }
+}

@@ -1,0 +1,232 @@
+//! `airq`: forecast PM10 at German AirBase stations with domain-adversarial transfer. Parses
+//! arguments, calls `ironweave_airq`, prints.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use ironweave_airq::data::AirData;
+use ironweave_airq::experiment::{self, Grid};
+use ironweave_airq::run::{self, RunConfig};
+use ironweave_airq::train::{FitConfig, Method};
+
+#[derive(Parser)]
+#[command(name = "airq", version, about = "Air-quality forecasting with domain-adversarial transfer, trained on ironweave")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(clap::Args, Clone)]
+struct Common {
+    /// The AirBase data (`air.rda` of the Debian package r-cran-spacetime); default where Debian installs it.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Target state (the domain with little labelled data).
+    #[arg(long, default_value = "Niedersachsen")]
+    target: String,
+    /// A state kept out of training and scored as a second target ("none": no such state).
+    #[arg(long, default_value = "Rheinland-Pfalz")]
+    unseen: String,
+    /// Labelled days of the target: the last this many days of the training period.
+    #[arg(long, default_value_t = 365)]
+    target_days: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 300)]
+    iterations: u64,
+    /// Labelled windows per rank per step.
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Recurrent units per direction.
+    #[arg(long, default_value_t = 16)]
+    hidden: usize,
+}
+
+impl Common {
+    fn fit(&self, seed: u64) -> FitConfig {
+        FitConfig {
+            iterations: self.iterations,
+            batch: self.batch,
+            lr: self.lr,
+            seed,
+            hidden: self.hidden,
+            ..FitConfig::default()
+        }
+    }
+    fn unseen(&self) -> Option<String> {
+        (self.unseen != "none").then(|| self.unseen.clone())
+    }
+}
+
+fn parse_k(s: &str) -> anyhow::Result<Option<usize>> {
+    if s == "all" {
+        Ok(None)
+    } else {
+        Ok(Some(s.parse().with_context(|| format!("source count `{s}`: a number or `all`"))?))
+    }
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// What the data holds: stations per state, completeness, the period.
+    Data {
+        /// The AirBase data file.
+        #[arg(long)]
+        data: Option<PathBuf>,
+    },
+    /// Train one model as a rank of a job: `ironweave launch -n 4 -- airq train ...`; rank 0
+    /// scores it and writes OUT/report.html.
+    Train {
+        #[command(flatten)]
+        common: Common,
+        /// Method: no-classifier, target-only, grl-multiclass, grl-per-source.
+        #[arg(long, default_value = "grl-multiclass")]
+        method: String,
+        /// Source states: the nearest N to the target, or `all`.
+        #[arg(long, default_value = "all")]
+        sources: String,
+        /// Seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Only the last N days of the series (a small slice), split 2/3, 1/6, 1/6.
+        #[arg(long)]
+        last_days: Option<usize>,
+        /// Where rank 0 writes metrics.json, report.json and report.html.
+        #[arg(long, default_value = "target/airq")]
+        out: PathBuf,
+    },
+    /// Every method × source count × seed on one target, baselines in the same run; prints the
+    /// table for docs/AIR-QUALITY.md and writes OUT/results.json, OUT/table.md.
+    Experiment {
+        #[command(flatten)]
+        common: Common,
+        /// Source counts.
+        #[arg(long, default_value = "1,2,4,all", value_delimiter = ',')]
+        sources: Vec<String>,
+        /// Seeds.
+        #[arg(long, default_value = "1,2,3", value_delimiter = ',')]
+        seeds: Vec<u64>,
+        /// Methods.
+        #[arg(
+            long,
+            default_value = "persistence,target-only,no-classifier,grl-multiclass,grl-per-source",
+            value_delimiter = ','
+        )]
+        methods: Vec<String>,
+        /// Output folder.
+        #[arg(long, default_value = "target/airq-experiment")]
+        out: PathBuf,
+    },
+    /// Renders OUT/report.html again from OUT/report.json.
+    Report {
+        /// The folder a `train` run wrote.
+        dir: PathBuf,
+    },
+}
+
+fn main() {
+    if let Err(e) = real_main() {
+        eprintln!("error: {e:#}");
+        let code = e.downcast_ref::<ironweave_airq::Error>().and_then(|e| match e {
+            ironweave_airq::Error::Job { code, .. } => Some(*code),
+            _ => None,
+        });
+        std::process::exit(code.unwrap_or(1));
+    }
+}
+
+fn real_main() -> anyhow::Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Data { data } => {
+            let d = AirData::load(data.as_deref())?;
+            println!("{} stations, {} days from {} to {}", d.stations.len(), d.days, d.date(0), d.date(d.days - 1));
+            let obs = d.pm10.iter().filter(|v| v.is_finite()).count();
+            println!("{obs} of {} values observed ({:.1}%)", d.pm10.len(), 100.0 * obs as f64 / d.pm10.len() as f64);
+            println!("{:<26} {:>8} {:>10}", "state", "stations", "observed");
+            for s in d.states_with_stations() {
+                let st: Vec<usize> = (0..d.stations.len()).filter(|&i| d.stations[i].state == s).collect();
+                let o: usize = st.iter().map(|&i| d.series(i).iter().filter(|v| v.is_finite()).count()).sum();
+                println!("{:<26} {:>8} {:>9.1}%", d.states[s].name, st.len(), 100.0 * o as f64 / (st.len() * d.days) as f64);
+            }
+        }
+        Cmd::Train { common, method, sources, seed, last_days, out } => {
+            let cfg = RunConfig {
+                data: common.data.clone(),
+                days: last_days,
+                target: common.target.clone(),
+                sources: parse_k(&sources)?,
+                unseen: common.unseen(),
+                method: Method::parse(&method)?,
+                fit: common.fit(seed),
+                target_days: common.target_days,
+                out,
+            };
+            let o = run::run(&cfg, |l| println!("{l}"))?;
+            if let Some((m, p)) = o.scores {
+                println!(
+                    "target test RMSE {:.3} MAE {:.3} (persistence {:.3} / {:.3}) over {} forecasts",
+                    m.target.rmse, m.target.mae, p.target.rmse, p.target.mae, m.target.n
+                );
+                if let Some(u) = m.unseen {
+                    println!(
+                        "never-seen state test RMSE {:.3} (persistence {:.3})",
+                        u.rmse,
+                        p.unseen.map_or(f64::NAN, |x| x.rmse)
+                    );
+                }
+            }
+            if let Some(r) = &o.report {
+                println!("report: {}", r.display());
+            }
+            println!("rank {}: done, {} recoveries, final state {}", o.rank, o.recoveries, o.final_state);
+        }
+        Cmd::Experiment { common, sources, seeds, methods, out } => {
+            let grid = Grid {
+                target: common.target.clone(),
+                unseen: common.unseen(),
+                sources: sources.iter().map(|s| parse_k(s)).collect::<anyhow::Result<_>>()?,
+                seeds,
+                methods: methods.iter().map(|m| Method::parse(m)).collect::<Result<_, _>>()?,
+                fit: common.fit(1),
+                target_days: common.target_days,
+            };
+            let data = Arc::new(AirData::load(common.data.as_deref())?);
+            let t0 = std::time::Instant::now();
+            let results = experiment::run(data, &grid, |i, n, r| {
+                let el = t0.elapsed().as_secs_f64();
+                eprintln!(
+                    "[{i}/{n}] {} sources={} seed={} target RMSE {:.2} ({:.0} s; about {:.0} s left)",
+                    r.method.name(),
+                    r.k,
+                    r.seed,
+                    r.eval.target.rmse,
+                    r.seconds,
+                    el / i as f64 * (n - i) as f64
+                );
+            })?;
+            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+            let table = experiment::table(&results);
+            std::fs::write(
+                out.join("results.json"),
+                serde_json::to_string_pretty(&serde_json::json!({"grid": grid, "results": results}))?,
+            )?;
+            std::fs::write(out.join("table.md"), &table)?;
+            println!("{table}");
+            println!("results: {}", out.join("results.json").display());
+        }
+        Cmd::Report { dir } => {
+            let j = dir.join("report.json");
+            let s = std::fs::read_to_string(&j).with_context(|| format!("reading {} (written by `airq train`)", j.display()))?;
+            let d: ironweave_airq::report::ReportData =
+                serde_json::from_str(&s).with_context(|| format!("parsing {}", j.display()))?;
+            let p = dir.join("report.html");
+            std::fs::write(&p, ironweave_airq::report::render(&d))?;
+            println!("report: {}", p.display());
+        }
+    }
+    Ok(())
+}

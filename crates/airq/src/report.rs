@@ -1,0 +1,366 @@
+//! The HTML report of a training run: the loss curves, the forecast against the observed
+//! values at a target station through the test period, and the stations on a map of the
+//! states coloured by domain. One self-contained file (inline SVG, no scripts, no network).
+
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::data::AirData;
+use crate::train::{Evaluation, Losses, Prepared};
+
+/// A state on the map: name, role (`target`, `source`, `unseen`, `other`), rings (lon, lat).
+pub type MapState = (String, String, Vec<Vec<(f64, f64)>>);
+
+/// What the report shows (also written as `report.json` beside the page).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReportData {
+    /// Heading.
+    pub title: String,
+    /// Lines of the summary (method, states, settings, scores).
+    pub summary: Vec<String>,
+    /// Loss curve: (total, regression, domain) per iteration.
+    pub losses: Vec<(f32, f32, f32)>,
+    /// The station of the forecast chart.
+    pub station: String,
+    /// Dates of the forecast chart.
+    pub dates: Vec<String>,
+    /// Observed PM10 (`None`: missing).
+    pub observed: Vec<Option<f32>>,
+    /// The model's forecast for each date, made the day before (`None`: no forecast).
+    pub forecast: Vec<Option<f32>>,
+    /// Persistence's forecast for each date.
+    pub persistence: Vec<Option<f32>>,
+    /// States: name, role (`target`, `source`, `unseen`, `other`), rings (lon, lat).
+    pub states: Vec<MapState>,
+    /// Stations: code, lon, lat, state index.
+    pub stations: Vec<(String, f64, f64, usize)>,
+}
+
+impl ReportData {
+    /// Collects the report of a run of `prep` whose forecasts at the target's test windows are
+    /// `(window day, station, forecast)`.
+    pub fn new(
+        prep: &Prepared,
+        title: String,
+        mut summary: Vec<String>,
+        losses: &[Losses],
+        eval: &Evaluation,
+        persistence: &Evaluation,
+        forecasts: &[(usize, usize, f32)],
+    ) -> ReportData {
+        let d: &AirData = &prep.data;
+        let t = &prep.task;
+        summary.push(format!(
+            "target {} test RMSE {:.2} µg/m³ (persistence {:.2}), MAE {:.2} ({:.2}); {} forecasts",
+            d.states[t.target].name,
+            eval.target.rmse,
+            persistence.target.rmse,
+            eval.target.mae,
+            persistence.target.mae,
+            eval.target.n
+        ));
+        if let (Some(s), Some(p)) = (eval.sources, persistence.sources) {
+            summary.push(format!("sources test RMSE {:.2} (persistence {:.2})", s.rmse, p.rmse));
+        }
+        if let (Some(u), Some(p)) = (eval.unseen, persistence.unseen) {
+            summary.push(format!("never-seen state test RMSE {:.2} (persistence {:.2})", u.rmse, p.rmse));
+        }
+        // the target station with the most forecasts
+        let mut count = std::collections::BTreeMap::<usize, usize>::new();
+        for &(_, s, _) in forecasts {
+            *count.entry(s).or_default() += 1;
+        }
+        let st = count.iter().max_by_key(|(s, n)| (**n, std::cmp::Reverse(**s))).map(|(s, _)| *s).unwrap_or(0);
+        // the first half year of the test period: two years of daily points are unreadable
+        let days = t.split.test.start..t.split.test.end.min(t.split.test.start + 182);
+        let series = d.series(st);
+        let mut fc = vec![None; days.len()];
+        let mut pe = vec![None; days.len()];
+        for &(day, s, f) in forecasts {
+            if s == st && day + 1 >= days.start && day + 1 < days.end {
+                fc[day + 1 - days.start] = Some(f);
+                pe[day + 1 - days.start] = Some(series[day]);
+            }
+        }
+        let role = |i: usize| -> &str {
+            if i == t.target {
+                "target"
+            } else if t.sources.contains(&i) && prep.method.uses_sources() {
+                "source"
+            } else if t.unseen == Some(i) {
+                "unseen"
+            } else {
+                "other"
+            }
+        };
+        ReportData {
+            title,
+            summary,
+            losses: losses.iter().map(|l| (l.total, l.regression, l.domain)).collect(),
+            station: d.stations.get(st).map(|s| s.code.clone()).unwrap_or_default(),
+            dates: days.clone().map(|x| d.date(x)).collect(),
+            observed: series[days].iter().map(|v| v.is_finite().then_some(*v)).collect(),
+            forecast: fc,
+            persistence: pe,
+            states: d.states.iter().enumerate().map(|(i, s)| (s.name.clone(), role(i).to_string(), simplify(&s.rings))).collect(),
+            stations: d.stations.iter().map(|s| (s.code.clone(), s.lon, s.lat, s.state)).collect(),
+        }
+    }
+}
+
+/// Rings with points closer than ~1 km to the last kept one dropped (the polygons have tens of
+/// thousands of points; a map 500 pixels wide needs a few thousand).
+fn simplify(rings: &[Vec<(f64, f64)>]) -> Vec<Vec<(f64, f64)>> {
+    rings
+        .iter()
+        .filter(|r| r.len() >= 3)
+        .map(|r| {
+            let mut out = vec![r[0]];
+            for &p in &r[1..] {
+                let q = out[out.len() - 1];
+                if (p.0 - q.0).abs() + (p.1 - q.1).abs() > 0.015 {
+                    out.push(p);
+                }
+            }
+            out
+        })
+        .filter(|r| r.len() >= 3)
+        .collect()
+}
+
+const PALETTE: [&str; 16] = [
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#393b79",
+    "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd",
+];
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+/// A line chart of several series (NaN breaks a line) with axes and a legend.
+/// `series`: (name, colour, values, drawn as dots rather than a line).
+fn chart(id: &str, title: &str, xlabel: &str, series: &[(&str, &str, &[f32], bool)], x_ticks: &[(usize, String)]) -> String {
+    let (w, h, l, r, t, b) = (860.0, 300.0, 60.0, 20.0, 30.0, 40.0);
+    let n = series.iter().map(|s| s.2.len()).max().unwrap_or(0).max(2);
+    let vals = series.iter().flat_map(|s| s.2.iter().copied()).filter(|v| v.is_finite());
+    let (lo, hi) = vals.fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
+    let (lo, hi) = if lo.is_finite() { (lo.min(0.0), if hi > lo { hi } else { lo + 1.0 }) } else { (0.0, 1.0) };
+    let x = |i: usize| l + (w - l - r) * i as f64 / (n - 1) as f64;
+    let y = |v: f32| t + (h - t - b) * f64::from(1.0 - (v - lo) / (hi - lo));
+    let mut s = format!("<figure id=\"{id}\"><figcaption>{}</figcaption><svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\">", esc(title));
+    let _ =
+        write!(s, "<rect x=\"{l}\" y=\"{t}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#444\"/>", w - l - r, h - t - b);
+    for k in 0..=4 {
+        let v = lo + (hi - lo) * k as f32 / 4.0;
+        let _ = write!(s, "<text x=\"{}\" y=\"{:.1}\" font-size=\"11\" text-anchor=\"end\">{v:.2}</text>", l - 4.0, y(v) + 4.0);
+        let _ = write!(s, "<line x1=\"{l}\" x2=\"{}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/>", w - r, y(v), y(v));
+    }
+    for (i, lab) in x_ticks {
+        let _ = write!(
+            s,
+            "<text x=\"{:.1}\" y=\"{}\" font-size=\"11\" text-anchor=\"middle\">{}</text>",
+            x(*i),
+            h - b + 14.0,
+            esc(lab)
+        );
+    }
+    let _ = write!(
+        s,
+        "<text x=\"{:.1}\" y=\"{}\" font-size=\"12\" text-anchor=\"middle\">{}</text>",
+        (l + w - r) / 2.0,
+        h - 6.0,
+        esc(xlabel)
+    );
+    for (k, (name, colour, v, dots)) in series.iter().enumerate() {
+        if *dots {
+            for (i, p) in v.iter().enumerate().filter(|(_, p)| p.is_finite()) {
+                let _ = write!(s, "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"1.6\" fill=\"{colour}\"/>", x(i), y(*p));
+            }
+        } else {
+            let mut run: Vec<String> = Vec::new();
+            let flush = |run: &mut Vec<String>, s: &mut String| {
+                if run.len() > 1 {
+                    let _ = write!(
+                        s,
+                        "<polyline fill=\"none\" stroke=\"{colour}\" stroke-width=\"1.4\" points=\"{}\"/>",
+                        run.join(" ")
+                    );
+                }
+                run.clear();
+            };
+            for (i, p) in v.iter().enumerate() {
+                if p.is_finite() {
+                    run.push(format!("{:.1},{:.1}", x(i), y(*p)));
+                } else {
+                    flush(&mut run, &mut s);
+                }
+            }
+            flush(&mut run, &mut s);
+        }
+        let _ = write!(
+            s,
+            "<rect x=\"{}\" y=\"{}\" width=\"12\" height=\"4\" fill=\"{colour}\"/><text x=\"{}\" y=\"{}\" font-size=\"12\">{}</text>",
+            l + 10.0 + 170.0 * k as f64,
+            t - 14.0,
+            l + 26.0 + 170.0 * k as f64,
+            t - 9.0,
+            esc(name)
+        );
+    }
+    s + "</svg></figure>\n"
+}
+
+fn map(d: &ReportData) -> String {
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY, f64::NEG_INFINITY);
+    let ring_points = d.states.iter().flat_map(|s| s.2.iter().flatten().copied());
+    for (x, y) in ring_points.chain(d.stations.iter().map(|s| (s.1, s.2))) {
+        x0 = x0.min(x);
+        x1 = x1.max(x);
+        y0 = y0.min(y);
+        y1 = y1.max(y);
+    }
+    if !x0.is_finite() {
+        (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
+    }
+    // equirectangular, longitude shrunk by cos(latitude)
+    let k = ((y0 + y1) / 2.0).to_radians().cos();
+    let (w, h, map_w) = (800.0, 620.0, 520.0);
+    let sc = ((map_w - 20.0) / ((x1 - x0) * k).max(1e-9)).min((h - 20.0) / (y1 - y0).max(1e-9));
+    let px = |x: f64| 10.0 + (x - x0) * k * sc;
+    let py = |y: f64| 10.0 + (y1 - y) * sc;
+    // colours by rank among the states that hold stations (distinct for up to 16 of them)
+    let mut colour = vec![PALETTE[PALETTE.len() - 1]; d.states.len()];
+    let mut next = 0;
+    for (i, c) in colour.iter_mut().enumerate() {
+        if d.stations.iter().any(|s| s.3 == i) {
+            *c = PALETTE[next % PALETTE.len()];
+            next += 1;
+        }
+    }
+    let mut s = format!(
+        "<figure id=\"map\"><figcaption>Stations by state (domain); thick outline: target (red), sources (blue), never seen (orange)</figcaption>\
+         <svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\">"
+    );
+    for (i, (name, role, rings)) in d.states.iter().enumerate() {
+        let (stroke, width) = match role.as_str() {
+            "target" => ("#d62728", 3.0),
+            "source" => ("#1f77b4", 2.0),
+            "unseen" => ("#ff7f0e", 2.5),
+            _ => ("#888", 0.6),
+        };
+        for ring in rings {
+            let p: Vec<String> = ring.iter().map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y))).collect();
+            let _ = write!(
+                s,
+                "<polygon class=\"state\" points=\"{}\" fill=\"{}\" fill-opacity=\"0.12\" stroke=\"{stroke}\" stroke-width=\"{width}\"><title>{} ({role})</title></polygon>",
+                p.join(" "),
+                colour[i],
+                esc(name)
+            );
+        }
+    }
+    // legend: the states that hold stations, in their marker colour, with their role
+    let mut row = 0.0;
+    for (i, (name, role, _)) in d.states.iter().enumerate() {
+        let n = d.stations.iter().filter(|s| s.3 == i).count();
+        if n == 0 {
+            continue;
+        }
+        let role = if role == "other" { String::new() } else { format!(", {role}") };
+        let _ = write!(
+            s,
+            "<circle cx=\"{}\" cy=\"{}\" r=\"5\" fill=\"{}\" stroke=\"#000\" stroke-width=\"0.6\"/><text x=\"{}\" y=\"{}\" font-size=\"12\">{} ({n}{role})</text>",
+            map_w + 20.0,
+            30.0 + row,
+            colour[i],
+            map_w + 32.0,
+            34.0 + row,
+            esc(name)
+        );
+        row += 20.0;
+    }
+    for (code, x, y, st) in &d.stations {
+        let _ = write!(
+            s,
+            "<circle class=\"station\" cx=\"{:.1}\" cy=\"{:.1}\" r=\"4.5\" fill=\"{}\" stroke=\"#000\" stroke-width=\"0.6\"><title>{} ({})</title></circle>",
+            px(*x),
+            py(*y),
+            colour.get(*st).copied().unwrap_or("#000"),
+            esc(code),
+            esc(d.states.get(*st).map_or("", |s| s.0.as_str()))
+        );
+    }
+    s + "</svg></figure>\n"
+}
+
+/// The page.
+pub fn render(d: &ReportData) -> String {
+    let mut s = format!(
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{t}</title>\
+         <style>body{{font-family:sans-serif;margin:24px;max-width:900px}}figure{{margin:18px 0}}figcaption{{font-weight:bold;margin-bottom:4px}}</style>\
+         </head><body><h1>{t}</h1><ul id=\"summary\">",
+        t = esc(&d.title)
+    );
+    for l in &d.summary {
+        let _ = write!(s, "<li>{}</li>", esc(l));
+    }
+    s += "</ul>\n";
+    let total: Vec<f32> = d.losses.iter().map(|l| l.0).collect();
+    let reg: Vec<f32> = d.losses.iter().map(|l| l.1).collect();
+    let dom: Vec<f32> = d.losses.iter().map(|l| l.2).collect();
+    let n = d.losses.len();
+    let ticks: Vec<(usize, String)> =
+        (0..=4).map(|k| (k * n.saturating_sub(1) / 4, (k * n.saturating_sub(1) / 4 + 1).to_string())).collect();
+    let mut series: Vec<(&str, &str, &[f32], bool)> =
+        vec![("total (avg over ranks)", "#333", &total, false), ("regression (rank 0)", "#1f77b4", &reg, false)];
+    if dom.iter().any(|&x| x != 0.0) {
+        series.push(("domain (rank 0)", "#d62728", &dom, false));
+    }
+    s += &chart("loss", "Training loss", "iteration", &series, &ticks);
+    let nan = |v: &[Option<f32>]| -> Vec<f32> { v.iter().map(|x| x.unwrap_or(f32::NAN)).collect() };
+    let (obs, fc, pe) = (nan(&d.observed), nan(&d.forecast), nan(&d.persistence));
+    let m = d.dates.len();
+    let ticks: Vec<(usize, String)> =
+        (0..=4).map(|k| k * m.saturating_sub(1) / 4).map(|i| (i, d.dates.get(i).cloned().unwrap_or_default())).collect();
+    s += &chart(
+        "forecast",
+        &format!(
+            "PM10 at {} (target state), first {m} days of the test period: forecast for each day made the day before, µg/m³",
+            d.station
+        ),
+        "date",
+        &[("observed", "#333", &obs, true), ("forecast", "#d62728", &fc, false), ("persistence", "#2ca02c", &pe, false)],
+        &ticks,
+    );
+    s += &map(d);
+    s + "</body></html>\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_page_has_its_three_figures_and_escapes_text() {
+        let d = ReportData {
+            title: "a <b> & c".into(),
+            summary: vec!["x".into()],
+            losses: vec![(1.0, 0.8, 0.2), (0.5, 0.4, 0.1), (0.4, 0.3, 0.1)],
+            station: "DE1".into(),
+            dates: vec!["2008-01-01".into(), "2008-01-02".into()],
+            observed: vec![Some(10.0), None],
+            forecast: vec![Some(11.0), Some(12.0)],
+            persistence: vec![None, Some(10.0)],
+            states: vec![("S".into(), "target".into(), vec![vec![(0.0, 0.0), (1.0, 0.0), (1.0, 1.0)]])],
+            stations: vec![("DE1".into(), 0.5, 0.3, 0)],
+        };
+        let h = render(&d);
+        for id in ["summary", "loss", "forecast", "map"] {
+            assert!(h.contains(&format!("id=\"{id}\"")), "{id}");
+        }
+        assert!(h.contains("a &lt;b&gt; &amp; c"));
+        assert_eq!(h.matches("class=\"station\"").count(), 1);
+        assert_eq!(h.matches("<svg").count(), 3);
+    }
+}

@@ -1,0 +1,542 @@
+//! The task (which states teach, which is the target, which is never seen), training on any
+//! ironweave communicator ([`fit`], a world of one in-process for the experiments), the elastic
+//! worker that `ironweave launch` runs on several ranks with a Capricorn checkpoint every
+//! iteration ([`ElasticRun`]), and evaluation in µg/m³.
+//!
+//! **Batches.** Each iteration, each rank draws its own batch from (seed, iteration, rank):
+//! three quarters source windows and one quarter windows of the target's few labelled days
+//! (the target's little data is used whatever the number of sources); adversarial methods add
+//! half as many unlabelled target windows (the whole training period of the target, labels
+//! masked) for the domain classifier. Ranks average gradients, so 4 ranks train on 4× the batch.
+
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use candle_nn::VarMap;
+use ironweave::candle::{Layout, Trainer, TrainerConfig};
+use ironweave::ckpt::{Dtype, Snapshot, TensorSpec};
+use ironweave::elastic::{BoxError, Generation, Iteration, Recovery, Step, StepContext, Worker};
+use ironweave::Communicator;
+use serde::Serialize;
+
+use crate::data::AirData;
+use crate::model::{lambda_schedule, Adversary, Net, NetConfig};
+use crate::pipeline::{windows, Batch, Norm, Split, Window, WindowSpec};
+use crate::{Error, Result, Rng};
+
+/// A forecasting method.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Method {
+    /// Tomorrow (and every later day of the horizon) = today. Not trained.
+    Persistence,
+    /// The network without a domain classifier, trained on the target's labelled days only.
+    TargetOnly,
+    /// The network without a domain classifier, trained on sources and the target's days.
+    NoClassifier,
+    /// Strategy 1: reversal layer and one multi-class domain classifier.
+    MultiClass,
+    /// Strategy 2: reversal layer and one discriminator per source domain.
+    PerSource,
+}
+
+impl Method {
+    /// Every method, baselines first.
+    pub const ALL: [Method; 5] =
+        [Method::Persistence, Method::TargetOnly, Method::NoClassifier, Method::MultiClass, Method::PerSource];
+
+    /// Its name on the command line and in tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::Persistence => "persistence",
+            Method::TargetOnly => "target-only",
+            Method::NoClassifier => "no-classifier",
+            Method::MultiClass => "grl-multiclass",
+            Method::PerSource => "grl-per-source",
+        }
+    }
+
+    /// Parses [`Method::name`].
+    pub fn parse(s: &str) -> Result<Method> {
+        Method::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| Error::Config(format!("unknown method `{s}`; one of {}", Method::ALL.map(Method::name).join(", "))))
+    }
+
+    /// The network's adversary (`None` for persistence too).
+    pub fn adversary(self) -> Adversary {
+        match self {
+            Method::MultiClass => Adversary::MultiClass,
+            Method::PerSource => Adversary::PerSource,
+            _ => Adversary::None,
+        }
+    }
+
+    /// Whether it learns from the source domains.
+    pub fn uses_sources(self) -> bool {
+        !matches!(self, Method::Persistence | Method::TargetOnly)
+    }
+}
+
+/// Which stations teach what.
+#[derive(Debug, Clone, Serialize)]
+pub struct Task {
+    /// Target state (index into the data's states).
+    pub target: usize,
+    /// Source states.
+    pub sources: Vec<usize>,
+    /// A state never seen in training, evaluated as a second target (none: skipped).
+    pub unseen: Option<usize>,
+    /// The chronological split.
+    pub split: Split,
+    /// Window shape.
+    pub spec: WindowSpec,
+    /// The target's labelled days: the last this many days of the training period.
+    pub target_days: usize,
+}
+
+impl Task {
+    /// The default task on `data`: target `target`, its `k` nearest states (by station
+    /// centroid) with stations as sources (`None`: all), `unseen` kept out of training.
+    pub fn nearest(data: &AirData, target: &str, k: Option<usize>, unseen: Option<&str>, split: Split) -> Result<Task> {
+        let t = data.state_index(target)?;
+        let u = unseen.map(|u| data.state_index(u)).transpose()?;
+        if u == Some(t) {
+            return Err(Error::Config("the unseen state cannot be the target".into()));
+        }
+        let centre = |s: usize| {
+            let st: Vec<_> = data.stations.iter().filter(|x| x.state == s).collect();
+            let n = st.len().max(1) as f64;
+            (st.iter().map(|x| x.lon).sum::<f64>() / n, st.iter().map(|x| x.lat).sum::<f64>() / n)
+        };
+        let (tx, ty) = centre(t);
+        let mut cands: Vec<usize> = data.states_with_stations().into_iter().filter(|&s| s != t && Some(s) != u).collect();
+        if cands.is_empty() {
+            return Err(Error::Config("no source state with stations is left".into()));
+        }
+        let dist = |s: usize| {
+            let (x, y) = centre(s);
+            ((x - tx) * ty.to_radians().cos()).powi(2) + (y - ty).powi(2)
+        };
+        cands.sort_by(|&a, &b| dist(a).total_cmp(&dist(b)).then(a.cmp(&b)));
+        let k = k.unwrap_or(cands.len());
+        if k == 0 || k > cands.len() {
+            return Err(Error::Config(format!("{k} source states asked for; {} are available", cands.len())));
+        }
+        cands.truncate(k);
+        Ok(Task { target: t, sources: cands, unseen: u, split, spec: WindowSpec::default(), target_days: 365 })
+    }
+
+    /// Stations of state `s`.
+    pub fn stations_of(data: &AirData, s: usize) -> Vec<usize> {
+        (0..data.stations.len()).filter(|&i| data.stations[i].state == s).collect()
+    }
+}
+
+/// Training settings.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct FitConfig {
+    /// Optimizer steps.
+    pub iterations: u64,
+    /// Labelled windows per rank per step.
+    pub batch: usize,
+    /// AdamW learning rate.
+    pub lr: f64,
+    /// Seed of the initial weights and of every batch.
+    pub seed: u64,
+    /// Convolution channels.
+    pub conv: usize,
+    /// Recurrent units per direction.
+    pub hidden: usize,
+}
+
+impl Default for FitConfig {
+    fn default() -> Self {
+        FitConfig { iterations: 300, batch: 64, lr: 3e-3, seed: 1, conv: 16, hidden: 16 }
+    }
+}
+
+/// A method on a task, with its windows drawn and its normalisation fitted.
+#[derive(Debug)]
+pub struct Prepared {
+    /// The data.
+    pub data: Arc<AirData>,
+    /// The task.
+    pub task: Task,
+    /// The method.
+    pub method: Method,
+    /// Normalisation (fitted on the training period of the stations it learns from).
+    pub norm: Norm,
+    /// Labelled source windows with their source index.
+    pub source: Vec<(Window, u32)>,
+    /// The target's labelled windows (its last `target_days` training days).
+    pub target_labelled: Vec<Window>,
+    /// The target's training windows, labels unused (adversaries only).
+    pub target_unlabelled: Vec<Window>,
+}
+
+impl Prepared {
+    /// Draws the windows of `method` on `task`.
+    pub fn new(data: Arc<AirData>, task: Task, method: Method) -> Result<Prepared> {
+        let sp = &task.split;
+        let tst = Task::stations_of(&data, task.target);
+        if tst.is_empty() {
+            return Err(Error::Config(format!("the target {} has no stations", data.states[task.target].name)));
+        }
+        let lab_from = sp.train.end.saturating_sub(task.target_days).max(sp.train.start);
+        let target_labelled = windows(&data, &tst, lab_from..sp.train.end, &task.spec);
+        if target_labelled.is_empty() {
+            return Err(Error::Config(format!("the target {} has no labelled training windows", data.states[task.target].name)));
+        }
+        let mut source = Vec::new();
+        let mut teach = tst.clone();
+        if method.uses_sources() {
+            for (i, &s) in task.sources.iter().enumerate() {
+                let st = Task::stations_of(&data, s);
+                teach.extend(&st);
+                source.extend(windows(&data, &st, sp.train.clone(), &task.spec).into_iter().map(|w| (w, i as u32)));
+            }
+            if source.is_empty() {
+                return Err(Error::Config("the source states have no training windows".into()));
+            }
+        }
+        let target_unlabelled =
+            if method.adversary() == Adversary::None { Vec::new() } else { windows(&data, &tst, sp.train.clone(), &task.spec) };
+        // the target's labelled days only for a target-only model; the whole training period of
+        // the stations it learns from otherwise (unlabelled target values are inputs too)
+        let norm = match method {
+            Method::TargetOnly | Method::Persistence => Norm::fit(&data, &tst, lab_from..sp.train.end)?,
+            _ => Norm::fit(&data, &teach, sp.train.clone())?,
+        };
+        Ok(Prepared { data, task, method, norm, source, target_labelled, target_unlabelled })
+    }
+
+    /// The network's sizes for this method.
+    pub fn net_config(&self, fit: &FitConfig) -> NetConfig {
+        NetConfig {
+            lookback: self.task.spec.lookback,
+            horizon: self.task.spec.horizon,
+            conv: fit.conv,
+            hidden: fit.hidden,
+            sources: if self.method.uses_sources() { self.task.sources.len() } else { 0 },
+            adversary: self.method.adversary(),
+        }
+    }
+
+    /// Rank `rank`'s batch of iteration `iter`.
+    pub fn batch(&self, fit: &FitConfig, iter: u64, rank: usize) -> Batch {
+        let mut rng = Rng::new(&[fit.seed, iter, rank as u64]);
+        let mut b = Batch::default();
+        let (d, n, spec) = (&*self.data, &self.norm, &self.task.spec);
+        let k = self.task.sources.len() as u32;
+        let n_src = if self.source.is_empty() { 0 } else { fit.batch * 3 / 4 };
+        for _ in 0..n_src {
+            let (w, s) = self.source[rng.below(self.source.len())];
+            b.push(d, n, spec, w, true, s);
+        }
+        for _ in n_src..fit.batch {
+            let w = self.target_labelled[rng.below(self.target_labelled.len())];
+            b.push(d, n, spec, w, true, k);
+        }
+        if !self.target_unlabelled.is_empty() {
+            for _ in 0..fit.batch / 2 {
+                let w = self.target_unlabelled[rng.below(self.target_unlabelled.len())];
+                b.push(d, n, spec, w, false, k);
+            }
+        }
+        b
+    }
+}
+
+/// The losses of one step (averaged over ranks: total; this rank's: the parts).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Losses {
+    /// Regression + domain loss, averaged over ranks.
+    pub total: f32,
+    /// This rank's masked regression loss (normalised units).
+    pub regression: f32,
+    /// This rank's domain loss (0 without a classifier).
+    pub domain: f32,
+}
+
+/// One step of `trainer` on `net` with rank `rank`'s batch of iteration `iter` (collective).
+pub fn train_step(trainer: &mut Trainer, net: &Net, prep: &Prepared, fit: &FitConfig, iter: u64, rank: usize) -> Result<Losses> {
+    net.set_lambda(lambda_schedule(iter as f64 / fit.iterations.max(1) as f64));
+    let batch = prep.batch(fit, iter, rank);
+    let x = net.input(&batch)?;
+    let parts = std::cell::Cell::new((0f32, 0f32));
+    let s = trainer.step(net, &x, |out| {
+        let (total, reg, dom) = net.loss(out, &batch)?;
+        let d = match &dom {
+            Some(d) => d.to_scalar::<f32>()?,
+            None => 0.0,
+        };
+        parts.set((reg.to_scalar::<f32>()?, d));
+        Ok(total)
+    })?;
+    let (regression, domain) = parts.get();
+    Ok(Losses { total: s.loss, regression, domain })
+}
+
+fn trainer_config(fit: &FitConfig) -> TrainerConfig {
+    let mut t = TrainerConfig::default();
+    t.adam.lr = fit.lr;
+    t
+}
+
+/// A trained network and its loss curve.
+pub struct Fitted {
+    /// The network.
+    pub net: Net,
+    /// Its variables.
+    pub vars: VarMap,
+    /// Losses per iteration.
+    pub losses: Vec<Losses>,
+}
+
+impl std::fmt::Debug for Fitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fitted").field("net", &self.net).field("iterations", &self.losses.len()).finish_non_exhaustive()
+    }
+}
+
+/// Trains `prep`'s method data-parallel over `comm` (a world of one is a plain run).
+pub fn fit(prep: &Prepared, comm: &Arc<Communicator>, cfg: &FitConfig) -> Result<Fitted> {
+    if prep.method == Method::Persistence {
+        return Err(Error::Config("persistence is not trained".into()));
+    }
+    let vars = VarMap::new();
+    let net = Net::new(&vars, prep.net_config(cfg), cfg.seed)?;
+    let mut t = Trainer::new(&vars, comm, Layout::DataParallel, trainer_config(cfg))?;
+    let mut losses = Vec::with_capacity(cfg.iterations as usize);
+    for it in 1..=cfg.iterations {
+        losses.push(train_step(&mut t, &net, prep, cfg, it, comm.rank())?);
+    }
+    Ok(Fitted { net, vars, losses })
+}
+
+/// Errors of a forecast, in µg/m³.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Metrics {
+    /// Root mean squared error of tomorrow's forecast.
+    pub rmse: f64,
+    /// Mean absolute error of tomorrow's forecast.
+    pub mae: f64,
+    /// RMSE over every day of the horizon.
+    pub rmse_horizon: f64,
+    /// Observed targets scored (tomorrow).
+    pub n: usize,
+}
+
+/// Forecasts (µg/m³, `[window][horizon]`) of `net` (persistence when `None`) on `ws`.
+pub fn predict(net: Option<&Net>, prep: &Prepared, ws: &[Window]) -> Result<Vec<Vec<f32>>> {
+    let (spec, norm) = (&prep.task.spec, &prep.norm);
+    let mut out = Vec::with_capacity(ws.len());
+    for chunk in ws.chunks(1024) {
+        let mut b = Batch::default();
+        for &w in chunk {
+            b.push(&prep.data, norm, spec, w, true, 0);
+        }
+        match net {
+            None => {
+                for &w in chunk {
+                    let today = prep.data.series(usize::from(w.station))[w.day as usize];
+                    out.push(vec![today; spec.horizon]);
+                }
+            }
+            Some(net) => {
+                let x = net.input(&b)?;
+                let f = net.features(&x)?;
+                let p: Vec<Vec<f32>> = net.forecast(&x, &f)?.to_vec2()?;
+                out.extend(p.into_iter().map(|r| r.into_iter().map(|v| v * norm.std + norm.mean).collect()));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Scores `preds` on `ws` against the observed values.
+pub fn score(data: &AirData, ws: &[Window], preds: &[Vec<f32>]) -> Metrics {
+    let (mut se, mut ae, mut n, mut se_h, mut n_h) = (0f64, 0f64, 0usize, 0f64, 0usize);
+    for (w, p) in ws.iter().zip(preds) {
+        let x = data.series(usize::from(w.station));
+        for (h, &ph) in p.iter().enumerate() {
+            let obs = x[w.day as usize + 1 + h];
+            if !obs.is_finite() {
+                continue;
+            }
+            let e = f64::from(ph - obs);
+            se_h += e * e;
+            n_h += 1;
+            if h == 0 {
+                se += e * e;
+                ae += e.abs();
+                n += 1;
+            }
+        }
+    }
+    let d = |x: f64, k: usize| if k == 0 { f64::NAN } else { x / k as f64 };
+    Metrics { rmse: d(se, n).sqrt(), mae: d(ae, n), rmse_horizon: d(se_h, n_h).sqrt(), n }
+}
+
+/// Where a model was scored.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Evaluation {
+    /// The target's test period.
+    pub target: Metrics,
+    /// The source states' test period (empty for methods that do not use them).
+    pub sources: Option<Metrics>,
+    /// The never-seen state's test period.
+    pub unseen: Option<Metrics>,
+    /// The target's validation period.
+    pub target_val: Metrics,
+}
+
+/// Scores `net` (persistence when `None`) on the test periods of the target, the sources and
+/// the never-seen state.
+pub fn evaluate(net: Option<&Net>, prep: &Prepared) -> Result<Evaluation> {
+    let (d, t) = (&*prep.data, &prep.task);
+    let on = |states: &[usize], days: std::ops::Range<usize>| -> Result<Metrics> {
+        let st: Vec<usize> = states.iter().flat_map(|&s| Task::stations_of(d, s)).collect();
+        let ws = windows(d, &st, days, &t.spec);
+        Ok(score(d, &ws, &predict(net, prep, &ws)?))
+    };
+    Ok(Evaluation {
+        target: on(&[t.target], t.split.test.clone())?,
+        sources: if t.sources.is_empty() { None } else { Some(on(&t.sources, t.split.test.clone())?) },
+        unseen: t.unseen.map(|u| on(&[u], t.split.test.clone())).transpose()?,
+        target_val: on(&[t.target], t.split.val.clone())?,
+    })
+}
+
+/// The elastic worker: [`train_step`] under `ironweave::elastic` (`ironweave launch`), the
+/// trainer's whole state and the loss curve registered with the checkpoint engine, so a
+/// killed rank's replacement restores from peers' memory and the job ends where an
+/// uninterrupted one does.
+pub struct ElasticRun {
+    /// The method on its task.
+    pub prep: Arc<Prepared>,
+    /// Training settings.
+    pub fit: FitConfig,
+    /// This rank.
+    pub rank: usize,
+    /// The network.
+    pub net: Net,
+    vars: VarMap,
+    trainer: Option<Trainer>,
+    /// Loss curve, 3 f32 (total, regression, domain) per iteration, little-endian bytes:
+    /// checkpointed with the model, so a recovered rank reports the whole curve.
+    history: Vec<u8>,
+    /// Where progress lines go (the binary prints them).
+    pub print: fn(&str),
+}
+
+impl ElasticRun {
+    /// A worker for rank `rank`.
+    pub fn new(prep: Arc<Prepared>, fit: FitConfig, rank: usize) -> Result<ElasticRun> {
+        if prep.method == Method::Persistence {
+            return Err(Error::Config("persistence is not trained".into()));
+        }
+        let vars = VarMap::new();
+        let net = Net::new(&vars, prep.net_config(&fit), fit.seed)?;
+        let history = vec![0u8; fit.iterations as usize * 12];
+        Ok(ElasticRun { prep, fit, rank, net, vars, trainer: None, history, print: |_| {} })
+    }
+
+    /// The loss curve so far (iterations not yet run are zero).
+    pub fn losses(&self) -> Vec<Losses> {
+        self.history
+            .chunks_exact(12)
+            .map(|c| {
+                let f = |i: usize| f32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
+                Losses { total: f(0), regression: f(4), domain: f(8) }
+            })
+            .collect()
+    }
+
+    /// SHA-256 of the trainer's state (parameters, moments, step).
+    pub fn state_digest(&self) -> Option<[u8; 32]> {
+        self.trainer.as_ref().map(Trainer::state_digest)
+    }
+
+    fn trainer(&mut self) -> Result<&mut Trainer, BoxError> {
+        self.trainer.as_mut().ok_or_else(|| "no generation joined".into())
+    }
+}
+
+impl std::fmt::Debug for ElasticRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ElasticRun")
+            .field("method", &self.prep.method)
+            .field("rank", &self.rank)
+            .field("fit", &self.fit)
+            .finish_non_exhaustive()
+    }
+}
+
+const HISTORY: &str = "airq.loss_history";
+
+impl Worker for ElasticRun {
+    type Output = Losses;
+
+    fn join(&mut self, g: &Generation<'_>) -> Result<(), BoxError> {
+        Ok(Trainer::join(&mut self.trainer, &self.vars, g, Layout::DataParallel, trainer_config(&self.fit))?)
+    }
+    fn state_specs(&self) -> Vec<TensorSpec> {
+        let mut v = self.trainer.as_ref().map(Trainer::state_specs).unwrap_or_default();
+        v.push(TensorSpec::new(HISTORY, Dtype::F32, &[self.fit.iterations, 3]));
+        v
+    }
+    fn state(&self) -> Vec<&[u8]> {
+        let mut v = self.trainer.as_ref().map(Trainer::state).unwrap_or_default();
+        v.push(&self.history);
+        v
+    }
+    fn restore(&mut self, s: &Snapshot) -> Result<(), BoxError> {
+        self.trainer()?.restore(s)?;
+        let h = s.tensor(HISTORY).ok_or("the checkpoint lacks the loss history (written by another program?)")?;
+        if h.len() != self.history.len() {
+            return Err(format!("the checkpoint's loss history has {} bytes, this run {}", h.len(), self.history.len()).into());
+        }
+        self.history.copy_from_slice(h);
+        Ok(())
+    }
+    fn start_over(&mut self) -> Result<(), BoxError> {
+        self.history.fill(0);
+        Ok(self.trainer()?.start_over()?)
+    }
+    fn step(&mut self, iter: u64, _cx: &StepContext<'_>) -> Result<Step<Losses>, BoxError> {
+        let (net, prep, fit, rank) = (&self.net, &self.prep, &self.fit, self.rank);
+        let t = self.trainer.as_mut().ok_or("no generation joined")?;
+        let l = train_step(t, net, prep, fit, iter, rank)?;
+        if let Some(c) = (iter as usize).checked_sub(1).and_then(|i| self.history.get_mut(i * 12..i * 12 + 12)) {
+            for (k, v) in [l.total, l.regression, l.domain].into_iter().enumerate() {
+                c[k * 4..k * 4 + 4].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        Ok(Step::new(l))
+    }
+    fn on_iteration(&mut self, it: &Iteration<'_, Losses>) -> Result<(), BoxError> {
+        let every = (self.fit.iterations / 20).max(1);
+        // rank 0 every 5% of the run; every rank every iteration with AIRQ_VERBOSE set
+        let verbose = std::env::var_os("AIRQ_VERBOSE").is_some();
+        if verbose || (self.rank == 0 && (it.iter % every == 0 || it.iter == self.fit.iterations)) {
+            (self.print)(&format!(
+                "rank {}: iteration {} loss {:.5} (regression {:.5}, domain {:.5}) committed {:?}",
+                self.rank, it.iter, it.output.total, it.output.regression, it.output.domain, it.committed
+            ));
+        }
+        Ok(())
+    }
+    fn on_recovery(&mut self, r: &Recovery, _comm: &Arc<Communicator>) -> Result<(), BoxError> {
+        (self.print)(&format!("rank {}: restored iteration {} from {}", self.rank, r.iter, r.source.name()));
+        Ok(())
+    }
+}
+
+/// Helper for tests and tools: the forecast of `net` on one batch as a tensor.
+pub fn forward(net: &Net, batch: &Batch) -> Result<Tensor> {
+    let x = net.input(batch)?;
+    let f = net.features(&x)?;
+    Ok(net.forecast(&x, &f)?)
+}
