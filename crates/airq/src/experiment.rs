@@ -45,6 +45,8 @@ pub struct RunResult {
     pub seed: u64,
     /// Scores.
     pub eval: Evaluation,
+    /// The training domain loss over the last tenth of the iterations (adversarial methods).
+    pub final_domain_loss: Option<f64>,
     /// Wall time of training and scoring, seconds.
     pub seconds: f64,
 }
@@ -82,11 +84,14 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
         let sources =
             if m.uses_sources() { task.sources.iter().map(|&s| data.states[s].name.clone()).collect() } else { Vec::new() };
         let prep = Prepared::new(data.clone(), task, m)?;
-        let eval = if m == Method::Persistence {
-            evaluate(None, &prep)?
+        let (eval, final_domain_loss) = if m == Method::Persistence {
+            (evaluate(None, &prep)?, None)
         } else {
             let f = fit(&prep, &comm, &FitConfig { seed, ..grid.fit })?;
-            evaluate(Some(&f.net), &prep)?
+            let tail = &f.losses[f.losses.len() - (f.losses.len() / 10).max(1)..];
+            let dom = (m.adversary() != crate::model::Adversary::None)
+                .then(|| tail.iter().map(|l| f64::from(l.domain)).sum::<f64>() / tail.len() as f64);
+            (evaluate(Some(&f.net), &prep)?, dom)
         };
         let r = RunResult {
             method: m,
@@ -94,6 +99,7 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
             k: if m.uses_sources() { k_label(k) } else { "-".into() },
             seed,
             eval,
+            final_domain_loss,
             seconds: t0.elapsed().as_secs_f64(),
         };
         progress(i + 1, total, &r);
@@ -122,12 +128,14 @@ fn cell(v: &[f64]) -> String {
 }
 
 /// The markdown table: one row per (method, source count), means ± sample standard deviation
-/// over seeds; `vs persistence` is the target RMSE's ratio to persistence's (below 1: better).
+/// over seeds; `vs persistence` is the target RMSE's ratio to persistence's (below 1: better);
+/// `domain probe` is the balanced accuracy (chance in brackets) of a linear probe telling the
+/// domains apart from the features: the adversary's counter, measured alike for every network.
 pub fn table(results: &[RunResult]) -> String {
     let pers = results.iter().find(|r| r.method == Method::Persistence).map(|r| r.eval.target.rmse);
     let mut s = String::from(
-        "| sources | method | seeds | target RMSE | target MAE | target RMSE, days 1–3 | vs persistence | sources RMSE | unseen-state RMSE |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+        "| sources | method | seeds | target RMSE | target MAE | target RMSE, days 1–3 | vs persistence | sources RMSE | unseen-state RMSE | domain probe (chance) |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
     );
     let mut keys: Vec<(String, Method)> = Vec::new();
     for r in results {
@@ -149,8 +157,13 @@ pub fn table(results: &[RunResult]) -> String {
             Some(p) if p > 0.0 => cell(&rmse.iter().map(|x| x / p).collect::<Vec<_>>()),
             _ => "–".into(),
         };
+        let dom = f(&|r| r.eval.probe.map(|d| d.balanced_accuracy));
+        let dom = match rs.iter().find_map(|r| r.eval.probe) {
+            Some(d) => format!("{} ({:.2})", cell(&dom), d.chance),
+            None => "–".into(),
+        };
         s += &format!(
-            "| {k} | {} | {} | {} | {} | {} | {ratio} | {} | {} |\n",
+            "| {k} | {} | {} | {} | {} | {} | {ratio} | {} | {} | {dom} |\n",
             m.name(),
             rs.len(),
             cell(&rmse),
@@ -176,6 +189,7 @@ mod tests {
             k: k.into(),
             seed,
             eval: Evaluation { target: t, ..Default::default() },
+            final_domain_loss: None,
             seconds: 0.0,
         }
     }

@@ -63,6 +63,18 @@ impl ReportData {
         if let (Some(s), Some(p)) = (eval.sources, persistence.sources) {
             summary.push(format!("sources test RMSE {:.2} (persistence {:.2})", s.rmse, p.rmse));
         }
+        if let Some(dm) = eval.domain {
+            summary.push(format!(
+                "domain classifier on test windows: balanced accuracy {:.3} (chance {:.3}) over {} windows",
+                dm.balanced_accuracy, dm.chance, dm.windows
+            ));
+        }
+        if let Some(pr) = eval.probe {
+            summary.push(format!(
+                "domain information in the features: a linear probe tells the domains apart with balanced accuracy {:.3} (chance {:.3})",
+                pr.balanced_accuracy, pr.chance
+            ));
+        }
         if let (Some(u), Some(p)) = (eval.unseen, persistence.unseen) {
             summary.push(format!("never-seen state test RMSE {:.2} (persistence {:.2})", u.rmse, p.rmse));
         }

@@ -390,6 +390,78 @@ pub struct Evaluation {
     pub unseen: Option<Metrics>,
     /// The target's validation period.
     pub target_val: Metrics,
+    /// The domain classifier on the test windows (adversarial methods).
+    pub domain: Option<DomainScore>,
+    /// A probe's view of the features: a fresh linear classifier fitted on the training
+    /// windows' features to tell the domains apart, scored on the test windows — how much
+    /// domain information the features carry, measured alike for every network.
+    pub probe: Option<DomainScore>,
+}
+
+/// How well the domain classifier tells the domains apart on test windows — the adversary's
+/// counter: near chance, the features no longer say where a window comes from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct DomainScore {
+    /// Balanced accuracy: multi-class, the mean recall over the domains with test windows;
+    /// per-source, the mean over discriminators of (source recall + target recall) / 2.
+    pub balanced_accuracy: f64,
+    /// What guessing scores (1 / domains, or 0.5).
+    pub chance: f64,
+    /// Windows scored.
+    pub windows: usize,
+}
+
+/// The domain classifier's [`DomainScore`] on the test windows of the sources and the target
+/// (`None` without a classifier).
+pub fn domain_score(net: &Net, prep: &Prepared) -> Result<Option<DomainScore>> {
+    let (d, t) = (&*prep.data, &prep.task);
+    if net.domain_outputs() == 0 {
+        return Ok(None);
+    }
+    let k = t.sources.len();
+    // label i: source i; label k: the target
+    let mut groups: Vec<Vec<Window>> =
+        t.sources.iter().map(|&s| windows(d, &Task::stations_of(d, s), t.split.test.clone(), &t.spec)).collect();
+    groups.push(windows(d, &Task::stations_of(d, t.target), t.split.test.clone(), &t.spec));
+    let logits = |ws: &[Window]| -> Result<Vec<Vec<f32>>> {
+        let mut out = Vec::with_capacity(ws.len());
+        for chunk in ws.chunks(1024) {
+            let mut b = Batch::default();
+            for &w in chunk {
+                b.push(d, &prep.norm, &t.spec, w, true, 0);
+            }
+            let x = net.input(&b)?;
+            if let Some(l) = net.domain_logits(&net.features(&x)?)? {
+                out.extend(l.to_vec2::<f32>()?);
+            }
+        }
+        Ok(out)
+    };
+    let per_group: Vec<Vec<Vec<f32>>> = groups.iter().map(|g| logits(g)).collect::<Result<_>>()?;
+    let windows = groups.iter().map(Vec::len).sum();
+    let share = |v: &[Vec<f32>], hit: &dyn Fn(&[f32]) -> bool| v.iter().filter(|l| hit(l)).count() as f64 / v.len() as f64;
+    let score = match net.config().adversary {
+        Adversary::MultiClass => {
+            let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i);
+            let recalls: Vec<f64> =
+                per_group.iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(c, v)| share(v, &|l| argmax(l) == c)).collect();
+            DomainScore {
+                balanced_accuracy: recalls.iter().sum::<f64>() / recalls.len().max(1) as f64,
+                chance: 1.0 / recalls.len().max(1) as f64,
+                windows,
+            }
+        }
+        Adversary::PerSource => {
+            let target = &per_group[k];
+            let bal: Vec<f64> = (0..k)
+                .filter(|&i| !per_group[i].is_empty() && !target.is_empty())
+                .map(|i| (share(&per_group[i], &|l| l[i] > 0.0) + share(target, &|l| l[i] <= 0.0)) / 2.0)
+                .collect();
+            DomainScore { balanced_accuracy: bal.iter().sum::<f64>() / bal.len().max(1) as f64, chance: 0.5, windows }
+        }
+        Adversary::None => return Ok(None),
+    };
+    Ok(Some(score))
 }
 
 /// Scores `net` (persistence when `None`) on the test periods of the target, the sources and
@@ -406,7 +478,87 @@ pub fn evaluate(net: Option<&Net>, prep: &Prepared) -> Result<Evaluation> {
         sources: if t.sources.is_empty() { None } else { Some(on(&t.sources, t.split.test.clone())?) },
         unseen: t.unseen.map(|u| on(&[u], t.split.test.clone())).transpose()?,
         target_val: on(&[t.target], t.split.val.clone())?,
+        domain: net.map(|n| domain_score(n, prep)).transpose()?.flatten(),
+        probe: net.map(|n| domain_probe(n, prep)).transpose()?.flatten(),
     })
+}
+
+/// Features of `ws` under `net`, row-major `[ws.len(), 2·hidden]`.
+fn features_of(net: &Net, prep: &Prepared, ws: &[Window]) -> Result<Vec<Vec<f32>>> {
+    let mut out = Vec::with_capacity(ws.len());
+    for chunk in ws.chunks(1024) {
+        let mut b = Batch::default();
+        for &w in chunk {
+            b.push(&prep.data, &prep.norm, &prep.task.spec, w, true, 0);
+        }
+        out.extend(net.features(&net.input(&b)?)?.to_vec2::<f32>()?);
+    }
+    Ok(out)
+}
+
+/// The domain probe of [`Evaluation::probe`]: multinomial logistic regression on the
+/// standardised features of at most 1500 training windows per domain (the sources and the
+/// target; drawn with a fixed seed), 300 full-batch gradient steps; balanced accuracy on every
+/// test window of those domains. `None` without sources.
+pub fn domain_probe(net: &Net, prep: &Prepared) -> Result<Option<DomainScore>> {
+    let (d, t) = (&*prep.data, &prep.task);
+    if t.sources.is_empty() {
+        return Ok(None);
+    }
+    let mut states = t.sources.clone();
+    states.push(t.target);
+    let mut rng = Rng::new(&[0x9e0b, t.target as u64]);
+    let (mut xs, mut ys, mut tests) = (Vec::new(), Vec::new(), Vec::new());
+    for (c, &s) in states.iter().enumerate() {
+        let st = Task::stations_of(d, s);
+        let mut tr = windows(d, &st, t.split.train.clone(), &t.spec);
+        for i in 0..tr.len().min(1500) {
+            let j = i + rng.below(tr.len() - i);
+            tr.swap(i, j);
+        }
+        tr.truncate(1500);
+        xs.extend(features_of(net, prep, &tr)?);
+        ys.extend(std::iter::repeat_n(c as u32, tr.len()));
+        tests.push(features_of(net, prep, &windows(d, &st, t.split.test.clone(), &t.spec))?);
+    }
+    let classes = states.len();
+    let present: Vec<usize> = (0..classes).filter(|&c| ys.contains(&(c as u32)) && !tests[c].is_empty()).collect();
+    if present.len() < 2 || xs.is_empty() {
+        return Ok(None);
+    }
+    let dim = xs[0].len();
+    let n = xs.len() as f32;
+    let mean: Vec<f32> = (0..dim).map(|j| xs.iter().map(|r| r[j]).sum::<f32>() / n).collect();
+    let sd: Vec<f32> =
+        (0..dim).map(|j| (xs.iter().map(|r| (r[j] - mean[j]).powi(2)).sum::<f32>() / n).sqrt().max(1e-6)).collect();
+    let norm = |rows: &[Vec<f32>]| -> Vec<f32> { rows.iter().flat_map(|r| (0..dim).map(|j| (r[j] - mean[j]) / sd[j])).collect() };
+    let dev = candle_core::Device::Cpu;
+    let x = Tensor::from_vec(norm(&xs), (xs.len(), dim), &dev)?;
+    let y = Tensor::from_vec(ys, xs.len(), &dev)?;
+    let w = candle_core::Var::zeros((dim, classes), candle_core::DType::F32, &dev)?;
+    let b = candle_core::Var::zeros(classes, candle_core::DType::F32, &dev)?;
+    for _ in 0..300 {
+        let logits = x.matmul(w.as_tensor())?.broadcast_add(b.as_tensor())?;
+        let g = candle_nn::loss::cross_entropy(&logits, &y)?.backward()?;
+        for v in [&w, &b] {
+            if let Some(gv) = g.get(v.as_tensor()) {
+                v.set(&(v.as_tensor() - (gv * 0.5)?)?)?;
+            }
+        }
+    }
+    let mut recalls = Vec::new();
+    let mut scored = 0;
+    for &c in &present {
+        let xt = Tensor::from_vec(norm(&tests[c]), (tests[c].len(), dim), &dev)?;
+        let pred: Vec<u32> = xt.matmul(w.as_tensor())?.broadcast_add(b.as_tensor())?.argmax(1)?.to_vec1()?;
+        recalls.push(pred.iter().filter(|&&p| p as usize == c).count() as f64 / pred.len() as f64);
+        scored += pred.len();
+    }
+    Ok(Some(DomainScore {
+        balanced_accuracy: recalls.iter().sum::<f64>() / recalls.len() as f64,
+        chance: 1.0 / recalls.len() as f64,
+        windows: scored,
+    }))
 }
 
 /// The elastic worker: [`train_step`] under `ironweave::elastic` (`ironweave launch`), the
