@@ -92,6 +92,8 @@ pub fn run(cfg: &RunConfig, print: fn(&str)) -> Result<RunOutcome> {
     let digest = w.state_digest().ok_or_else(|| Error::Config("the job ended without a trainer".into()))?;
     let final_state = done.job_state_sha256(&digest).map_err(|e| Error::Job { code: e.exit_code(), message: e.to_string() })?;
     let recoveries = done.recoveries();
+    // the job ends before rank 0 scores: scoring needs no peer, and no rank waits on it
+    done.shutdown().map_err(|e| Error::Job { code: e.exit_code(), message: e.to_string() })?;
     let (mut scores, mut report) = (None, None);
     if rank == 0 {
         let ev = evaluate(Some(&w.net), &prep)?;
@@ -100,7 +102,6 @@ pub fn run(cfg: &RunConfig, print: fn(&str)) -> Result<RunOutcome> {
         report = Some(write_report(cfg, &prep, &w, &ev, &pe, world, recoveries)?);
         scores = Some((ev, pe));
     }
-    done.shutdown().map_err(|e| Error::Job { code: e.exit_code(), message: e.to_string() })?;
     Ok(RunOutcome { rank, world, recoveries, final_state, scores, report })
 }
 
