@@ -73,32 +73,29 @@ pub enum Error {
 /// Result of the forecaster.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// A small deterministic generator (SplitMix64): batches are a function of (seed, iteration,
-/// rank), so a recovered run draws what the uninterrupted one drew.
+/// Batches are a function of (seed, iteration, rank), so a recovered run draws what the
+/// uninterrupted one drew: ironweave's [`SplitMix64`](ironweave::SplitMix64) seeded from
+/// several words.
 #[derive(Debug, Clone)]
-pub struct Rng(u64);
+pub struct Rng(ironweave::SplitMix64);
 
 impl Rng {
-    /// Seeded from any number of words.
+    /// Seeded from any number of words (each folded into the state, then mixed).
     pub fn new(words: &[u64]) -> Rng {
-        let mut r = Rng(0x243F_6A88_85A3_08D3);
+        let mut g = ironweave::SplitMix64(0x243F_6A88_85A3_08D3);
         for &w in words {
-            r.0 ^= w;
-            r.next_u64();
+            g.0 ^= w;
+            g.next_u64();
         }
-        r
+        Rng(g)
     }
 
     /// The next 64 bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
-    /// Uniform in `0..n` (`n > 0`).
+    /// Uniform in `0..n` (`n > 0`; multiply-shift, no modulo bias).
     pub fn below(&mut self, n: usize) -> usize {
         ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
     }

@@ -52,3 +52,6 @@ pub use ironweave_shard as shard;
 pub use ironweave_transport as transport;
 pub use ironweave_transport::rendezvous::JobEnv;
 pub use ironweave_transport::{CommOptions, Communicator, Error, ReduceOp, Result};
+/// The workspace's one seedable generator (same numbers on every machine): for a program's
+/// deterministic batches, which a recovered run must draw again exactly.
+pub use ironweave_units::SplitMix64;
