@@ -24,7 +24,7 @@ pub struct Station {
     /// Latitude, degrees north.
     pub lat: f64,
     /// Index into [`AirData::states`] of the state the station lies in (the nearest one for a
-    /// station just outside every polygon, e.g. on the coast).
+    /// station just outside every polygon: DEUB031 near Zittau, on the border).
     pub state: usize,
 }
 

@@ -18,7 +18,7 @@ fn the_airbase_file_reads_as_r_reads_it() {
     assert_eq!(d.states[s0.state].name, "Schleswig-Holstein");
     // `sum(!is.na(air))`
     assert_eq!(d.pm10.iter().filter(|v| v.is_finite()).count(), 149_151);
-    // stations per state as sp::over() assigns them (plus one coastal station outside every
+    // stations per state as sp::over() assigns them (plus one border station outside every
     // polygon, given to the nearest state: Sachsen 7 + 1)
     let count = |n: &str| d.stations.iter().filter(|s| d.states[s.state].name == n).count();
     for (n, c) in
