@@ -19,8 +19,24 @@
 # IRONWEAVE_DEPS=build limits the list to what the default features need to build (the main
 # job: cmake, g++, libclang-dev; UCX is loaded at run time and verbs is opt-in);
 # IRONWEAVE_DEPS=airq to that and r-cran-spacetime (scripts/airq.sh).
+# apt-get installs those of the packages after the flags (`--...`) that `dpkg -s` does not know.
+_ironweave_apt() {
+  local flags=() need=() p
+  while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do flags+=("$1"); shift; done
+  for p in "$@"; do
+    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+  done
+  [ ${#need[@]} -eq 0 ] && return 0
+  echo "installing ${need[*]}" >&2
+  if [ "$(id -u)" != 0 ]; then
+    echo "error: these Debian packages are missing and installing them needs root: ${need[*]}" >&2
+    return 1
+  fi
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${flags[@]}" "${need[@]}" >/dev/null
+}
+
 ironweave_install_deps() {
-  local want=(cmake g++ libclang-dev) p
+  local want=(cmake g++ libclang-dev)
   # installed without their recommendations (r-cran-spacetime's pull in GDAL and R's build tools)
   local lean=()
   if [ "${IRONWEAVE_DEPS:-all}" = airq ]; then
@@ -29,30 +45,8 @@ ironweave_install_deps() {
     want+=(pkg-config libibverbs-dev librdmacm-dev libucx-dev iproute2 python3 python3-pip chromium)
     lean+=(r-cran-spacetime)
   fi
-  local need_lean=()
-  for p in "${lean[@]}"; do
-    dpkg -s "$p" >/dev/null 2>&1 || need_lean+=("$p")
-  done
-  if [ ${#need_lean[@]} -gt 0 ]; then
-    echo "installing ${need_lean[*]}" >&2
-    if [ "$(id -u)" != 0 ]; then
-      echo "error: these Debian packages are missing and installing them needs root: ${need_lean[*]}" >&2
-      return 1
-    fi
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_lean[@]}" >/dev/null
-  fi
-  local need=()
-  for p in "${want[@]}"; do
-    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
-  done
-  if [ ${#need[@]} -gt 0 ]; then
-    echo "installing ${need[*]}" >&2
-    if [ "$(id -u)" != 0 ]; then
-      echo "error: these Debian packages are missing and installing them needs root: ${need[*]}" >&2
-      return 1
-    fi
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-  fi
+  _ironweave_apt --no-install-recommends "${lean[@]}" || return 1
+  _ironweave_apt "${want[@]}" || return 1
   if [ "${IRONWEAVE_DEPS:-all}" = all ] && ! python3 -c "import safetensors, numpy" >/dev/null 2>&1; then
     echo "installing Python safetensors and numpy" >&2
     python3 -m pip install --quiet safetensors numpy 2>/dev/null \

@@ -181,9 +181,10 @@ impl Net {
         let c = self.conv1.forward(x)?.relu()?;
         let c = self.conv2.forward(&c)?.relu()?.contiguous()?; // [n, t, conv]
         let rev = Tensor::from_vec((0..t as u32).rev().collect::<Vec<_>>(), t, x.device())?;
-        let g_f = stack_h(&self.gru_f.seq(&c)?.iter().map(|s| s.h().clone()).collect::<Vec<_>>())?;
-        let g_b = stack_h(&self.gru_b.seq(&c.index_select(&rev, 1)?)?.iter().map(|s| s.h().clone()).collect::<Vec<_>>())?
-            .index_select(&rev, 1)?;
+        let g_f = Tensor::stack(&self.gru_f.seq(&c)?.iter().map(|s| s.h().clone()).collect::<Vec<_>>(), 1)?;
+        let g_b =
+            Tensor::stack(&self.gru_b.seq(&c.index_select(&rev, 1)?)?.iter().map(|s| s.h().clone()).collect::<Vec<_>>(), 1)?
+                .index_select(&rev, 1)?;
         let g = Tensor::cat(&[g_f, g_b], 2)?.contiguous()?; // [n, t, 2h]
         let l_f = self.lstm_f.seq(&g)?;
         let l_b = self.lstm_b.seq(&g.index_select(&rev, 1)?)?;
@@ -260,10 +261,6 @@ impl Net {
     pub fn input(&self, batch: &Batch) -> candle_core::Result<Tensor> {
         Tensor::from_slice(&batch.x, (batch.n, self.cfg.lookback, CHANNELS), &Device::Cpu)
     }
-}
-
-fn stack_h(hs: &[Tensor]) -> candle_core::Result<Tensor> {
-    Tensor::stack(hs, 1)
 }
 
 impl Staged for Net {

@@ -328,31 +328,36 @@ pub struct Metrics {
     pub n: usize,
 }
 
-/// Forecasts (µg/m³, `[window][horizon]`) of `net` (persistence when `None`) on `ws`.
-pub fn predict(net: Option<&Net>, prep: &Prepared, ws: &[Window]) -> Result<Vec<Vec<f32>>> {
-    let (spec, norm) = (&prep.task.spec, &prep.norm);
+/// Rows of `per_chunk(input, features)` over `ws` in chunks of 1024 windows: every pass of a
+/// trained network over many windows (forecasts, domain logits, the probe's features).
+fn over_windows(
+    net: &Net,
+    prep: &Prepared,
+    ws: &[Window],
+    mut per_chunk: impl FnMut(&Tensor, &Tensor) -> Result<Vec<Vec<f32>>>,
+) -> Result<Vec<Vec<f32>>> {
     let mut out = Vec::with_capacity(ws.len());
     for chunk in ws.chunks(1024) {
         let mut b = Batch::default();
         for &w in chunk {
-            b.push(&prep.data, norm, spec, w, true, 0);
+            b.push(&prep.data, &prep.norm, &prep.task.spec, w, true, 0);
         }
-        match net {
-            None => {
-                for &w in chunk {
-                    let today = prep.data.series(usize::from(w.station))[w.day as usize];
-                    out.push(vec![today; spec.horizon]);
-                }
-            }
-            Some(net) => {
-                let x = net.input(&b)?;
-                let f = net.features(&x)?;
-                let p: Vec<Vec<f32>> = net.forecast(&x, &f)?.to_vec2()?;
-                out.extend(p.into_iter().map(|r| r.into_iter().map(|v| v * norm.std + norm.mean).collect()));
-            }
-        }
+        let x = net.input(&b)?;
+        out.extend(per_chunk(&x, &net.features(&x)?)?);
     }
     Ok(out)
+}
+
+/// Forecasts (µg/m³, `[window][horizon]`) of `net` (persistence when `None`) on `ws`.
+pub fn predict(net: Option<&Net>, prep: &Prepared, ws: &[Window]) -> Result<Vec<Vec<f32>>> {
+    let (h, norm) = (prep.task.spec.horizon, prep.norm);
+    match net {
+        None => Ok(ws.iter().map(|w| vec![prep.data.series(usize::from(w.station))[w.day as usize]; h]).collect()),
+        Some(net) => over_windows(net, prep, ws, |x, f| {
+            let p: Vec<Vec<f32>> = net.forecast(x, f)?.to_vec2()?;
+            Ok(p.into_iter().map(|r| r.into_iter().map(|v| v * norm.std + norm.mean).collect()).collect())
+        }),
+    }
 }
 
 /// Scores `preds` on `ws` against the observed values.
@@ -423,19 +428,8 @@ pub fn domain_score(net: &Net, prep: &Prepared) -> Result<Option<DomainScore>> {
     let mut groups: Vec<Vec<Window>> =
         t.sources.iter().map(|&s| windows(d, &Task::stations_of(d, s), t.split.test.clone(), &t.spec)).collect();
     groups.push(windows(d, &Task::stations_of(d, t.target), t.split.test.clone(), &t.spec));
-    let logits = |ws: &[Window]| -> Result<Vec<Vec<f32>>> {
-        let mut out = Vec::with_capacity(ws.len());
-        for chunk in ws.chunks(1024) {
-            let mut b = Batch::default();
-            for &w in chunk {
-                b.push(d, &prep.norm, &t.spec, w, true, 0);
-            }
-            let x = net.input(&b)?;
-            if let Some(l) = net.domain_logits(&net.features(&x)?)? {
-                out.extend(l.to_vec2::<f32>()?);
-            }
-        }
-        Ok(out)
+    let logits = |ws: &[Window]| {
+        over_windows(net, prep, ws, |_, f| Ok(net.domain_logits(f)?.map(|l| l.to_vec2::<f32>()).transpose()?.unwrap_or_default()))
     };
     let per_group: Vec<Vec<Vec<f32>>> = groups.iter().map(|g| logits(g)).collect::<Result<_>>()?;
     let windows = groups.iter().map(Vec::len).sum();
@@ -485,15 +479,7 @@ pub fn evaluate(net: Option<&Net>, prep: &Prepared) -> Result<Evaluation> {
 
 /// Features of `ws` under `net`, row-major `[ws.len(), 2·hidden]`.
 fn features_of(net: &Net, prep: &Prepared, ws: &[Window]) -> Result<Vec<Vec<f32>>> {
-    let mut out = Vec::with_capacity(ws.len());
-    for chunk in ws.chunks(1024) {
-        let mut b = Batch::default();
-        for &w in chunk {
-            b.push(&prep.data, &prep.norm, &prep.task.spec, w, true, 0);
-        }
-        out.extend(net.features(&net.input(&b)?)?.to_vec2::<f32>()?);
-    }
-    Ok(out)
+    over_windows(net, prep, ws, |_, f| Ok(f.to_vec2::<f32>()?))
 }
 
 /// The domain probe of [`Evaluation::probe`]: multinomial logistic regression on the
@@ -684,11 +670,4 @@ impl Worker for ElasticRun {
         (self.print)(&format!("rank {}: restored iteration {} from {}", self.rank, r.iter, r.source.name()));
         Ok(())
     }
-}
-
-/// Helper for tests and tools: the forecast of `net` on one batch as a tensor.
-pub fn forward(net: &Net, batch: &Batch) -> Result<Tensor> {
-    let x = net.input(batch)?;
-    let f = net.features(&x)?;
-    Ok(net.forecast(&x, &f)?)
 }
