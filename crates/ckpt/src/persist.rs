@@ -44,6 +44,11 @@ pub struct Manifest {
     /// names the writer chose, shown by `ironweave ckpt inspect`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub layout: BTreeMap<String, String>,
+    /// The job that wrote it (files of the persistent tier; empty in replication messages and
+    /// in files written before job ids): a job restores only its own files unless told to
+    /// continue another's ([`crate::EngineConfig::restore_other_jobs`]).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub job: String,
 }
 
 impl Manifest {
@@ -92,6 +97,7 @@ impl Manifest {
             sums: snap.sums().to_vec(),
             tensor_xxh3: Vec::new(),
             layout: BTreeMap::new(),
+            job: String::new(),
         }
     }
 }
@@ -195,17 +201,26 @@ pub fn write(dir: &Path, snap: &Snapshot, rank: u32, world: u32) -> Result<PathB
 
 /// [`write()`], the data paced by `bucket` when given.
 pub fn write_with(dir: &Path, snap: &Snapshot, rank: u32, world: u32, bucket: Option<&Mutex<TokenBucket>>) -> Result<PathBuf> {
-    write_layout(dir, snap, rank, world, bucket, &BTreeMap::new())
+    write_layout(dir, snap, rank, world, bucket, &Written::default())
 }
 
-/// [`write_with`], the manifest naming the parallel `layout` that wrote it.
+/// Who wrote a file of the persistent tier, as its manifest says.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Written {
+    /// The parallel layout that wrote it (free-form names).
+    pub layout: BTreeMap<String, String>,
+    /// The job that wrote it.
+    pub job: String,
+}
+
+/// [`write_with`], the manifest naming the parallel layout and the job that wrote it.
 pub fn write_layout(
     dir: &Path,
     snap: &Snapshot,
     rank: u32,
     world: u32,
     bucket: Option<&Mutex<TokenBucket>>,
-    layout: &BTreeMap<String, String>,
+    by: &Written,
 ) -> Result<PathBuf> {
     let (data_path, man_path) = paths(dir, snap.iter, rank);
     let d = data_path.parent().expect("has a parent");
@@ -225,7 +240,8 @@ pub fn write_layout(
         .iter()
         .map(|t| xxhash_rust::xxh3::xxh3_64(&snap.data[t.offset as usize..(t.offset + t.len) as usize]))
         .collect();
-    man.layout = layout.clone();
+    man.layout = by.layout.clone();
+    man.job = by.job.clone();
     let m = serde_json::to_vec_pretty(&man).map_err(|e| CkptError::Invalid(e.to_string()))?;
     write_atomic(&man_path, &[&m], None, None)?;
     sync_dir(d)?;
@@ -349,6 +365,13 @@ pub fn read_manifests(dir: &Path, iter: u64) -> Result<Vec<Manifest>> {
             return Err(CkptError::Format {
                 path: paths(dir, iter, r).1,
                 why: format!("world {} here, {world} in rank 0's manifest", m.world),
+            });
+        }
+        if m.job != out[0].job {
+            // two jobs wrote into one directory: their files of one iteration are not one state
+            return Err(CkptError::Format {
+                path: paths(dir, iter, r).1,
+                why: format!("written by job {:?}, rank 0's by job {:?}", m.job, out[0].job),
             });
         }
         out.push(m);

@@ -175,6 +175,7 @@ mod tests {
             sums: vec![],
             tensor_xxh3: vec![],
             layout: Default::default(),
+            job: String::new(),
         }
     }
 

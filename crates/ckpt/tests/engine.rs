@@ -185,6 +185,49 @@ fn all_replicas_corrupt_falls_back_to_the_persistent_tier() {
 }
 
 #[test]
+fn a_new_job_in_a_reused_directory_never_restores_the_old_job_s_files() {
+    // job A persists iterations 1..=4 and ends; job B starts with the same layout in the same
+    // directory and fails before its first checkpoint: it must not take A's iteration 4 for
+    // its own state (it restores it only when told to continue A)
+    let dir = tmpdir("two-jobs");
+    let a = EngineConfig { persist_dir: Some(dir.clone()), persist_every: 1, job_id: Some("job-a".into()), ..cfg() };
+    run(2, a, |rank, e| {
+        for it in 1..=4 {
+            e.checkpoint(it, &refs(&state(rank, it))).unwrap();
+            e.commit(true).unwrap();
+        }
+        assert_eq!(e.job_id(), "job-a");
+    });
+    let b = EngineConfig { persist_dir: Some(dir.clone()), persist_every: 1, job_id: Some("job-b".into()), ..cfg() };
+    let out = run(2, b.clone(), |_, e| e.restore_latest().map(|r| r.iter).map_err(|e| e.to_string()));
+    for r in out {
+        let e = r.unwrap_err();
+        assert!(e.contains("no valid checkpoint") && e.contains("iteration 4 (job \"job-a\")"), "{e}");
+        assert!(e.contains("restore_other_jobs"), "the error says how to continue the other job: {e}");
+    }
+    // job B's own files are taken, job A's newer ones passed over
+    let out = run(2, b.clone(), |rank, e| {
+        e.checkpoint(2, &refs(&state(rank, 102))).unwrap();
+        e.commit(true).unwrap();
+        e.forget_memory_for_test();
+        let r = e.restore_latest().unwrap();
+        (r.iter, r.source, r.snapshot.data.clone())
+    });
+    for (rank, (iter, source, data)) in out.into_iter().enumerate() {
+        assert_eq!((iter, source), (2, Source::Persistent));
+        assert_eq!(data, state(rank, 102).concat(), "rank {rank} restored job B's iteration 2");
+    }
+    // a job told to continue another job's files takes A's iteration 4 (B's 2 is older)
+    let c = EngineConfig { restore_other_jobs: true, job_id: Some("job-c".into()), ..b };
+    let out = run(2, c, |_, e| e.restore_latest().map(|r| (r.iter, r.snapshot.data.clone())).unwrap());
+    for (rank, (iter, data)) in out.into_iter().enumerate() {
+        assert_eq!(iter, 4);
+        assert_eq!(data, state(rank, 4).concat());
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn nothing_valid_is_a_typed_error_naming_what_was_tried() {
     let out = run(2, cfg(), |rank, e| {
         e.checkpoint(1, &refs(&state(rank, 1))).unwrap();

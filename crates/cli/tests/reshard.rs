@@ -147,6 +147,30 @@ fn a_kill_during_the_persistent_write_leaves_the_previous_checkpoint_to_load() {
 }
 
 #[test]
+fn a_resumed_job_killed_before_its_first_commit_continues_from_the_resumed_iteration() {
+    // a 4-rank writer persists iteration 6; a 2-rank job resumes from it and rank 1 dies
+    // mid-backward in iteration 7, before anything of the new job is committed (Capricorn
+    // commits an iteration late): it must load iteration 6 again, never start over from the
+    // initial state, and end bit-identical to the same resumed run without the kill
+    let base = tmp("resume-kill");
+    let (ok, _, text) = train(&base.join("w"), 4, 6, &[], &[]);
+    assert!(ok, "{text}");
+    let persist = base.join("w").join("persist");
+    let from = ["--resume-from", persist.to_str().unwrap()];
+    let (ok, clean, text) = train(&base.join("clean"), 2, 10, &from, &[]);
+    assert!(ok, "{text}");
+    let (ok, killed, text) = train(&base.join("killed"), 2, 10, &[&from[..], &["--fail", "rank=1,iter=7"]].concat(), &[]);
+    assert!(ok, "{text}");
+    assert!(!text.contains("starts over from the initial state"), "{text}");
+    assert!(text.contains("restored iteration 6") && text.contains("resumed checkpoint"), "{text}");
+    assert_eq!(killed["resumed_from_iter"], 6, "{text}");
+    assert!(killed["recoveries"].as_u64() >= Some(1), "the kill was recovered from: {killed}");
+    assert_eq!(killed["global_state_sha256"], clean["global_state_sha256"], "{text}");
+    assert_eq!(killed["final_state_sha256"], clean["final_state_sha256"], "{text}");
+    std::fs::remove_dir_all(&base).ok();
+}
+
+#[test]
 fn bad_checkpoints_are_refused_naming_the_tensor_and_the_file() {
     let base = tmp("reshard-bad");
     let a = base.join("w");

@@ -1,7 +1,8 @@
 //! Data-parallel training with a checkpoint every iteration, restored after a restart.
 //! Each rank fits `y = <w*, x>` on its own samples; gradients are averaged with an all-reduce;
 //! the Capricorn engine replicates each iteration's state to a peer's memory and writes the
-//! persistent tier; a job started again picks up from the newest committed iteration.
+//! persistent tier; a job started again picks up from the newest committed iteration (it says
+//! so with `restore_other_jobs`: by default a job takes only its own files).
 //!
 //! ```sh
 //! cargo build --release -p ironweave --example data_parallel
@@ -21,7 +22,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let iters: u64 = args.next().unwrap_or_else(|| "20".into()).parse()?;
     let dir = std::path::PathBuf::from(args.next().unwrap_or_else(|| "target/dp-example".into()));
     let specs = [TensorSpec::new("w", Dtype::F32, &[N as u64]), TensorSpec::new("step", Dtype::I64, &[])];
-    let cfg = EngineConfig { strategy: Strategy::Capricorn, persist_dir: Some(dir), persist_every: 1, ..Default::default() };
+    // a job started again continues the one before it from the directory: said explicitly,
+    // since by default a job restores only files it wrote itself (the launcher's job id)
+    let cfg = EngineConfig {
+        strategy: Strategy::Capricorn,
+        persist_dir: Some(dir),
+        persist_every: 1,
+        restore_other_jobs: true,
+        ..Default::default()
+    };
     let mut engine = Engine::new(comm.clone(), Registry::new(&specs)?, cfg)?;
     let mut w = vec![0f32; N];
     let mut start = 1;

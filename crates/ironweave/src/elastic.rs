@@ -250,16 +250,21 @@ pub enum RestoreSource {
     Persistent,
     /// Nothing was committed yet: it started over from the initial state.
     InitialState,
+    /// Nothing was committed since the job resumed ([`Config::resume_from`]): it loaded that
+    /// checkpoint again.
+    Resumed,
 }
 
 impl RestoreSource {
-    /// Its name in reports: `own memory`, `peer`, `persistent`, `initial state`.
+    /// Its name in reports: `own memory`, `peer`, `persistent`, `initial state`, `resumed
+    /// checkpoint`.
     pub fn name(self) -> &'static str {
         match self {
             RestoreSource::OwnMemory => "own memory",
             RestoreSource::Peer(_) => "peer",
             RestoreSource::Persistent => "persistent",
             RestoreSource::InitialState => "initial state",
+            RestoreSource::Resumed => "resumed checkpoint",
         }
     }
 
@@ -270,6 +275,7 @@ impl RestoreSource {
             Some(RestoreSource::Peer(_)) => 2,
             Some(RestoreSource::Persistent) => 3,
             Some(RestoreSource::InitialState) => 4,
+            Some(RestoreSource::Resumed) => 5,
         }
     }
 
@@ -280,6 +286,7 @@ impl RestoreSource {
             2 => Some(RestoreSource::Peer(usize::MAX)),
             3 => Some(RestoreSource::Persistent),
             4 => Some(RestoreSource::InitialState),
+            5 => Some(RestoreSource::Resumed),
             _ => None,
         }
     }
@@ -298,7 +305,8 @@ impl From<Source> for RestoreSource {
 /// A recovery, as every rank saw it (the restore is collective).
 #[derive(Debug, Clone)]
 pub struct Recovery {
-    /// The iteration restored (0: the initial state).
+    /// The iteration restored (0: the initial state; the resumed iteration when it loaded the
+    /// job's [`Config::resume_from`] again).
     pub iter: u64,
     /// Where this rank's state came from.
     pub source: RestoreSource,
@@ -440,13 +448,20 @@ impl Job {
         if std::env::var_os("IRONWEAVE_TIMEOUT_S").is_some() {
             CommOptions::from_env()?;
         }
+        let start_gen = std::env::var("IRONWEAVE_GENERATION").ok().and_then(|g| g.trim().parse().ok()).unwrap_or(0);
+        Job::new(cfg, env, start_gen)
+    }
+
+    /// This rank of the job `env` describes, joining generation `generation` first (0: the
+    /// job's first; above: a restarted process) — for a caller that has its own launcher or
+    /// runs ranks as threads. [`Job::from_env`] reads both from the environment.
+    pub fn new(cfg: Config, env: JobEnv, generation: u16) -> Result<Job> {
         let threads = if cfg.set_threads { ironweave_transport::threads::apply_to_process(env.local_world_size)? } else { None };
         let backend = match cfg.backend {
             Some(b) => b,
             None => Backend::from_env()?,
         };
-        let start_gen = std::env::var("IRONWEAVE_GENERATION").ok().and_then(|g| g.trim().parse().ok()).unwrap_or(0);
-        Ok(Job { cfg, env, backend, start_gen, threads })
+        Ok(Job { cfg, env, backend, start_gen: generation, threads })
     }
 
     /// This rank.
@@ -528,6 +543,9 @@ impl Job {
                         None => {
                             let mut ecfg = self.engine_config(&comm)?;
                             ecfg.layout = worker.layout();
+                            // the launcher's job id: a restarted process finds its own files
+                            // in the persistent tier, never another job's
+                            ecfg.job_id.get_or_insert_with(|| self.env.job_id.clone());
                             engine = Some(Engine::new(comm.clone(), Registry::new(&worker.state_specs())?, ecfg)?);
                         }
                     }
@@ -540,7 +558,7 @@ impl Job {
                             resumed = Some(r);
                         }
                         if need_restore {
-                            let rec = restore(e, worker, gen)?;
+                            let rec = restore(e, worker, gen, self.cfg.resume_from.as_deref(), &mut resumed)?;
                             recoveries += 1;
                             last_source = Some(rec.source);
                             start = rec.iter + 1;
@@ -571,6 +589,9 @@ impl Job {
                         return Err(Error::GaveUp { reformations: self.cfg.max_reformations, last: err });
                     }
                     eprintln!("rank {rank}: generation {gen} failed: {}; re-forming the job", chain(&*err));
+                    // the peers learn of it now, not at their next deadline (an error of this
+                    // rank's own, unlike a death, leaves its connections open)
+                    comm.abort(&format!("rank {rank} left generation {gen}: {}", chain(&*err)));
                     gen += 1;
                     need_restore = true;
                 }
@@ -637,27 +658,37 @@ fn resume<W: Worker>(e: &mut Engine, worker: &mut W, dir: &std::path::Path) -> R
         let written_by = ironweave_ckpt::persist::read_manifest(dir, iter, 0)?.world;
         let snap = ironweave_ckpt::persist::load_global(dir, iter, e.registry())?;
         worker.restore(&snap)?;
+        check_restored(worker, &snap)?;
         Ok((iter, skipped, written_by, snap))
     })();
     let me = e.comm().rank() as i64;
     let mut failed = [if loaded.is_err() { me } else { -1 }];
     e.comm().all_reduce(&mut failed, ReduceOp::Max)?;
-    let (iter, skipped, written_by, snap) = match (loaded, failed[0]) {
+    let (iter, skipped, written_by, _) = match (loaded, failed[0]) {
         (Err(err), _) => return Err(Box::new(Error::Resume { dir: dir.to_path_buf(), detail: chain(&*err) })),
         (Ok(_), r) if r >= 0 => {
             return Err(Box::new(Error::Resume { dir: dir.to_path_buf(), detail: format!("rank {r} could not load its part") }))
         }
         (Ok(x), _) => x,
     };
-    let bufs: Vec<&[u8]> =
-        snap.registry.tensors.iter().map(|t| &snap.data[t.offset as usize..(t.offset + t.len) as usize]).collect();
-    let global_sha256 = global_state_sha256(e.comm(), e.registry(), &bufs)?;
+    // the digest of the worker's state after the restore, not of the bytes read: a restore
+    // that dropped or mangled a tensor shows here (and was refused above)
+    let global_sha256 = global_state_sha256(e.comm(), e.registry(), &worker.state())?;
     if e.comm().rank() == 0 {
         for s in &skipped {
             eprintln!("resume: passed over {s}");
         }
     }
     Ok(Resumed { dir: dir.to_path_buf(), iter, written_by, global_sha256 })
+}
+
+/// What a restarted process of a resumed job knows of the checkpoint the job started from
+/// without loading it again: the iteration and the world that wrote it (the digest of the
+/// loaded state is the first generation's, not this process's).
+fn resumed_of(dir: &std::path::Path) -> Result<Resumed, BoxError> {
+    let (iter, _) = ironweave_ckpt::persist::newest_complete(dir)?;
+    let written_by = ironweave_ckpt::persist::read_manifest(dir, iter, 0)?.world;
+    Ok(Resumed { dir: dir.to_path_buf(), iter, written_by, global_sha256: None })
 }
 
 /// The layout-free digest of the job's state (`ironweave_ckpt::layout::global_digest`): every
@@ -716,8 +747,48 @@ pub fn global_state_sha256(comm: &Communicator, registry: &Registry, bufs: &[&[u
     Ok(Some(layout::hex(&layout::global_digest(&per))))
 }
 
-/// The collective restore of a generation after a failure.
-fn restore<W: Worker>(e: &mut Engine, worker: &mut W, generation: u16) -> Result<Recovery, BoxError> {
+/// Checks that the worker's state after a restore is the snapshot it restored, tensor by
+/// tensor: a restore that left a tensor out (or loaded it wrongly) would train on from a state
+/// nobody checkpointed.
+fn check_restored<W: Worker>(worker: &W, snap: &Snapshot) -> Result<(), BoxError> {
+    let state = worker.state();
+    let reg = &snap.registry;
+    if state.len() != reg.tensors.len() {
+        return Err(format!(
+            "after the restore the worker's state has {} buffers, the checkpoint {} tensors",
+            state.len(),
+            reg.tensors.len()
+        )
+        .into());
+    }
+    let differ: Vec<&str> = reg
+        .tensors
+        .iter()
+        .zip(&state)
+        .filter(|(t, b)| snap.data.get(t.offset as usize..(t.offset + t.len) as usize) != Some(**b))
+        .map(|(t, _)| t.name.as_str())
+        .collect();
+    if !differ.is_empty() {
+        return Err(format!(
+            "after the restore the worker's state differs from the checkpoint it restored (iteration {}) in {}: `Worker::restore` must load every registered tensor",
+            snap.iter,
+            differ.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// The collective restore of a generation after a failure. A job that resumed from
+/// `resume_from` and committed nothing since loads that checkpoint again (it never starts over
+/// from the initial state: that would train another model than the one asked for).
+fn restore<W: Worker>(
+    e: &mut Engine,
+    worker: &mut W,
+    generation: u16,
+    resume_from: Option<&std::path::Path>,
+    resumed: &mut Option<Resumed>,
+) -> Result<Recovery, BoxError> {
     // the newest iteration any rank saw committed before the failure (a restarted rank
     // remembers nothing; -1: none): collective, as the restore's choice is
     let mut c = [e.committed().map_or(-1, |i| i as i64)];
@@ -726,6 +797,13 @@ fn restore<W: Worker>(e: &mut Engine, worker: &mut W, generation: u16) -> Result
     match e.restore_latest() {
         Ok(r) => {
             worker.restore(&r.snapshot)?;
+            check_restored(worker, &r.snapshot)?;
+            if resumed.is_none() {
+                // a restarted process of a resumed job: what the job started from, for its report
+                if let Some(dir) = resume_from {
+                    *resumed = Some(resumed_of(dir)?);
+                }
+            }
             Ok(Recovery { iter: r.iter, source: r.source.into(), committed_before, generation })
         }
         Err(err @ CkptError::NothingToRestore { .. }) => {
@@ -734,10 +812,17 @@ fn restore<W: Worker>(e: &mut Engine, worker: &mut W, generation: u16) -> Result
             if let Some(committed) = committed_before {
                 return Err(Box::new(Error::Unrecoverable { committed, source: err }));
             }
+            e.start_over();
+            if let Some(dir) = resume_from {
+                // nothing committed since the job resumed: every rank loads that checkpoint again
+                let r = resume(e, worker, dir)?;
+                let iter = r.iter;
+                *resumed = Some(r);
+                return Ok(Recovery { iter, source: RestoreSource::Resumed, committed_before, generation });
+            }
             // nothing was committed, so nothing is lost: every rank starts over from the
             // initial state (training is deterministic)
             worker.start_over()?;
-            e.start_over();
             Ok(Recovery { iter: 0, source: RestoreSource::InitialState, committed_before, generation })
         }
         Err(other) => Err(Box::new(other)),

@@ -206,9 +206,9 @@ pub fn reshard(dir: &Path, iter: Option<u64>, to: &Path, ranks: usize, cfg: &iro
         mans.iter().map(|m| (&m.registry, (!m.tensor_xxh3.is_empty()).then_some(m.tensor_xxh3.as_slice()))).collect();
     let idx = layout::index(&files)?;
     let regs = moe_registries(cfg, ranks)?;
-    let mut layout_of = mans[0].layout.clone();
-    layout_of.insert("world".into(), ranks.to_string());
-    layout_of.insert("resharded_from_world".into(), mans[0].world.to_string());
+    let mut by = persist::Written { layout: mans[0].layout.clone(), job: mans[0].job.clone() };
+    by.layout.insert("world".into(), ranks.to_string());
+    by.layout.insert("resharded_from_world".into(), mans[0].world.to_string());
     let (mut load_s, mut write_s, mut read, mut written) = (0.0, 0.0, 0u64, 0u64);
     let mut per_tensor: BTreeMap<String, [u8; 32]> = BTreeMap::new();
     for (r, reg) in regs.iter().enumerate() {
@@ -222,7 +222,7 @@ pub fn reshard(dir: &Path, iter: Option<u64>, to: &Path, ranks: usize, cfg: &iro
             }
         }
         let t1 = std::time::Instant::now();
-        persist::write_layout(to, &snap, r as u32, ranks as u32, None, &layout_of)?;
+        persist::write_layout(to, &snap, r as u32, ranks as u32, None, &by)?;
         write_s += t1.elapsed().as_secs_f64();
         written += snap.data.len() as u64;
     }

@@ -105,8 +105,7 @@ impl JobEnv {
                 "{source:?} job without a master address: set IRONWEAVE_MASTER_ADDR (or MASTER_ADDR) to rank 0's host"
             ))
         })?;
-        let job_id = first(&["IRONWEAVE_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid"])
-            .unwrap_or_else(|| "default".into());
+        let job_id = job_id_from(&get);
         let port = match first(&["IRONWEAVE_MASTER_PORT", "MASTER_PORT"]) {
             Some(p) => p
                 .trim()
@@ -136,10 +135,29 @@ impl JobEnv {
         Ok(JobEnv { rank, world_size, local_rank, local_world_size, master, job_id, secret, source })
     }
 
+    /// The job's id as the launcher set it (see [`job_id_from_env`]).
+    pub fn job_id(&self) -> &str {
+        &self.job_id
+    }
+
     /// The handshake credentials of this job.
     pub fn credentials(&self) -> Credentials {
         Credentials { job: self.job_id.clone(), secret: self.secret.clone(), world: self.world_size as u32 }
     }
+}
+
+/// Variables that name the job, in the order they are read.
+pub const JOB_ID_VARS: [&str; 4] = ["IRONWEAVE_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid"];
+
+/// The job's id as its launcher set it: `IRONWEAVE_JOB_ID` (unique per `ironweave launch`),
+/// torchrun's `TORCHELASTIC_RUN_ID` (its `--rdzv-id`), `SLURM_JOB_ID`, OpenMPI's job id; else
+/// `default`. Every process of one job, restarted ones included, reads the same id.
+pub fn job_id_from_env() -> String {
+    job_id_from(&|k: &str| std::env::var(k).ok())
+}
+
+fn job_id_from(get: &dyn Fn(&str) -> Option<String>) -> String {
+    JOB_ID_VARS.iter().find_map(|k| get(k).filter(|v| !v.is_empty())).unwrap_or_else(|| "default".into())
 }
 
 fn write_framed(s: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {

@@ -155,6 +155,16 @@ pub struct EngineConfig {
     /// The parallel layout this rank's state belongs to (`world`, `kind`, degrees: names of the
     /// trainer's choosing), written into every manifest of the persistent tier.
     pub layout: std::collections::BTreeMap<String, String>,
+    /// The job this state belongs to, written into every manifest of the persistent tier:
+    /// recovery takes only this job's files, so a new job that reuses a directory never
+    /// restores an old job's iteration. None: the launcher's id from the environment
+    /// (`ironweave_transport::rendezvous::job_id_from_env`: unique per `ironweave launch`,
+    /// torchrun's `--rdzv-id`, the SLURM job), the same in a restarted process.
+    pub job_id: Option<String>,
+    /// Recovery may also take files another job wrote into `persist_dir`: set it to continue an
+    /// earlier job from its persistent tier (off: those files are passed over and named in
+    /// the `NothingToRestore` error).
+    pub restore_other_jobs: bool,
 }
 
 impl Default for EngineConfig {
@@ -182,6 +192,8 @@ impl Default for EngineConfig {
             storage_bytes_per_s: None,
             spread_iters: 1,
             layout: Default::default(),
+            job_id: None,
+            restore_other_jobs: false,
         }
     }
 }
@@ -280,6 +292,8 @@ pub fn part_range(total: u64, parts: u64, k: u64) -> (u64, u64) {
 pub struct Engine {
     comm: Arc<Communicator>,
     cfg: EngineConfig,
+    /// The layout and job every manifest of the persistent tier names.
+    written: Arc<persist::Written>,
     registry: Arc<Registry>,
     snaps: SnapshotBuffers,
     holders: Vec<usize>,
@@ -372,7 +386,12 @@ impl Engine {
         snaps.set_wait(cfg.timeout);
         // a bucket of one write block: the declared rate holds from the first block on
         let storage = cfg.storage_bytes_per_s.map(|r| Arc::new(Mutex::new(TokenBucket::new(r, persist::PACE_BLOCK as u64))));
+        let written = Arc::new(persist::Written {
+            layout: cfg.layout.clone(),
+            job: cfg.job_id.clone().unwrap_or_else(ironweave_transport::rendezvous::job_id_from_env),
+        });
         let mut e = Engine {
+            written,
             comm,
             activation: SpeculativeActivation::new(cfg.drift_threshold),
             predictor: WindowPredictor::new(0.5),
@@ -830,7 +849,7 @@ impl Engine {
             &self.comm,
             self.storage.as_deref(),
             &self.counters,
-            &self.cfg.layout,
+            &self.written,
         )
     }
 
@@ -862,9 +881,9 @@ impl Engine {
                 let snap = self.snaps.take(iter, &self.registry, bufs)?;
                 let dir = self.cfg.persist_dir.clone().expect("checked in new");
                 let (bucket, counters) = (self.storage.clone(), self.counters.clone());
-                let (comm, layout) = (self.comm.clone(), self.cfg.layout.clone());
+                let (comm, written) = (self.comm.clone(), self.written.clone());
                 self.writer = Some(spawn("ckpt-writer".into(), move || {
-                    write_paced(&dir, &snap, &comm, bucket.as_deref(), &counters, &layout).map(|_| snap.iter)
+                    write_paced(&dir, &snap, &comm, bucket.as_deref(), &counters, &written).map(|_| snap.iter)
                 })?);
                 persisted = true;
             }
@@ -1020,9 +1039,9 @@ fn write_paced(
     comm: &Communicator,
     bucket: Option<&Mutex<TokenBucket>>,
     counters: &Counters,
-    layout: &std::collections::BTreeMap<String, String>,
+    written: &persist::Written,
 ) -> Result<PathBuf> {
-    let p = persist::write_layout(dir, snap, comm.rank() as u32, comm.size() as u32, bucket, layout)?;
+    let p = persist::write_layout(dir, snap, comm.rank() as u32, comm.size() as u32, bucket, written)?;
     counters.storage_bytes.fetch_add(snap.data.len() as u64, Ordering::Relaxed);
     Ok(p)
 }

@@ -99,8 +99,9 @@ pub fn choose(have: &Holdings, world: usize) -> Option<Choice> {
 }
 
 impl Engine {
-    /// Verified copies this rank holds: (owner rank, iteration, in memory?).
-    fn holdings(&self) -> Vec<(usize, u64, bool)> {
+    /// Verified copies this rank holds: (owner rank, iteration, in memory?), and the files of
+    /// other jobs in the persistent tier it passed over (`iteration N (job J)`).
+    fn holdings(&self) -> (Vec<(usize, u64, bool)>, Vec<String>) {
         let me = self.comm.rank();
         let mut out = Vec::new();
         for s in self.snaps.held() {
@@ -118,14 +119,35 @@ impl Engine {
                 }
             }
         }
+        let mut foreign = Vec::new();
         if let Some(dir) = &self.cfg.persist_dir {
-            for it in persist::iterations(dir, me as u32).into_iter().take(ADVERTISE) {
+            let mut mine = 0;
+            for it in persist::iterations(dir, me as u32) {
+                if mine == ADVERTISE {
+                    break;
+                }
+                // another job's file of this rank (a directory reused): never taken for this
+                // job's state unless the configuration says to continue it
+                match persist::read_manifest(dir, it, me as u32) {
+                    Ok(m) if m.job != self.written.job && !self.cfg.restore_other_jobs => {
+                        foreign.push(format!("iteration {it} (job {:?})", m.job));
+                        continue;
+                    }
+                    Ok(_) => {}
+                    Err(_) => continue,
+                }
                 if persist::load(dir, it, me as u32).is_ok() {
                     out.push((me, it, false));
+                    mine += 1;
                 }
             }
         }
-        out
+        (out, foreign)
+    }
+
+    /// The job this engine's state belongs to ([`crate::EngineConfig::job_id`], resolved).
+    pub fn job_id(&self) -> &str {
+        &self.written.job
     }
 
     /// Restore the newest iteration every rank can get a valid copy of (collective).
@@ -133,7 +155,8 @@ impl Engine {
         crate::fault::hit_restore(self.comm.rank());
         let world = self.comm.size();
         let me = self.comm.rank();
-        let mine = advertise(&self.holdings(), world);
+        let (held, foreign) = self.holdings();
+        let mine = advertise(&held, world);
         let mut all = vec![0i64; mine.len() * world];
         self.comm.all_gather(&mine, &mut all)?;
         let have = holdings_of(&all, world);
@@ -154,7 +177,14 @@ impl Engine {
                     self.cfg.persist_dir.as_ref().map(|d| d.display().to_string()).unwrap_or_else(|| "not configured".into()),
                     tried.join("; ")
                 ),
-                hint: "no iteration has a valid copy of every rank's state; restart from scratch or from an older persistent checkpoint".into(),
+                hint: if foreign.is_empty() {
+                    "no iteration has a valid copy of every rank's state; restart from scratch or from an older persistent checkpoint".into()
+                } else {
+                    format!(
+                        "files of another job in the persistent tier were passed over on this rank ({}): to continue that job set `EngineConfig::restore_other_jobs` (or resume from it: `--resume-from`), else give this job an empty directory",
+                        foreign.join(", ")
+                    )
+                },
             });
         };
         let iter = choice.iter;

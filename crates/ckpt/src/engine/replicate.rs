@@ -501,6 +501,7 @@ mod hostile_peers {
             sums,
             tensor_xxh3: vec![],
             layout: Default::default(),
+            job: String::new(),
         }
     }
 

@@ -1,0 +1,207 @@
+//! The elastic runtime through its public API, ranks as threads of this process over TCP
+//! (`Job::new`): a resume checks the worker's state after its restore against what it loaded,
+//! and a job that resumed and fails before its first commit loads that checkpoint again.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ironweave::ckpt::{Dtype, EngineConfig, GlobalSlice, Snapshot, TensorSpec};
+use ironweave::elastic::{BoxError, Config, Error, Generation, Job, RestoreSource, Step, StepContext, Worker};
+use ironweave::{Backend, JobEnv, ReduceOp};
+
+const N: usize = 256;
+
+/// A data-parallel fit of one vector: `w` and an Adam-like moment `m`, both replicated (rank 0
+/// owns the global tensors), plus the step.
+struct Fit {
+    rank: usize,
+    w: Vec<f32>,
+    m: Vec<f32>,
+    step: [u8; 8],
+    /// A broken restore: leaves `m` as it was.
+    skip_m_on_restore: bool,
+    /// Fail this rank's step of this iteration once (a generation failure, as a lost peer is).
+    fail_at: Option<u64>,
+    failed: Arc<AtomicBool>,
+}
+
+impl Fit {
+    fn new(rank: usize) -> Fit {
+        Fit {
+            rank,
+            w: vec![0.5; N],
+            m: vec![0.0; N],
+            step: [0; 8],
+            skip_m_on_restore: false,
+            fail_at: None,
+            failed: Arc::new(AtomicBool::new(false)),
+        }
+    }
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+impl Worker for Fit {
+    type Output = ();
+    fn join(&mut self, _g: &Generation<'_>) -> Result<(), BoxError> {
+        Ok(())
+    }
+    fn state_specs(&self) -> Vec<TensorSpec> {
+        let own = self.rank == 0;
+        vec![
+            TensorSpec::new("w", Dtype::F32, &[N as u64]).with_global(GlobalSlice::whole("w", &[N as u64], own)),
+            TensorSpec::new("m", Dtype::F32, &[N as u64]).with_global(GlobalSlice::whole("m", &[N as u64], own)),
+            TensorSpec::new("step", Dtype::I64, &[]).with_global(GlobalSlice::whole("step", &[], own)),
+        ]
+    }
+    fn state(&self) -> Vec<&[u8]> {
+        vec![bytemuck::cast_slice(&self.w), bytemuck::cast_slice(&self.m), &self.step]
+    }
+    fn restore(&mut self, s: &Snapshot) -> Result<(), BoxError> {
+        self.w = f32s(s.tensor("w").ok_or("no w")?);
+        if !self.skip_m_on_restore {
+            self.m = f32s(s.tensor("m").ok_or("no m")?);
+        }
+        self.step.copy_from_slice(s.tensor("step").ok_or("no step")?);
+        Ok(())
+    }
+    fn start_over(&mut self) -> Result<(), BoxError> {
+        *self = Fit {
+            skip_m_on_restore: self.skip_m_on_restore,
+            fail_at: self.fail_at,
+            failed: self.failed.clone(),
+            ..Fit::new(self.rank)
+        };
+        Ok(())
+    }
+    fn step(&mut self, it: u64, cx: &StepContext<'_>) -> Result<Step<()>, BoxError> {
+        if self.fail_at == Some(it) && !self.failed.swap(true, Ordering::SeqCst) {
+            return Err(format!("rank {}: injected failure in iteration {it}", self.rank).into());
+        }
+        // each rank's gradient differs; the average is the same everywhere
+        let mut g: Vec<f32> =
+            self.w.iter().enumerate().map(|(i, w)| w - ((i * 7 + self.rank * 3 + it as usize) % 11) as f32 / 11.0).collect();
+        cx.comm.all_reduce(&mut g, ReduceOp::Avg)?;
+        for ((w, m), g) in self.w.iter_mut().zip(self.m.iter_mut()).zip(&g) {
+            *m = 0.9 * *m + 0.1 * g;
+            *w -= 0.05 * *m;
+        }
+        self.step = (it as i64).to_le_bytes();
+        Ok(Step::new(()))
+    }
+}
+
+/// What a rank ended with.
+struct Ended {
+    state: Vec<u8>,
+    resumed_iter: Option<u64>,
+    resumed_digest: Option<String>,
+    sources: Vec<Option<RestoreSource>>,
+}
+
+/// Runs a 2-rank job of `iters` iterations, each rank's worker made by `make`; the engine
+/// persists every iteration into `persist` (when given) and the job resumes from `resume`.
+fn job(
+    iters: u64,
+    persist: Option<&Path>,
+    resume: Option<&Path>,
+    make: impl Fn(usize) -> Fit + Send + Sync + 'static,
+) -> Vec<Result<Ended, Error>> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let make = Arc::new(make);
+    let (persist, resume): (Option<PathBuf>, Option<PathBuf>) = (persist.map(Into::into), resume.map(Into::into));
+    let hs: Vec<_> = (0..2)
+        .map(|rank| {
+            let (make, persist, resume) = (make.clone(), persist.clone(), resume.clone());
+            std::thread::spawn(move || -> Result<Ended, Error> {
+                let engine =
+                    EngineConfig { persist_every: u64::from(persist.is_some()), persist_dir: persist, ..Default::default() };
+                let mut cfg = Config::new(iters, engine);
+                cfg.timeout = Duration::from_secs(30);
+                cfg.engine.timeout = cfg.timeout;
+                cfg.backend = Some(Backend::Tcp);
+                cfg.set_threads = false;
+                cfg.resume_from = resume;
+                let env = JobEnv {
+                    rank,
+                    world_size: 2,
+                    local_rank: rank,
+                    local_world_size: Some(2),
+                    master: (std::net::Ipv4Addr::LOCALHOST, port).into(),
+                    job_id: format!("elastic-test-{port}"),
+                    secret: b"test".to_vec(),
+                    source: ironweave::transport::rendezvous::EnvSource::Ironweave,
+                };
+                let mut w = make(rank);
+                let done = Job::new(cfg, env, 0)?.run(&mut w)?;
+                let sources = done.restore_sources()?;
+                let ended = Ended {
+                    state: w.state().concat(),
+                    resumed_iter: done.resumed().map(|r| r.iter),
+                    resumed_digest: done.resumed().and_then(|r| r.global_sha256.clone()),
+                    sources,
+                };
+                done.shutdown()?;
+                Ok(ended)
+            })
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ironweave-elastic-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn a_restore_that_leaves_a_tensor_out_is_refused_naming_it() {
+    let base = tmp("bad-restore");
+    let persist = base.join("persist");
+    for r in job(4, Some(&persist), None, Fit::new) {
+        r.unwrap();
+    }
+    // the worker's restore forgets `m`: the resume is refused on every rank, naming it
+    let out = job(6, None, Some(&persist), |rank| Fit { skip_m_on_restore: true, ..Fit::new(rank) });
+    for r in out {
+        match r {
+            Err(e @ Error::Resume { .. }) => assert!(e.to_string().contains("`m`"), "{e}"),
+            Err(e) => panic!("expected a refused resume, got {e}"),
+            Ok(_) => panic!("a restore that left `m` out was taken as a resume"),
+        }
+    }
+    // a correct restore: the digest of the state after it is the writer's state's
+    let out: Vec<Ended> = job(4, None, Some(&persist), Fit::new).into_iter().map(Result::unwrap).collect();
+    let again: Vec<Ended> = job(4, None, Some(&persist), Fit::new).into_iter().map(Result::unwrap).collect();
+    assert_eq!(out[0].resumed_iter, Some(4));
+    assert!(out[0].resumed_digest.is_some());
+    assert_eq!(out[0].resumed_digest, again[0].resumed_digest);
+    std::fs::remove_dir_all(&base).ok();
+}
+
+#[test]
+fn a_resumed_job_that_fails_before_its_first_commit_loads_the_checkpoint_again() {
+    let base = tmp("resume-fail");
+    let persist = base.join("persist");
+    for r in job(4, Some(&persist), None, Fit::new) {
+        r.unwrap();
+    }
+    let clean: Vec<Ended> = job(9, None, Some(&persist), Fit::new).into_iter().map(Result::unwrap).collect();
+    // rank 1 fails in iteration 5, the first after the resumed 4: nothing of this job is
+    // committed yet
+    let failed: Vec<Ended> = job(9, None, Some(&persist), |rank| Fit { fail_at: (rank == 1).then_some(5), ..Fit::new(rank) })
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    for r in 0..2 {
+        assert_eq!(failed[r].sources[r], Some(RestoreSource::Resumed), "rank {r} restored from {:?}", failed[r].sources);
+        assert_eq!(failed[r].resumed_iter, Some(4));
+        assert!(failed[r].state == clean[r].state, "rank {r} ended in another state than the uninterrupted resumed run");
+    }
+    std::fs::remove_dir_all(&base).ok();
+}
