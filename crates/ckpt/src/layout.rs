@@ -386,109 +386,114 @@ mod tests {
         assert!(plan(&idx, &shape).unwrap_err().to_string().contains("another model"));
     }
 
-    /// A tensor of `shape` split into `parts` row blocks (random cut points from `rng`): the
-    /// slices (offsets, extent) of each part.
-    fn random_rows(shape: &[u64], parts: usize, rng: &mut ironweave_units::SplitMix64) -> Vec<(Vec<u64>, Vec<u64>)> {
-        let rows = shape[0];
-        let mut cuts: Vec<u64> = (1..parts).map(|_| rng.below(rows + 1)).collect();
-        cuts.push(0);
-        cuts.push(rows);
-        cuts.sort_unstable();
-        cuts.windows(2)
-            .map(|w| {
-                let mut off = vec![0; shape.len()];
-                off[0] = w[0];
-                let mut ext = shape.to_vec();
-                ext[0] = w[1] - w[0];
-                (off, ext)
+    /// A tensor of `shape` cut into blocks along every dimension (`parts[d]` pieces along
+    /// dimension `d` at random cut points from `rng`, empty pieces included): each block's
+    /// offsets and extent.
+    fn random_grid(shape: &[u64], parts: &[usize], rng: &mut ironweave_units::SplitMix64) -> Vec<(Vec<u64>, Vec<u64>)> {
+        let per_dim: Vec<Vec<(u64, u64)>> = shape
+            .iter()
+            .zip(parts)
+            .map(|(&len, &p)| {
+                let mut cuts: Vec<u64> = (1..p).map(|_| rng.below(len + 1)).collect();
+                cuts.push(0);
+                cuts.push(len);
+                cuts.sort_unstable();
+                cuts.windows(2).map(|w| (w[0], w[1] - w[0])).collect()
             })
-            .collect()
+            .collect();
+        let mut blocks = vec![(Vec::new(), Vec::new())];
+        for pieces in &per_dim {
+            blocks = blocks
+                .into_iter()
+                .flat_map(|(o, e)| {
+                    pieces.iter().map(move |&(at, n)| {
+                        let (mut o, mut e) = (o.clone(), e.clone());
+                        o.push(at);
+                        e.push(n);
+                        (o, e)
+                    })
+                })
+                .collect();
+        }
+        blocks
+    }
+
+    /// Row-major index of global coordinate `at` in `shape`.
+    fn linear(shape: &[u64], at: &[u64]) -> u64 {
+        shape.iter().zip(at).fold(0, |acc, (&n, &i)| acc * n + i)
+    }
+
+    /// Every coordinate of a block, in row-major order.
+    fn coords(off: &[u64], ext: &[u64]) -> Vec<Vec<u64>> {
+        let mut out = vec![Vec::new()];
+        for (&o, &e) in off.iter().zip(ext) {
+            out = out.into_iter().flat_map(|c| (o..o + e).map(move |i| [c.clone(), vec![i]].concat())).collect();
+        }
+        out
     }
 
     #[test]
     fn random_layouts_n_to_m_move_every_element_and_moment_to_its_place() {
-        // property: for random tensors (weights and both moments), random N-way writer and
-        // M-way reader row splits (empty parts included) and 2-d column splits on the reader,
-        // the planned copies put every element of every tensor where the reader wants it
+        // property: for random 2-d and 3-d tensors (weights and both moments) cut by random
+        // writer and reader grids along every dimension (empty pieces included), the planned
+        // copies put every element of every tensor where the reader wants it. Values are never
+        // 0 and the reader's buffer starts as a sentinel no value has, so a copy left out shows.
+        const SENTINEL: u8 = 0xA5;
         let mut rng = ironweave_units::SplitMix64(7);
-        for case in 0..200 {
-            let (n, m) = (1 + rng.below(5) as usize, 1 + rng.below(5) as usize);
-            let shape = vec![1 + rng.below(9), 1 + rng.below(7)];
-            let names = ["w", "adam.m.w", "adam.v.w"];
-            // global values: element i of tensor k is (k * 1000 + i) as f32
-            let value = |k: usize, i: u64| (k as f32) * 1000.0 + i as f32;
-            let cols = shape[1];
-            let writers = random_rows(&shape, n, &mut rng);
+        let names = ["w", "adam.m.w", "adam.v.w"];
+        // element i of tensor k: never 0, never the sentinel's pattern
+        let value = |k: usize, i: u64| 1.0 + (k as f32) * 100_000.0 + i as f32;
+        for case in 0..300 {
+            let dims = 2 + rng.below(2) as usize;
+            let shape: Vec<u64> = (0..dims).map(|_| 1 + rng.below(if dims == 2 { 9 } else { 5 })).collect();
+            let wparts: Vec<usize> = (0..dims).map(|_| 1 + rng.below(3) as usize).collect();
+            let rparts: Vec<usize> = (0..dims).map(|_| 1 + rng.below(3) as usize).collect();
+            let slice = |nm: &str, off: &[u64], ext: &[u64]| {
+                TensorSpec::new(nm, Dtype::F32, ext).with_global(GlobalSlice {
+                    tensor: nm.to_string(),
+                    shape: shape.clone(),
+                    offsets: off.to_vec(),
+                    owner: true,
+                })
+            };
             let mut files: Vec<(Registry, Vec<u8>)> = Vec::new();
-            for (off, ext) in &writers {
-                let specs: Vec<TensorSpec> = names
-                    .iter()
-                    .map(|nm| {
-                        TensorSpec::new(*nm, Dtype::F32, ext).with_global(GlobalSlice {
-                            tensor: nm.to_string(),
-                            shape: shape.clone(),
-                            offsets: off.clone(),
-                            owner: true,
-                        })
-                    })
-                    .collect();
-                let r = reg(specs);
+            for (off, ext) in random_grid(&shape, &wparts, &mut rng) {
+                let r = reg(names.iter().map(|nm| slice(nm, &off, &ext)).collect());
                 let mut data = Vec::new();
                 for k in 0..names.len() {
-                    for row in off[0]..off[0] + ext[0] {
-                        for c in 0..cols {
-                            data.extend_from_slice(&value(k, row * cols + c).to_le_bytes());
-                        }
+                    for c in coords(&off, &ext) {
+                        data.extend_from_slice(&value(k, linear(&shape, &c)).to_le_bytes());
                     }
                 }
+                assert_eq!(data.len() as u64, r.total);
                 files.push((r, data));
             }
             let idx = index(&files.iter().map(|(r, _)| (r, None)).collect::<Vec<_>>()).unwrap();
-            // readers: row blocks, each further cut in two column halves
-            for (off, ext) in random_rows(&shape, m, &mut rng) {
-                let half = ext[1] / 2;
-                for (c0, cw) in [(0, half), (half, ext[1] - half)] {
-                    let (o, e) = (vec![off[0], c0], vec![ext[0], cw]);
-                    let want = reg(names
-                        .iter()
-                        .map(|nm| {
-                            TensorSpec::new(*nm, Dtype::F32, &e).with_global(GlobalSlice {
-                                tensor: nm.to_string(),
-                                shape: shape.clone(),
-                                offsets: o.clone(),
-                                owner: true,
-                            })
-                        })
-                        .collect());
-                    let mut got = vec![0u8; want.total as usize];
-                    for f in plan(&idx, &want).unwrap() {
-                        let t = &want.tensors[f.target];
-                        let src = &idx[&t.global.as_ref().unwrap().tensor];
-                        for (si, runs) in &f.from {
-                            let s = &src.sources[*si];
-                            let data = &files[s.file].1[s.offset as usize..(s.offset + s.len) as usize];
-                            for c in runs {
-                                let at = (t.offset + c.dst) as usize;
-                                got[at..at + c.run as usize].copy_from_slice(&data[c.src as usize..(c.src + c.run) as usize]);
-                            }
+            for (off, ext) in random_grid(&shape, &rparts, &mut rng) {
+                let want = reg(names.iter().map(|nm| slice(nm, &off, &ext)).collect());
+                let mut got = vec![SENTINEL; want.total as usize];
+                for f in plan(&idx, &want).unwrap() {
+                    let t = &want.tensors[f.target];
+                    let src = &idx[&t.global.as_ref().unwrap().tensor];
+                    for (si, runs) in &f.from {
+                        let s = &src.sources[*si];
+                        let data = &files[s.file].1[s.offset as usize..(s.offset + s.len) as usize];
+                        for c in runs {
+                            let at = (t.offset + c.dst) as usize;
+                            got[at..at + c.run as usize].copy_from_slice(&data[c.src as usize..(c.src + c.run) as usize]);
                         }
                     }
-                    for (k, t) in want.tensors.iter().enumerate() {
-                        for r in 0..e[0] {
-                            for c in 0..e[1] {
-                                let at = (t.offset + (r * e[1] + c) * 4) as usize;
-                                let v = f32::from_le_bytes(got[at..at + 4].try_into().unwrap());
-                                let want_v = value(k, (o[0] + r) * cols + o[1] + c);
-                                assert_eq!(
-                                    v,
-                                    want_v,
-                                    "case {case}: {n}->{m}, tensor {}, element ({}, {})",
-                                    t.name,
-                                    o[0] + r,
-                                    o[1] + c
-                                );
-                            }
-                        }
+                }
+                for (k, t) in want.tensors.iter().enumerate() {
+                    for (j, c) in coords(&off, &ext).iter().enumerate() {
+                        let at = t.offset as usize + j * 4;
+                        let v = f32::from_le_bytes(got[at..at + 4].try_into().unwrap());
+                        assert_eq!(
+                            v,
+                            value(k, linear(&shape, c)),
+                            "case {case}: shape {shape:?}, writers {wparts:?}, reader block {off:?}+{ext:?}, tensor {}, element {c:?}",
+                            t.name
+                        );
                     }
                 }
             }

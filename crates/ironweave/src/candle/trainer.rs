@@ -567,16 +567,22 @@ mod tests {
             let specs = t.state_specs();
             let reg = Arc::new(ironweave_ckpt::Registry::new(&specs).unwrap());
             let snap = ironweave_ckpt::SnapshotBuffers::new(1, 4096).take(3, &reg, &t.state()).unwrap();
-            let digest = t.state_digest();
-            // scramble, then restore
-            init_uniform(&vm, 99).unwrap();
+            let (digest, weight) = (t.state_digest(), to_host(lin.weight()).unwrap());
+            // move on: the host copies (weights, moments, step) and the model's variables change,
+            // then the variables are scrambled differently on each rank
+            for _ in 0..2 {
+                t.step(&Whole(&lin), &x, |y| y.sqr()?.mean_all()).unwrap();
+            }
+            let moved = t.state_digest();
+            init_uniform(&vm, 99 + r as u64).unwrap();
             t.restore(&snap).unwrap();
-            (digest, t.state_digest(), t.steps(), to_host(lin.weight()).unwrap())
+            (digest, moved, t.state_digest(), t.steps(), weight, to_host(lin.weight()).unwrap())
         });
         assert_eq!(out[0].0, out[1].0, "both ranks hold the same state");
-        for (before, after, steps, _) in &out {
-            assert_eq!((before, *steps), (after, 3));
+        for (r, (before, moved, after, steps, weight, restored)) in out.iter().enumerate() {
+            assert_ne!(before, moved, "rank {r}: the later steps changed the state (else the test proves nothing)");
+            assert_eq!((after, *steps), (before, 3), "rank {r}: the host state is iteration 3's again");
+            assert_eq!(restored, weight, "rank {r}: the model's variables hold iteration 3's weights again");
         }
-        assert_eq!(out[0].3, out[1].3, "the model's variables were restored");
     }
 }
