@@ -27,7 +27,7 @@ ironweave_transport::conformance_suite!(make, skip_if = skip);
 /// checks the results on the host.
 fn device_collectives(n: usize) {
     if let Some(reason) = skip(n) {
-        let _ = writeln!(std::io::stderr(), "SKIPPED nccl device collectives on {n} rank(s): {reason}");
+        ironweave_transport::testing::skip(&format!("nccl device collectives on {n} rank(s)"), &reason);
         return;
     }
     let comms = make(n);

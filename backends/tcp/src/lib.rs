@@ -323,15 +323,23 @@ pub fn connect_links(env: &JobEnv, rv: &mut Rendezvous, cfg: &TcpConfig) -> Resu
         let c2 = creds.clone();
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
+        // our own setup failed, or the job board gave this generation up
+        let watch = ironweave_transport::rendezvous::watcher(env);
+        let give_up = move || match stop2.load(Ordering::SeqCst) {
+            true => Some(Error::Aborted { reason: "setup of this link was abandoned".into() }),
+            false => watch(),
+        };
         let acceptor = std::thread::Builder::new()
             .name(format!("iw-tcp-accept-{li}"))
-            .spawn(move || accept_all(listener, &c2, li as u16, expected, conns, deadline, &stop2))
+            .spawn(move || accept_all(listener, &c2, li as u16, expected, conns, deadline, &give_up))
             .map_err(|e| Error::io("spawn acceptor", &e))?;
         let mut streams: Vec<Vec<Option<TcpStream>>> = (0..size).map(|_| (0..conns).map(|_| None).collect()).collect();
         let mut connect_err = None;
+        // a peer that died after the rendezvous never listens: the board says when to stop
+        let watch = ironweave_transport::rendezvous::watcher(env);
         'outer: for (j, row) in table.iter().enumerate().take(rank) {
             for (c, slot) in streams[j].iter_mut().enumerate() {
-                let res = handshake::connect_retry(row[li].1, deadline).and_then(|mut s| {
+                let res = handshake::connect_retry_watching(row[li].1, deadline, &*watch).and_then(|mut s| {
                     handshake::connect(&mut s, &creds, Role::Data, rank as u32, li as u16, c as u16, cfg.timeout).map(|_| s)
                 });
                 match res {
@@ -366,15 +374,15 @@ fn accept_all(
     expected: usize,
     conns: usize,
     deadline: Instant,
-    stop: &AtomicBool,
+    give_up: &(dyn Fn() -> Option<Error> + Send + Sync),
 ) -> Result<Vec<(usize, usize, TcpStream)>> {
     let mut got: Vec<(usize, usize, TcpStream)> = Vec::new();
     let mut dropped = 0usize;
     let start = Instant::now();
     listener.set_nonblocking(true).map_err(|e| Error::io("listener", &e))?;
     while got.len() < expected {
-        if stop.load(Ordering::SeqCst) {
-            return Err(Error::Aborted { reason: "setup of this link was abandoned".into() });
+        if let Some(e) = give_up() {
+            return Err(e);
         }
         if Instant::now() >= deadline {
             return Err(Error::Timeout {

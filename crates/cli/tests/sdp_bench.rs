@@ -55,12 +55,24 @@ fn bench_sdp_rows_carry_their_links_and_predictions() {
         }
         let (l, l0) = (r["final_loss"].as_f64().unwrap(), rows[0]["final_loss"].as_f64().unwrap());
         assert!((l - l0).abs() <= 1e-4 * l0.abs(), "{}: final loss {l} vs replicated {l0}", r["strategy"]);
-        assert!(r["link_utilization"].as_f64().unwrap() > 0.0);
-        // the communication threads' CPU per inter-host byte was measured (a byte costs at
-        // least a copy; under a microsecond on any machine this runs on)
+        // the links' bytes fit in the time the collectives were on the wire at the links'
+        // rates: a byte counted twice (or a phase timed short) shows as a share above 1
+        let u = r["link_utilization"].as_f64().unwrap();
+        assert!(u > 0.0 && u <= 1.05, "{}: link utilization {u}\n{text}", r["strategy"]);
+        // the communication threads' CPU per inter-host byte: a byte through a socket costs
+        // more than a twentieth of a ns, and those threads' CPU is a part of the processes'
         let cpu = r["cpu_ns_per_byte"].as_f64().unwrap_or(0.0);
-        assert!(cpu > 0.01 && cpu < 1000.0, "{}: cpu_ns_per_byte {cpu}", r["strategy"]);
-        assert!(r["speedup_vs_best_baseline"].as_f64().unwrap() > 0.0);
+        let share = r["comm_cpu_share"].as_f64().unwrap_or(0.0);
+        assert!(cpu > 0.05, "{}: cpu_ns_per_byte {cpu}", r["strategy"]);
+        assert!(share > 0.0 && share <= 1.0, "{}: communication threads' share of the CPU {share}", r["strategy"]);
+    }
+    // the speedups are the best rows' times over each row's, as the rows say
+    let it = |r: &serde_json::Value| r["iter_time_s"].as_f64().unwrap();
+    let best = rows.iter().filter(|r| r["strategy"] != "hsdp").map(it).fold(f64::INFINITY, f64::min);
+    let full = it(row("full (a)")).min(it(row("full (b)")));
+    for r in rows {
+        assert!((r["speedup_vs_best_baseline"].as_f64().unwrap() - best / it(r)).abs() < 1e-9, "{r}");
+        assert!((r["speedup_vs_full"].as_f64().unwrap() - full / it(r)).abs() < 1e-9, "{r}");
     }
     assert!(base.join("runs/plan.json").exists() && base.join("runs/probe.json").exists());
     assert!(base.join("runs/hsdp/timeline.svg").exists() && base.join("runs/hsdp/trace.json").exists());

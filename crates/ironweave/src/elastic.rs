@@ -6,7 +6,12 @@
 //! owns everything else:
 //!
 //! - **generations**: the job's processes form generation `g` on the launcher's port `+ g`
-//!   (`IRONWEAVE_GENERATION` tells a restarted process which one it joins);
+//!   (`IRONWEAVE_GENERATION` tells a restarted process which one it joins). Under `ironweave
+//!   launch` every process announces the generation it goes to on the job's board
+//!   ([`ironweave_transport::board`]) and a rank waiting to form an older one gives it up for
+//!   the newest: ranks that die moments apart never leave two generations waiting on each
+//!   other, a second registration of a rank is its newer process replacing the older one, and
+//!   a rank restarted after the job finished leaves at once ([`Error::JobFinished`]);
 //! - **failure detection**: any error of a step, a checkpoint or a commit (a peer lost, a
 //!   deadline passed) ends the generation on this rank; its peers see the same through their
 //!   own typed transport errors;
@@ -15,8 +20,11 @@
 //!   retrying a formation whose peers cannot be reached yet (a link still down, a rank still
 //!   restarting) up to [`Config::reform_attempts`] times;
 //! - **the restore choice**: every rank restores the newest iteration every rank still has,
-//!   from its own memory, the replica a peer holds of it, or the persistent tier
-//!   ([`RestoreSource`]); a job that never committed starts over from the initial state;
+//!   from its own memory, the replica a peer holds of it, or the persistent tier (only files
+//!   this job wrote: [`ironweave_ckpt::EngineConfig::job_id`]) ([`RestoreSource`]), and the
+//!   worker's state after the restore is checked against what it restored; a job that never
+//!   committed starts over from the initial state, or from its [`Config::resume_from`]
+//!   checkpoint when it resumed;
 //! - **the "cannot recover" outcome**: an iteration that was committed and whose every copy is
 //!   gone ends the job with [`Error::Unrecoverable`] (exit status [`EXIT_UNRECOVERABLE`], which
 //!   `ironweave launch` does not restart), instead of re-forming until a deadline;
@@ -80,6 +88,7 @@ use std::time::{Duration, Instant};
 use ironweave_ckpt::engine::IterationReport;
 use ironweave_ckpt::{CkptError, Engine, EngineConfig, Registry, Snapshot, Source, TensorSpec};
 use ironweave_profile::{ExpertLoad, MonotonicClock, Profiler};
+use ironweave_transport::board::Board;
 use ironweave_transport::rendezvous::JobEnv;
 use ironweave_transport::threads::ThreadChoice;
 use ironweave_transport::{CommOptions, Communicator, ReduceOp};
@@ -132,13 +141,19 @@ pub enum Error {
     /// The worker refused its first generation (a configuration it cannot run).
     #[error(transparent)]
     Worker(BoxError),
+    /// This process was started (or restarted) after every rank of the job passed its final
+    /// barrier: there is nothing left to do (exit status 0).
+    #[error("the job finished before this process could join it (every rank had passed the final barrier): nothing to do")]
+    JobFinished,
 }
 
 impl Error {
     /// The exit status a rank should end with: [`EXIT_UNRECOVERABLE`] for
-    /// [`Error::Unrecoverable`] and [`Error::Resume`], 1 otherwise.
+    /// [`Error::Unrecoverable`] and [`Error::Resume`], 0 for [`Error::JobFinished`], 1
+    /// otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
+            Error::JobFinished => 0,
             // a restart would meet the same copies (or the same files) again
             Error::Unrecoverable { .. } | Error::Resume { .. } => EXIT_UNRECOVERABLE,
             _ => 1,
@@ -448,20 +463,20 @@ impl Job {
         if std::env::var_os("IRONWEAVE_TIMEOUT_S").is_some() {
             CommOptions::from_env()?;
         }
-        let start_gen = std::env::var("IRONWEAVE_GENERATION").ok().and_then(|g| g.trim().parse().ok()).unwrap_or(0);
-        Job::new(cfg, env, start_gen)
+        Job::new(cfg, env)
     }
 
-    /// This rank of the job `env` describes, joining generation `generation` first (0: the
-    /// job's first; above: a restarted process) — for a caller that has its own launcher or
-    /// runs ranks as threads. [`Job::from_env`] reads both from the environment.
-    pub fn new(cfg: Config, env: JobEnv, generation: u16) -> Result<Job> {
+    /// This rank of the job `env` describes (it joins generation `env.generation` first: 0, the
+    /// job's first; above, a restarted process) — for a caller that has its own launcher or
+    /// runs ranks as threads. [`Job::from_env`] reads `env` from the environment.
+    pub fn new(cfg: Config, env: JobEnv) -> Result<Job> {
         let threads = if cfg.set_threads { ironweave_transport::threads::apply_to_process(env.local_world_size)? } else { None };
         let backend = match cfg.backend {
             Some(b) => b,
             None => Backend::from_env()?,
         };
-        Ok(Job { cfg, env, backend, start_gen: generation, threads })
+        let start_gen = env.generation;
+        Ok(Job { cfg, env, backend, start_gen, threads })
     }
 
     /// This rank.
@@ -490,18 +505,26 @@ impl Job {
     }
 
     /// Forms generation `gen`, retrying while its peers cannot be reached yet (only a
-    /// re-formation retries: a process's first formation that fails exits, and the launcher
-    /// restarts it as a later generation).
-    fn form(&self, gen: u16) -> Result<Arc<Communicator>> {
+    /// re-formation of the job retries — a restarted process's first one included: the job's
+    /// very first formation that fails exits, and the launcher restarts it as a later
+    /// generation).
+    /// Under a launcher's job board a wait gives up as soon as a newer generation is announced
+    /// there (`ironweave_transport::Error::Superseded`: the caller goes to it).
+    fn form(&self, gen: u16, first: bool) -> Result<Arc<Communicator>> {
         let mut env = self.env.clone();
         env.master.set_port(self.env.master.port().wrapping_add(gen));
         env.job_id = format!("{}-g{gen}", self.env.job_id);
+        env.generation = gen;
         let opts = CommOptions { timeout: self.cfg.timeout, ..CommOptions::default() };
         let mut attempt = 0;
         loop {
+            if let Some(e) = env.superseded() {
+                return Err(e.into());
+            }
             match crate::connect(self.backend, &env, opts.clone()) {
                 Ok(c) => return Ok(Arc::new(c)),
-                Err(err) if gen > self.start_gen && attempt < self.cfg.reform_attempts && err.is_transient() => {
+                Err(err @ ironweave_transport::Error::Superseded { .. }) => return Err(err.into()),
+                Err(err) if (gen > 0 || !first) && attempt < self.cfg.reform_attempts && err.is_transient() => {
                     attempt += 1;
                     eprintln!(
                         "rank {}: re-forming generation {gen} failed: {err}; trying again ({attempt} of {})",
@@ -518,16 +541,43 @@ impl Job {
     /// last iteration; [`Finished`] holds the engine for the final report.
     pub fn run<W: Worker>(self, worker: &mut W) -> Result<Finished> {
         let rank = self.env.rank;
-        let mut gen = self.start_gen;
+        let board = self.env.board.clone();
+        if board.as_ref().is_some_and(Board::finished) {
+            // restarted after every rank passed the final barrier: nobody will come
+            return Err(Error::JobFinished);
+        }
+        // A restarted process goes past every generation announced so far: its previous
+        // incarnation may have registered in any of them before it died, and a generation with
+        // that stale registration in it can never form (its members give it up when they see
+        // this announcement). A process of the job's first start joins the newest one.
+        let announced = board.as_ref().and_then(Board::generation);
+        let mut gen = match (self.start_gen, announced) {
+            (0, a) => a.unwrap_or(0),
+            (g, a) => g.max(a.map_or(0, |a| a.saturating_add(1))),
+        };
+        announce(&board, gen);
         let mut engine: Option<Engine> = None;
         // a restarted process (a later generation) restores; the job's first generation starts
-        let mut need_restore = self.start_gen > 0;
+        let mut need_restore = gen > 0;
         let mut recoveries = 0u64;
         let mut last_source: Option<RestoreSource> = None;
         let mut fresh = true;
+        let mut failures = 0u32;
         let mut resumed: Option<Resumed> = None;
         loop {
-            let comm = self.form(gen)?;
+            let comm = match self.form(gen, fresh) {
+                Ok(c) => c,
+                Err(Error::Transport(ironweave_transport::Error::Superseded { by: Some(newer), .. })) if newer > gen => {
+                    // ranks failed or restarted while this one waited: every rank meets in the
+                    // newest generation (never two generations waiting on each other)
+                    eprintln!("rank {rank}: generation {gen} was given up for generation {newer}, announced on the job board");
+                    gen = newer;
+                    need_restore = true;
+                    continue;
+                }
+                Err(Error::Transport(ironweave_transport::Error::Superseded { by: None, .. })) => return Err(Error::JobFinished),
+                Err(e) => return Err(e),
+            };
             let joined = worker.join(&Generation { comm: &comm, number: gen, fresh_process: fresh });
             let joined = match (fresh, joined) {
                 // a worker that cannot take its first generation (a configuration it refuses)
@@ -574,7 +624,16 @@ impl Job {
                 Ok(()) => {
                     let mut e = engine.take().expect("ran");
                     let last_committed = e.commit(true)?;
-                    return Ok(Finished { engine: e, comm, recoveries, last_source, last_committed, generation: gen, resumed });
+                    return Ok(Finished {
+                        engine: e,
+                        comm,
+                        recoveries,
+                        last_source,
+                        last_committed,
+                        generation: gen,
+                        resumed,
+                        board,
+                    });
                 }
                 Err(err) => {
                     let err = match err.downcast::<Error>() {
@@ -585,14 +644,17 @@ impl Job {
                         },
                         Err(other) => other,
                     };
-                    if gen >= self.start_gen.saturating_add(self.cfg.max_reformations as u16) {
+                    failures += 1;
+                    if failures > self.cfg.max_reformations {
                         return Err(Error::GaveUp { reformations: self.cfg.max_reformations, last: err });
                     }
                     eprintln!("rank {rank}: generation {gen} failed: {}; re-forming the job", chain(&*err));
                     // the peers learn of it now, not at their next deadline (an error of this
                     // rank's own, unlike a death, leaves its connections open)
                     comm.abort(&format!("rank {rank} left generation {gen}: {}", chain(&*err)));
-                    gen += 1;
+                    // the next generation, or a newer one a restarted process already went to
+                    gen = (gen + 1).max(board.as_ref().and_then(Board::generation).unwrap_or(0));
+                    announce(&board, gen);
                     need_restore = true;
                 }
             }
@@ -631,6 +693,14 @@ impl Job {
             last_load = s.expert_load;
         }
         Ok(())
+    }
+}
+
+/// Announces on the job's board (if any) that this process goes to generation `gen`. A board
+/// that cannot be written only costs the others the wait of a deadline: said, not fatal.
+fn announce(board: &Option<Board>, gen: u16) {
+    if let Some(Err(e)) = board.as_ref().map(|b| b.announce(gen)) {
+        eprintln!("ironweave: warning: {e}");
     }
 }
 
@@ -840,6 +910,7 @@ pub struct Finished {
     last_committed: Option<u64>,
     generation: u16,
     resumed: Option<Resumed>,
+    board: Option<Board>,
 }
 
 impl Finished {
@@ -898,9 +969,15 @@ impl Finished {
         global_state_sha256(&self.comm, self.engine.registry(), bufs)
     }
 
-    /// Waits for the engine's background work (persistent writes) and stops its threads.
+    /// Waits for the engine's background work (persistent writes) and stops its threads; once
+    /// every rank passed its final barrier, says on the job's board that the job ended (a rank
+    /// the launcher restarts after that leaves at once: [`Error::JobFinished`]).
     pub fn shutdown(self) -> Result<()> {
-        Ok(self.engine.shutdown()?)
+        self.engine.shutdown()?;
+        if let Some(Err(e)) = self.board.as_ref().map(Board::finish) {
+            eprintln!("ironweave: warning: {e}");
+        }
+        Ok(())
     }
 }
 

@@ -135,9 +135,11 @@ fn job(
                     job_id: format!("elastic-test-{port}"),
                     secret: b"test".to_vec(),
                     source: ironweave::transport::rendezvous::EnvSource::Ironweave,
+                    generation: 0,
+                    board: None,
                 };
                 let mut w = make(rank);
-                let done = Job::new(cfg, env, 0)?.run(&mut w)?;
+                let done = Job::new(cfg, env)?.run(&mut w)?;
                 let sources = done.restore_sources()?;
                 let ended = Ended {
                     state: w.state().concat(),

@@ -123,7 +123,9 @@ fn hex(b: &[u8]) -> String {
 
 /// Ports a job may use for its rendezvous: one per generation (`IRONWEAVE_MASTER_PORT +
 /// generation`), so a re-formed job never meets a stale one.
-pub const RENDEZVOUS_SPAN: u16 = 32;
+/// (A restarted rank goes one generation past every one announced, and ranks failing moments
+/// apart each do: a job with a few restarts can use a few dozen.)
+pub const RENDEZVOUS_SPAN: u16 = 128;
 
 /// A base port for the rendezvous whose next [`RENDEZVOUS_SPAN`] ports are free now, chosen
 /// below the kernel's ephemeral range: a port the kernel hands out to an outgoing connection
@@ -195,6 +197,10 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     let port = free_port().context("finding a free port for the rendezvous")?;
     let secret = hex(&ironweave_transport::wire::nonce());
     let job = format!("iw-{}-{port}", std::process::id());
+    // the job's board: ranks announce the generation they go to and the job's end there (a
+    // directory every rank reaches, emulated hosts included: they share this file system)
+    let board = ironweave_transport::board::Board::create(std::env::temp_dir().join(format!("ironweave-board-{job}")))?;
+    let _remove_board = RemoveOnDrop(board.dir().to_path_buf());
     let mut children: Vec<Option<Child>> = Vec::new();
     let mut pumps = Vec::new();
     let master = match &spec.topology {
@@ -232,6 +238,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             .env("IRONWEAVE_JOB_ID", &job)
             .env("IRONWEAVE_SECRET", &secret)
             .env("IRONWEAVE_GENERATION", gen.to_string())
+            .env(ironweave_transport::board::BOARD_VAR, board.dir())
             .envs(thread_env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::null())
             // Each rank leads its own process group so that a stop reaches whatever it started;
@@ -305,6 +312,12 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                 }
             }
         }
+        if !failed.is_empty() && board.finished() {
+            // every rank passed the final barrier before these died: the job's work is done
+            for (rank, st) in failed.drain(..) {
+                eprintln!("ironweave launch: rank {rank} {} after the job finished; not restarted", describe(st).0);
+            }
+        }
         // a rank that says its job cannot recover is not restarted (nor is anyone else)
         let unrecoverable = failed.iter().any(|(_, st)| st.code() == Some(EXIT_UNRECOVERABLE));
         if !failed.is_empty() && restarts_left > 0 && !unrecoverable {
@@ -366,6 +379,15 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
 /// The exit status of a rank whose job cannot recover (every copy of a committed iteration is
 /// gone): the launcher stops the job instead of restarting ranks.
 pub const EXIT_UNRECOVERABLE: i32 = 75;
+
+/// Removes a directory when dropped (the job's board, whichever way the launcher returns).
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
 
 /// SIGTERM to every running rank, SIGKILL after a grace period, then reap them all.
 fn stop_all(children: &mut [Option<Child>]) {

@@ -258,6 +258,15 @@ pub struct Report {
     /// `ckpt_bytes_replicated`, what each checkpoint byte costs the cores that train.
     #[serde(default)]
     pub ckpt_cpu_ns: u64,
+    /// CPU every thread of the ranks' processes used over the whole run, ns, all ranks: a run
+    /// minus the `none` run of the same job is what checkpointing cost, on whichever thread
+    /// (TCP readers that decode replica frames included).
+    #[serde(default)]
+    pub process_cpu_ns: u64,
+    /// CPU the transport's own threads used (`ironweave_transport::threads::comm_cpu_ns`), ns,
+    /// all ranks.
+    #[serde(default)]
+    pub comm_cpu_ns: u64,
     /// Each rank's share of the emulated storage bandwidth, bytes/s (None: the local disk).
     #[serde(default)]
     pub storage_bytes_per_s_per_rank: Option<f64>,
@@ -283,9 +292,14 @@ impl Report {
         v.iter().sum::<f64>() / v.len().max(1) as f64
     }
 
-    /// Mean iteration time after two warm-up iterations.
+    /// Iterations this job did not run: those of the checkpoint it resumed from.
+    pub fn resumed_iters(&self) -> usize {
+        self.digests.resumed_from_iter.unwrap_or(0) as usize
+    }
+
+    /// Mean iteration time after two warm-up iterations (of those this job ran).
     pub fn mean_iter_s(&self) -> f64 {
-        Self::steady(&self.iter_time_s, 2)
+        Self::steady(&self.iter_time_s, self.resumed_iters() + 2)
     }
 
     /// Tokens per second over the steady iterations.
@@ -630,6 +644,10 @@ pub struct SdpReport {
     /// senders, striped lanes): on this bed every byte's CPU is paid on the training cores.
     #[serde(default)]
     pub comm_cpu_ns: u64,
+    /// CPU every thread of the ranks' processes used over the run, all ranks, ns (the
+    /// communication threads' CPU is a part of it).
+    #[serde(default)]
+    pub process_cpu_ns: u64,
     /// As in [`Report`] (the final digest is None when shards split the global tensors:
     /// `ironweave ckpt inspect` assembles them from the persistent tier).
     #[serde(flatten)]

@@ -269,9 +269,11 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         rep.digests = crate::run::Digests::of(&done, &bufs)?;
     }
     // the communication threads' CPU of every rank (read while the links are still open)
-    let mut cpu = [ironweave_transport::threads::comm_cpu_ns().unwrap_or(0) as f64];
+    let mut cpu =
+        [ironweave_transport::threads::comm_cpu_ns().unwrap_or(0) as f64, ironweave_transport::threads::process_cpu_ns() as f64];
     comm.all_reduce(&mut cpu, ironweave_transport::ReduceOp::Sum)?;
     rep.comm_cpu_ns = cpu[0] as u64;
+    rep.process_cpu_ns = cpu[1] as u64;
     let last_spans = std::mem::take(&mut w.last_spans);
     // every rank's lanes of the last iteration to rank 0 (empty if it ran before a restart)
     let bytes = serde_json::to_vec(&last_spans)?;

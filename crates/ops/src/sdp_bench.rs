@@ -86,6 +86,10 @@ pub struct Row {
     /// ns. On this bed every byte's CPU is paid on the cores that compute.
     #[serde(default)]
     pub cpu_ns_per_byte: Option<f64>,
+    /// The communication threads' share of the processes' whole CPU over the run (a part of
+    /// it: at most 1).
+    #[serde(default)]
+    pub comm_cpu_share: Option<f64>,
     /// Loss of the last iteration (the same in every row: the same training).
     pub final_loss: f32,
     /// The links of the all-rank part and of the cross-host all-reduce.
@@ -311,6 +315,7 @@ fn run_all(a: &SdpBenchArgs, topo: &crate::cluster::Topology, model: &ModelDesc)
                     let b: u64 = bytes.iter().sum();
                     (b > 0 && rep.comm_cpu_ns > 0).then(|| rep.comm_cpu_ns as f64 / b as f64)
                 },
+                comm_cpu_share: (rep.process_cpu_ns > 0).then(|| rep.comm_cpu_ns as f64 / rep.process_cpu_ns as f64),
                 final_loss: rep.loss.last().copied().unwrap_or(f32::NAN),
                 links: rep.links.clone(),
             }

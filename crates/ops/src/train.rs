@@ -216,6 +216,8 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
             cpu,
             wire[0],
             wire[1],
+            ironweave_transport::threads::process_cpu_ns(),
+            ironweave_transport::threads::comm_cpu_ns().unwrap_or(0),
         ]
         .into_iter()
         .chain(c.replica_bytes_per_link.iter().map(|x| x.load(Relaxed)))
@@ -229,7 +231,9 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         rep.ckpt_cpu_ns = v[3];
         rep.wire_chunks = v[4];
         rep.wire_accuracy = (v[4] > 0).then(|| v[5] as f64 / v[4] as f64);
-        rep.ckpt_bytes_per_link = v[6..].to_vec();
+        rep.process_cpu_ns = v[6];
+        rep.comm_cpu_ns = v[7];
+        rep.ckpt_bytes_per_link = v[8..].to_vec();
         rep.state_bytes_per_rank = e.registry().total;
         rep.storage_bytes_per_s_per_rank = a.storage_bytes_per_s;
     }
@@ -448,7 +452,8 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         if rep.ranks == 1 { "" } else { "s" },
         rep.threads_per_rank,
         if rep.threads_per_rank == 1 { "" } else { "s" },
-        rep.loss.first().copied().unwrap_or(f32::NAN),
+        // the first loss this job computed (a resumed job starts past the checkpoint's)
+        rep.loss.get(rep.resumed_iters()).copied().unwrap_or(f32::NAN),
         rep.loss.last().copied().unwrap_or(f32::NAN),
         rep.tokens_per_s(),
         rep.mean_iter_s() * 1e3,

@@ -47,6 +47,10 @@ pub enum Error {
     /// An operating-system I/O error.
     #[error("I/O error during {context}: {message}")]
     Io { context: String, message: String },
+    /// A rank gave up forming a generation of an elastic job: a newer one was announced on the
+    /// job's board (ranks failed or restarted meanwhile), or the job ended (`by` None).
+    #[error("{}", superseded_message(*generation, by))]
+    Superseded { generation: u16, by: Option<u16> },
     /// A backend feature that was not compiled in.
     #[error("ironweave was built without the `{feature}` feature; rebuild with `--features {feature}`")]
     NotCompiledWith { feature: &'static str },
@@ -73,6 +77,13 @@ impl Error {
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+fn superseded_message(generation: u16, by: &Option<u16>) -> String {
+    match by {
+        Some(b) => format!("generation {generation} was given up: generation {b} was announced on the job board (ranks failed or restarted meanwhile); join that one"),
+        None => format!("generation {generation} was given up: the job finished (every rank passed its final barrier)"),
+    }
+}
 
 /// A timeout said as it happened: after how long, or that the deadline had passed before the
 /// wait began (an earlier step of the same operation used up the time).

@@ -155,11 +155,24 @@ pub fn connect(
 /// Connects to `addr`, retrying refused connections until `deadline` (the server may not be
 /// listening yet).
 pub fn connect_retry(addr: std::net::SocketAddr, deadline: Instant) -> Result<TcpStream> {
+    connect_retry_watching(addr, deadline, &|| None)
+}
+
+/// [`connect_retry`], giving up as soon as `watch` says why (an elastic job's board announced
+/// a newer generation: the peer being waited for will never listen here).
+pub fn connect_retry_watching(
+    addr: std::net::SocketAddr,
+    deadline: Instant,
+    watch: &(dyn Fn() -> Option<Error> + Send + Sync),
+) -> Result<TcpStream> {
     let start = Instant::now();
     let mut last = None;
     while Instant::now() < deadline {
+        if let Some(e) = watch() {
+            return Err(e);
+        }
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
+        match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(1))) {
             Ok(s) => {
                 s.set_nodelay(true).map_err(|e| Error::io("set TCP_NODELAY", &e))?;
                 return Ok(s);

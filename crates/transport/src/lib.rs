@@ -36,6 +36,7 @@
 //! ```
 
 mod balance;
+pub mod board;
 mod comm;
 mod dtype;
 mod error;

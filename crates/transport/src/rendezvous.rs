@@ -44,6 +44,12 @@ pub struct JobEnv {
     pub job_id: String,
     pub secret: Vec<u8>,
     pub source: EnvSource,
+    /// The generation of an elastic job this process joins (`IRONWEAVE_GENERATION`; 0: the
+    /// job's first).
+    pub generation: u16,
+    /// The launcher's job board (`IRONWEAVE_JOB_BOARD`): waits of a formation end when a newer
+    /// generation is announced there or the job ended ([`crate::board`]).
+    pub board: Option<crate::board::Board>,
 }
 
 impl JobEnv {
@@ -132,12 +138,25 @@ impl JobEnv {
                 "ironweave: warning: a multi-host job without IRONWEAVE_SECRET: any process that reaches {master} can join it; set IRONWEAVE_SECRET to the same random value on every rank"
             );
         }
-        Ok(JobEnv { rank, world_size, local_rank, local_world_size, master, job_id, secret, source })
+        let generation = match get("IRONWEAVE_GENERATION") {
+            None => 0,
+            Some(g) => g.trim().parse::<u16>().map_err(|_| {
+                Error::Config(format!("IRONWEAVE_GENERATION={g:?} is not a generation number 0-65535 (the launcher sets it)"))
+            })?,
+        };
+        let board = get(crate::board::BOARD_VAR).filter(|d| !d.is_empty()).map(crate::board::Board::at);
+        Ok(JobEnv { rank, world_size, local_rank, local_world_size, master, job_id, secret, source, generation, board })
     }
 
     /// The job's id as the launcher set it (see [`job_id_from_env`]).
     pub fn job_id(&self) -> &str {
         &self.job_id
+    }
+
+    /// Why this process should stop waiting to form its generation (a newer one was
+    /// announced, or the job ended); None without a board.
+    pub fn superseded(&self) -> Option<Error> {
+        self.board.as_ref().and_then(|b| b.superseded(self.generation))
     }
 
     /// The handshake credentials of this job.
@@ -189,15 +208,49 @@ const MSG_FAIL: u8 = 3;
 /// The rendezvous failed because ranks did not arrive in time: a timeout on every rank, which a
 /// re-formation may retry once a link is back.
 const MSG_FAIL_TIMEOUT: u8 = 4;
+/// The rendezvous was given up because the job board announced a newer generation (or the
+/// end of the job): the body is the generation announced, 2 bytes (0xffff: the end).
+const MSG_FAIL_SUPERSEDED: u8 = 5;
+
+/// The rendezvous failed because a rank that had registered went away: the body is its rank
+/// (4 bytes) and what happened.
+const MSG_FAIL_LOST: u8 = 6;
+
+/// How often a waiting formation looks at the job board.
+pub const WATCH_EVERY: Duration = Duration::from_millis(50);
 
 /// A rank's connection to the rendezvous.
-#[derive(Debug)]
 pub struct Rendezvous {
     stream: TcpStream,
     rank: usize,
     size: usize,
     timeout: Duration,
     server: Option<JoinHandle<Result<()>>>,
+    /// Why to stop waiting (the job board's word), checked while a round waits.
+    watch: Watch,
+}
+
+/// Says why a rank should stop waiting for its formation (see [`JobEnv::superseded`]).
+pub type Watch = Box<dyn Fn() -> Option<Error> + Send + Sync>;
+
+/// The watch of `env`'s formation: its board's word on its generation, read at most every
+/// [`WATCH_EVERY`] however often it is asked (a loop may ask on every turn).
+pub fn watcher(env: &JobEnv) -> Watch {
+    let env = env.clone();
+    let last = std::sync::Mutex::new((Instant::now() - WATCH_EVERY, None));
+    Box::new(move || {
+        let mut l = last.lock().unwrap_or_else(|e| e.into_inner());
+        if l.1.is_none() && l.0.elapsed() >= WATCH_EVERY {
+            *l = (Instant::now(), env.superseded());
+        }
+        l.1.clone()
+    })
+}
+
+impl std::fmt::Debug for Rendezvous {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rendezvous").field("rank", &self.rank).field("size", &self.size).field("timeout", &self.timeout).finish()
+    }
 }
 
 impl Rendezvous {
@@ -218,21 +271,22 @@ impl Rendezvous {
                     )))
                 }
             };
-            let (c, size) = (creds.clone(), env.world_size);
+            let (c, size, watch) = (creds.clone(), env.world_size, watcher(env));
             Some(
                 std::thread::Builder::new()
                     .name("iw-rendezvous".into())
-                    .spawn(move || serve(listener, c, size, timeout))
+                    .spawn(move || serve(listener, c, size, timeout, &*watch))
                     .map_err(|e| Error::io("spawn rendezvous server", &e))?,
             )
         } else {
             None
         };
         let deadline = Instant::now() + timeout;
-        let joined = handshake::connect_retry(env.master, deadline)
+        let watch = watcher(env);
+        let joined = handshake::connect_retry_watching(env.master, deadline, &*watch)
             .and_then(|mut s| handshake::connect(&mut s, &creds, Role::Rendezvous, env.rank as u32, 0, 0, timeout).map(|_| s));
         match joined {
-            Ok(stream) => Ok(Rendezvous { stream, rank: env.rank, size: env.world_size, timeout, server }),
+            Ok(stream) => Ok(Rendezvous { stream, rank: env.rank, size: env.world_size, timeout, server, watch }),
             // On rank 0 the server's own failure (a rejected peer, say) is the real cause.
             Err(e) => match server.map(|h| h.join()) {
                 Some(Ok(Err(server_err))) => Err(server_err),
@@ -261,6 +315,21 @@ impl Rendezvous {
             message: format!("{e} (rank 0 or its rendezvous server is gone)"),
         };
         write_framed(&mut self.stream, &body).map_err(lost)?;
+        // wait for the reply's first byte, giving the round up when the board says so
+        loop {
+            if let Some(e) = (self.watch)() {
+                return Err(e);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let _ = self.stream.set_read_timeout(Some(left.min(WATCH_EVERY)));
+            match self.stream.peek(&mut [0u8; 1]) {
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => continue,
+                _ => break,
+            }
+        }
         let reply = match read_framed(&mut self.stream, MAX_PAYLOAD * self.size + 4 * self.size + 16, deadline) {
             Ok(r) => r,
             Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
@@ -298,6 +367,16 @@ fn decode_all(reply: &[u8], size: usize, timeout: Duration) -> Result<Vec<Vec<u8
     match reply.first() {
         Some(&MSG_ALL) => {}
         Some(&MSG_FAIL) => return Err(Error::Config(format!("rendezvous failed: {}", String::from_utf8_lossy(&reply[1..])))),
+        Some(&MSG_FAIL_LOST) => {
+            let r = reply.get(1..5).ok_or_else(|| bad("truncated reply"))?;
+            let rank = u32::from_le_bytes([r[0], r[1], r[2], r[3]]) as usize;
+            return Err(Error::PeerLost { rank, detail: format!("rendezvous: {}", String::from_utf8_lossy(&reply[5..])) });
+        }
+        Some(&MSG_FAIL_SUPERSEDED) => {
+            let b = reply.get(1..5).ok_or_else(|| bad("truncated reply"))?;
+            let (gen, by) = (u16::from_le_bytes([b[0], b[1]]), u16::from_le_bytes([b[2], b[3]]));
+            return Err(Error::Superseded { generation: gen, by: (by != u16::MAX).then_some(by) });
+        }
         Some(&MSG_FAIL_TIMEOUT) => {
             return Err(Error::Timeout {
                 what: format!("rendezvous (rank 0 says: {})", String::from_utf8_lossy(&reply[1..])),
@@ -321,7 +400,13 @@ fn decode_all(reply: &[u8], size: usize, timeout: Duration) -> Result<Vec<Vec<u8
     Ok(out)
 }
 
-fn serve(listener: TcpListener, creds: Credentials, size: usize, timeout: Duration) -> Result<()> {
+fn serve(
+    listener: TcpListener,
+    creds: Credentials,
+    size: usize,
+    timeout: Duration,
+    watch: &(dyn Fn() -> Option<Error> + Send + Sync),
+) -> Result<()> {
     let deadline = Instant::now() + timeout;
     let mut conns: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
     let fail_all_as = |conns: &mut Vec<Option<TcpStream>>, kind: u8, reason: &str| {
@@ -335,6 +420,17 @@ fn serve(listener: TcpListener, creds: Credentials, size: usize, timeout: Durati
     listener.set_nonblocking(true).map_err(|e| Error::io("rendezvous listener", &e))?;
     let mut dropped = Vec::new();
     while conns.iter().any(Option::is_none) {
+        if let Some(e) = watch() {
+            let mut b = vec![MSG_FAIL_SUPERSEDED];
+            if let Error::Superseded { generation, by } = &e {
+                b.extend_from_slice(&generation.to_le_bytes());
+                b.extend_from_slice(&by.unwrap_or(u16::MAX).to_le_bytes());
+            }
+            for s in conns.iter_mut().flatten() {
+                let _ = write_framed(s, &b);
+            }
+            return Err(e);
+        }
         if Instant::now() >= deadline {
             let missing: Vec<usize> = (0..size).filter(|&r| conns[r].is_none()).collect();
             let reason = format!("ranks {missing:?} never registered within {timeout:?} (dropped connections: {dropped:?})");
@@ -346,11 +442,13 @@ fn serve(listener: TcpListener, creds: Credentials, size: usize, timeout: Durati
                 let _ = s.set_nonblocking(false);
                 let _ = s.set_nodelay(true);
                 match handshake::accept(&mut s, &creds, Role::Rendezvous, Duration::from_secs(5).min(timeout)) {
-                    Ok(Some(h)) if conns[h.rank as usize].is_none() => conns[h.rank as usize] = Some(s),
+                    // a second registration of a rank is a newer process of that rank (the
+                    // launcher restarted it after the first died registered): it replaces
+                    // the older one, whose connection is closed
                     Ok(Some(h)) => {
-                        let reason = format!("rank {} registered twice (second time from {addr})", h.rank);
-                        fail_all(&mut conns, &reason);
-                        return Err(Error::Config(reason));
+                        if let Some(old) = conns[h.rank as usize].replace(s) {
+                            let _ = old.shutdown(std::net::Shutdown::Both);
+                        }
                     }
                     Ok(None) => dropped.push(addr),
                     Err(e) => {
@@ -389,10 +487,15 @@ fn serve(listener: TcpListener, creds: Credentials, size: usize, timeout: Durati
                 // Everyone closing at a round boundary is the normal end.
                 Err(_) if r == 0 => return Ok(()),
                 _ => {
-                    let reason = format!("rank {r} left the rendezvous in the middle of a round");
-                    let mut all: Vec<Option<TcpStream>> = conns.into_iter().map(Some).collect();
-                    fail_all(&mut all, &reason);
-                    return Err(Error::Config(reason));
+                    // a rank that died after it registered: its peers may form again
+                    let detail = "it left the rendezvous in the middle of a round".to_string();
+                    let mut b = vec![MSG_FAIL_LOST];
+                    b.extend_from_slice(&(r as u32).to_le_bytes());
+                    b.extend_from_slice(detail.as_bytes());
+                    for s in conns.iter_mut() {
+                        let _ = write_framed(s, &b);
+                    }
+                    return Err(Error::PeerLost { rank: r, detail });
                 }
             }
         }
@@ -449,6 +552,8 @@ where
                     job_id: format!("local-{what}-{port}"),
                     secret: b"local".to_vec(),
                     source: EnvSource::Ironweave,
+                    generation: 0,
+                    board: None,
                 })
             })
         })

@@ -323,12 +323,31 @@ pub fn run_world(comms: Vec<Communicator>, case: Case) {
     assert!(errs.is_empty(), "{case:?} failed:\n{}", errs.join("\n"));
 }
 
+/// The environment variable naming the file every skipped test appends a line to
+/// (`scripts/test.sh` sets it and counts the lines at the end: a skip is reported as a skip,
+/// never as a pass).
+pub const SKIP_LOG_VAR: &str = "IRONWEAVE_SKIP_LOG";
+
+/// Reports that `test` did not run, and why: `SKIPPED test: reason` straight to the standard
+/// error (libtest's capture does not hide it) and a line `test<TAB>reason` appended to the
+/// file in [`SKIP_LOG_VAR`], when set.
+pub fn skip(test: &str, reason: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {reason}");
+    if let Some(p) = std::env::var_os(SKIP_LOG_VAR) {
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(p) {
+            // one write per line: lines of tests running in parallel do not interleave
+            let _ = f.write_all(format!("{test}\t{}\n", reason.replace('\n', " ")).as_bytes());
+        }
+    }
+}
+
 /// Expands to the conformance tests for a backend. `$make` is an expression of type
 /// `fn(usize) -> Vec<Communicator>` building an n-rank world (one communicator per rank).
 ///
 /// With `skip_if = f` (`f: fn(usize) -> Option<String>`, given the world size), every test
-/// first asks `f`; a reason means the hardware is missing: the test prints `SKIPPED ...: reason` straight to stderr (so it
-/// shows even when libtest captures output) and passes.
+/// first asks `f`; a reason means the hardware is missing: the test reports the skip
+/// ([`testing::skip`](crate::testing::skip): on stderr, and counted in the skip log) and returns.
 #[macro_export]
 macro_rules! conformance_suite {
     ($make:expr) => {
@@ -348,8 +367,7 @@ macro_rules! conformance_suite {
                 fn go(n: usize) {
                     let skip: fn(usize) -> Option<String> = $skip;
                     if let Some(reason) = skip(n) {
-                        use std::io::Write as _;
-                        let _ = writeln!(std::io::stderr(), "SKIPPED {}::world_{n}: {reason}", module_path!());
+                        $crate::testing::skip(&format!("{}::world_{n}", module_path!()), &reason);
                         return;
                     }
                     let make: fn(usize) -> Vec<$crate::Communicator> = $make;

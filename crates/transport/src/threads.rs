@@ -221,6 +221,22 @@ pub fn this_thread_cpu_ns() -> u64 {
     (ts.tv_sec.max(0) as u64).saturating_mul(1_000_000_000).saturating_add(ts.tv_nsec.max(0) as u64)
 }
 
+/// CPU time every thread of this process has used so far, ended ones included, ns
+/// (`getrusage(RUSAGE_SELF)`: user and system time, microsecond resolution; 0 where it cannot
+/// be read). The difference of two runs of one job is what the second one's extra work cost,
+/// wherever it ran (the way iperf3 reports its own CPU).
+pub fn process_cpu_ns() -> u64 {
+    // SAFETY: an all-zero rusage is a valid value for this plain C struct.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes into the struct we own; RUSAGE_SELF is a valid constant.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0;
+    }
+    let ns =
+        |t: libc::timeval| (t.tv_sec.max(0) as u64).saturating_mul(1_000_000_000).saturating_add(t.tv_usec.max(0) as u64 * 1000);
+    ns(ru.ru_utime).saturating_add(ns(ru.ru_stime))
+}
+
 /// CPU of this process's communication so far, ns: its live threads named after
 /// [`COMM_THREAD_PREFIXES`] (collective threads, TCP readers and senders) and the short-lived
 /// ones that ended ([`count_this_thread`]). Read it before the communicators close.
