@@ -51,7 +51,8 @@ fn bench_sdp_rows_carry_their_links_and_predictions() {
     // in another order: within 1e-4)
     for r in rows {
         if r["strategy"] != "replicated" {
-            assert!(r["predicted_iter_time_s"].as_f64().unwrap() > 0.0);
+            let (p, m) = (r["predicted_iter_time_s"].as_f64().unwrap(), r["iter_time_s"].as_f64().unwrap());
+            assert!(p > 0.0 && (r["predicted_over_measured"].as_f64().unwrap() - p / m).abs() < 1e-9, "{r}");
         }
         let (l, l0) = (r["final_loss"].as_f64().unwrap(), rows[0]["final_loss"].as_f64().unwrap());
         assert!((l - l0).abs() <= 1e-4 * l0.abs(), "{}: final loss {l} vs replicated {l0}", r["strategy"]);
