@@ -5,7 +5,8 @@
 
 mod common;
 
-use common::{final_states, launch, train_args};
+use common::{launch, train_args};
+use ironweave_testkit::final_states;
 use std::process::Command;
 
 #[test]

@@ -4,7 +4,8 @@
 
 mod common;
 
-use common::{chromium, launch, train_args};
+use common::{launch, train_args};
+use ironweave_testkit::chromium;
 
 #[test]
 fn the_training_report_renders_in_chromium() {

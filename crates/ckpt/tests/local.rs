@@ -5,16 +5,8 @@ use std::sync::Arc;
 use ironweave_ckpt::partition::{leftover, partition, partition_fixed};
 use ironweave_ckpt::{persist, CkptError, Dtype, Registry, Snapshot, SnapshotBuffers, TensorSpec};
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
+/// The workspace's generator, so the instances are the same on every run.
+use ironweave_units::SplitMix64 as Rng;
 
 fn state(seed: u64) -> (Arc<Registry>, Vec<Vec<u8>>) {
     let mut r = Rng(seed);
@@ -28,7 +20,7 @@ fn state(seed: u64) -> (Arc<Registry>, Vec<Vec<u8>>) {
         TensorSpec::new("rng", Dtype::U8, &[33]),
     ];
     let reg = Arc::new(Registry::new(&specs).unwrap());
-    let bufs = reg.tensors.iter().map(|t| (0..t.len).map(|_| r.next() as u8).collect()).collect();
+    let bufs = reg.tensors.iter().map(|t| (0..t.len).map(|_| r.next_u64() as u8).collect()).collect();
     (reg, bufs)
 }
 
@@ -90,11 +82,11 @@ fn a_flipped_byte_is_detected() {
 fn partition_properties() {
     let mut r = Rng(9);
     for _ in 0..2000 {
-        let total = r.next() % 5000;
-        let n = (r.next() % 6) as usize;
-        let caps: Vec<u64> = (0..n).map(|_| r.next() % 1500).collect();
-        let min_chunk = r.next() % 200;
-        let max_left = 1 + r.next() % 700;
+        let total = r.next_u64() % 5000;
+        let n = (r.next_u64() % 6) as usize;
+        let caps: Vec<u64> = (0..n).map(|_| r.next_u64() % 1500).collect();
+        let min_chunk = r.next_u64() % 200;
+        let max_left = 1 + r.next_u64() % 700;
         let ch = partition(total, &caps, min_chunk, max_left);
         // cover [0, total) exactly, in order
         let mut end = 0;
@@ -120,7 +112,7 @@ fn partition_properties() {
                 }
             }
         }
-        let fixed = partition_fixed(total, 1 + r.next() % 400, &caps);
+        let fixed = partition_fixed(total, 1 + r.next_u64() % 400, &caps);
         let mut end = 0;
         for c in &fixed {
             assert_eq!(c.offset, end);

@@ -5,8 +5,6 @@
 //! On the emulated two-host cluster (root): whole hosts killed and links set down for a few
 //! seconds; a short outage must pass without an error or a recovery.
 
-mod common;
-
 use std::process::Command;
 use std::sync::Mutex;
 
@@ -68,7 +66,7 @@ fn chaos_campaign_of_8_runs_ends_every_run_with_the_clean_state() {
 
 #[test]
 fn chaos_on_the_emulated_cluster_survives_host_kills_and_link_outages() {
-    if !common::can_run_emulated("chaos_on_the_emulated_cluster_survives_host_kills_and_link_outages") {
+    if !ironweave_testkit::can_run_emulated("chaos_on_the_emulated_cluster_survives_host_kills_and_link_outages") {
         return;
     }
     let _one_at_a_time = cluster_lock();
@@ -105,7 +103,8 @@ fn sparse_capricorn_replays_to_the_clean_state_after_kills_on_the_emulated_clust
     // capricorn-sparse replicates a snapshot over 4 iterations: a kill restores the newest
     // snapshot every part of which arrived and replays from there; the final state must be the
     // clean run's bit for bit. Off the emulated cluster (not root), the same on one host.
-    let cluster = common::can_run_emulated("sparse_capricorn_replays_to_the_clean_state_after_kills_on_the_emulated_cluster");
+    let cluster =
+        ironweave_testkit::can_run_emulated("sparse_capricorn_replays_to_the_clean_state_after_kills_on_the_emulated_cluster");
     let mut args = vec!["--seed", "11", "--ckpt", "capricorn-sparse", "--faults", "kill,replica"];
     let _one_at_a_time = cluster.then(cluster_lock);
     if cluster {

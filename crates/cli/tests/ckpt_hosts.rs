@@ -4,8 +4,6 @@
 //! to exactly the clean run's final state. Needs root and iproute2 (CI runs as root); without
 //! them the test says why it is skipped.
 
-mod common;
-
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ironweave");
@@ -51,7 +49,7 @@ fn train(topo: &str, dir: &std::path::Path, fail: Option<&str>) -> serde_json::V
 
 #[test]
 fn a_whole_host_killed_restores_from_the_other_host_s_memory() {
-    if !common::can_run_emulated("a_whole_host_killed_restores_from_the_other_host_s_memory") {
+    if !ironweave_testkit::can_run_emulated("a_whole_host_killed_restores_from_the_other_host_s_memory") {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ironweave-hosts-{}", std::process::id()));
@@ -99,7 +97,7 @@ fn a_whole_host_killed_restores_from_the_other_host_s_memory() {
 /// measured run predicts every strategy beside its measured time.
 #[test]
 fn bench_ckpt_rows_carry_their_mechanism_and_replay() {
-    if !common::can_run_emulated("bench_ckpt_rows_carry_their_mechanism_and_replay") {
+    if !ironweave_testkit::can_run_emulated("bench_ckpt_rows_carry_their_mechanism_and_replay") {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ironweave-benchckpt-links-{}", std::process::id()));

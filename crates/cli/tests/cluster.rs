@@ -3,8 +3,6 @@
 //! striped over both links and on each alone. Needs root and iproute2; without them the tests
 //! say why they are skipped (CI runs as root).
 
-mod common;
-
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ironweave");
@@ -36,7 +34,7 @@ fn iw(args: &[&str]) -> std::process::Output {
 #[test]
 fn up_then_down_leaves_namespaces_as_they_were() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    if !common::can_run_emulated("up_then_down_leaves_namespaces_as_they_were") {
+    if !ironweave_testkit::can_run_emulated("up_then_down_leaves_namespaces_as_they_were") {
         return;
     }
     let t = topology("ut1", 3);
@@ -69,7 +67,7 @@ fn up_then_down_leaves_namespaces_as_they_were() {
 #[test]
 fn two_hosts_two_ranks_each_over_two_links() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    if !common::can_run_emulated("two_hosts_two_ranks_each_over_two_links") {
+    if !ironweave_testkit::can_run_emulated("two_hosts_two_ranks_each_over_two_links") {
         return;
     }
     let t = topology("ut2", 2);

@@ -2,8 +2,6 @@
 //! TCP learns the same losses and draws every rank's compute and communication lanes; `bench
 //! overlap` on the emulated cluster writes a row per schedule with the counters behind it.
 
-mod common;
-
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ironweave");
@@ -165,7 +163,7 @@ fn a_plan_is_executed_as_planned_or_refused_with_the_reason() {
 
 #[test]
 fn bench_overlap_writes_a_row_per_schedule_with_its_counters() {
-    if !common::can_run_emulated("bench_overlap_writes_a_row_per_schedule_with_its_counters") {
+    if !ironweave_testkit::can_run_emulated("bench_overlap_writes_a_row_per_schedule_with_its_counters") {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ironweave-ov-{}", std::process::id()));

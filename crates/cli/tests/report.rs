@@ -1,35 +1,14 @@
 //! `ironweave train --backend ucx` end to end, and the HTML report it leaves, opened in headless
 //! Chromium: the screenshot is not blank and the charts' elements are in the page.
 
-use std::path::Path;
 use std::process::Command;
+
+use ironweave_testkit::chromium;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ironweave");
 
 fn root() -> &'static str {
     concat!(env!("CARGO_MANIFEST_DIR"), "/../..")
-}
-
-/// Headless Chromium with the flags this machine needs (no network, no sandbox as root).
-fn chromium(profile: &Path) -> Command {
-    let exe = ["chromium", "chromium-browser", "google-chrome"]
-        .into_iter()
-        .find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
-        .expect("headless Chromium is needed for the report test: apt-get install chromium (scripts/deps.sh does)");
-    let mut c = Command::new(exe);
-    c.args([
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--hide-scrollbars",
-    ])
-    .arg(format!("--user-data-dir={}", profile.display()));
-    c
 }
 
 #[test]

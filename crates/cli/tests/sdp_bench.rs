@@ -5,13 +5,11 @@
 //! mechanism — the link each row's traffic took, by the kernel's own counters, and the
 //! communication threads' CPU per byte.
 
-mod common;
-
 use std::process::Command;
 
 #[test]
 fn bench_sdp_rows_carry_their_links_and_predictions() {
-    if !common::can_run_emulated("bench_sdp_rows_carry_their_links_and_predictions") {
+    if !ironweave_testkit::can_run_emulated("bench_sdp_rows_carry_their_links_and_predictions") {
         return;
     }
     let base = std::env::temp_dir().join(format!("ironweave-bench-sdp-{}", std::process::id()));

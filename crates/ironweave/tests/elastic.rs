@@ -10,6 +10,7 @@ use std::time::Duration;
 use ironweave::ckpt::{Dtype, EngineConfig, GlobalSlice, Snapshot, TensorSpec};
 use ironweave::elastic::{BoxError, Config, Error, Generation, Job, RestoreSource, Step, StepContext, Worker};
 use ironweave::{Backend, JobEnv, ReduceOp};
+use ironweave_testkit::tmpdir;
 
 const N: usize = 256;
 
@@ -155,15 +156,9 @@ fn job(
     hs.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ironweave-elastic-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
 #[test]
 fn a_restore_that_leaves_a_tensor_out_is_refused_naming_it() {
-    let base = tmp("bad-restore");
+    let base = tmpdir("elastic-bad-restore");
     let persist = base.join("persist");
     for r in job(4, Some(&persist), None, Fit::new) {
         r.unwrap();
@@ -188,7 +183,7 @@ fn a_restore_that_leaves_a_tensor_out_is_refused_naming_it() {
 
 #[test]
 fn a_resumed_job_that_fails_before_its_first_commit_loads_the_checkpoint_again() {
-    let base = tmp("resume-fail");
+    let base = tmpdir("elastic-resume-fail");
     let persist = base.join("persist");
     for r in job(4, Some(&persist), None, Fit::new) {
         r.unwrap();

@@ -2,18 +2,11 @@
 //! launcher, as torchrun would), stopped and started again to resume from its checkpoint, and
 //! `plan` on the descriptions under configs/.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-fn example(name: &str) -> PathBuf {
-    // cargo test builds the package's examples next to the test binary's folder
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(Path::parent).unwrap();
-    let p = dir.join("examples").join(name);
-    assert!(p.exists(), "{} is missing: `cargo test` builds examples; was it run with --tests only?", p.display());
-    p
-}
+use ironweave_testkit::{example, final_states, launch, target_bin};
 
 /// Runs `data_parallel ITERS DIR` on two ranks; returns each rank's stdout.
 fn job(iters: u64, dir: &Path) -> Vec<String> {
@@ -76,67 +69,6 @@ fn plan_example_plans_a_model_on_a_cluster() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.contains("Oases plan for") && out.contains("TP ") && out.contains("HSDP"), "{out}");
-}
-
-/// The `ironweave` command (crates/cli), built beside the examples by `cargo test --workspace`.
-fn cli() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().and_then(Path::parent).unwrap().join("ironweave");
-    assert!(
-        p.exists(),
-        "{} is missing: these tests launch ranks with the CLI; run `cargo test --workspace` (or build -p ironweave-cli)",
-        p.display()
-    );
-    p
-}
-
-/// Runs `ironweave launch ARGS` to the end (at most `secs`), calling `on_line` with each line
-/// the ranks print; returns every line. Panics when the job fails or outlives its deadline.
-fn launch(args: &[String], secs: u64, mut on_line: impl FnMut(&str)) -> Vec<String> {
-    use std::io::BufRead;
-    let mut child = Command::new(cli())
-        .arg("launch")
-        .args(args)
-        .env("IRONWEAVE_TIMEOUT_S", "30")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
-    let err = child.stderr.take().unwrap();
-    let errs = std::thread::spawn(move || std::io::read_to_string(err).unwrap_or_default());
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
-            if tx.send(l).is_err() {
-                break;
-            }
-        }
-    });
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-    let mut lines = Vec::new();
-    loop {
-        match rx.recv_timeout(std::time::Duration::from_millis(200)) {
-            Ok(l) => {
-                on_line(&l);
-                lines.push(l);
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the job outlived its {secs} s deadline; so far:\n{}", lines.join("\n"));
-        }
-    }
-    let status = child.wait().unwrap();
-    let errs = errs.join().unwrap();
-    assert!(status.success(), "launch {args:?}: {status}\n{}\n{errs}", lines.join("\n"));
-    lines
-}
-
-fn final_states(lines: &[String]) -> Vec<String> {
-    lines.iter().filter_map(|l| l.split_once("final state ").map(|(_, d)| d.trim().to_string())).collect()
 }
 
 /// `elastic_train` on 4 ranks under `layout`: once clean, once with rank 1 killed by SIGKILL
@@ -243,7 +175,7 @@ struct Kills {
 fn kill_run(ex: &str, iters: u64, layout: &str, clean: &str, k: &Kills, secs: u64) -> (Ended, Vec<String>, f64) {
     use std::io::BufRead;
     let t0 = Instant::now();
-    let mut child = Command::new(cli())
+    let mut child = Command::new(target_bin("ironweave"))
         .args(["launch", "-n", "4", "--no-prefix", "--max-restarts", "4", "--", ex, &iters.to_string(), layout])
         .env("IRONWEAVE_TIMEOUT_S", "10")
         .stdout(std::process::Stdio::piped())

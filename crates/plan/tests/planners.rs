@@ -4,23 +4,8 @@
 use ironweave_plan::chain::{ChainProblem, Choice, Method, SolvedBy};
 use ironweave_plan::{sdp, tmp, ClusterDesc, CostModel, ModelDesc, PlanError};
 
-/// SplitMix64, so the instances are the same on every run.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    fn pick<T: Copy>(&mut self, v: &[T]) -> T {
-        v[(self.next() % v.len() as u64) as usize]
-    }
-}
+/// The workspace's generator, so the instances are the same on every run.
+use ironweave_units::SplitMix64 as Rng;
 
 fn random_cluster(r: &mut Rng, mem_gib: f64) -> ClusterDesc {
     let nodes = r.pick(&[1u32, 2]);
@@ -112,9 +97,9 @@ fn tmp_ilp_and_dp_equal_brute_force_on_random_instances() {
 fn chain_ilp_equals_brute_force_on_random_chains() {
     let mut r = Rng(7);
     for inst in 0..25 {
-        let n = 2 + (r.next() % 4) as usize;
+        let n = 2 + (r.next_u64() % 4) as usize;
         let choices: Vec<Vec<Choice>> = (0..n)
-            .map(|_| (0..(2 + r.next() % 4)).map(|_| Choice { cost: 10.0 * r.unit(), mem: 1.0 + 9.0 * r.unit() }).collect())
+            .map(|_| (0..(2 + r.next_u64() % 4)).map(|_| Choice { cost: 10.0 * r.unit(), mem: 1.0 + 9.0 * r.unit() }).collect())
             .collect();
         let edges = (0..n - 1)
             .map(|i| (0..choices[i].len()).map(|_| (0..choices[i + 1].len()).map(|_| 3.0 * r.unit()).collect()).collect())

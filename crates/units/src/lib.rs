@@ -185,6 +185,11 @@ impl SplitMix64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
+    /// One of `v`, uniformly (panics on an empty slice).
+    pub fn pick<T: Copy>(&mut self, v: &[T]) -> T {
+        v[self.below(v.len() as u64) as usize]
+    }
+
     /// Standard normal (Box-Muller).
     pub fn normal(&mut self) -> f64 {
         let u1 = self.unit().max(1e-300);
