@@ -1,5 +1,6 @@
 //! [`NcclLink`]: an NCCL communicator for device buffers beside a TCP link for the rest.
 
+use ironweave_units::Locked;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -121,7 +122,7 @@ impl NcclLink {
     /// Runs one NCCL call on the stream and waits for it with the link's deadline; on the
     /// deadline the communicator is aborted (NCCL's own way out of a stuck collective).
     fn run(&self, what: &str, f: impl FnOnce(nsys::ncclComm_t, nsys::cudaStream_t) -> Result<()>) -> Result<()> {
-        let mut guard = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.comm.locked();
         let comm = guard.as_ref().ok_or_else(|| Error::Aborted { reason: "the NCCL communicator was aborted".into() })?.0;
         self.ctx.bind_to_thread().map_err(|e| Error::Config(format!("binding CUDA context: {e:?}")))?;
         let raw = self.stream.cu_stream();
@@ -223,7 +224,7 @@ impl Link for NcclLink {
         unsafe { self.host.irecv_into(peer, tag, dst, len) }
     }
     fn abort(&self, reason: &str) {
-        if let Some(c) = self.comm.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(c) = self.comm.locked().take() {
             // SAFETY: a live communicator, taken out so it is never used again.
             let _ = unsafe { cudarc::nccl::result::comm_abort(c.0) };
         }

@@ -34,6 +34,7 @@
 mod rx;
 pub mod topology;
 
+use ironweave_units::Locked;
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::AsRawFd;
@@ -606,7 +607,7 @@ impl Shared {
             // The writer is released before the error is handled: failing the link tells the
             // peers, which needs the writers.
             let written = {
-                let mut w = c.writer.lock().unwrap_or_else(|e| e.into_inner());
+                let mut w = c.writer.locked();
                 if self.cfg.poll {
                     // While its socket is full this thread decodes what arrives, and may find
                     // the link failed there: `fail_with` must not wait for this writer then.
@@ -660,7 +661,7 @@ impl Shared {
     /// so it precedes any later close on the same socket) *before* the mailbox fails: a rank
     /// that exits after seeing the failure can then never be mistaken for its cause.
     fn fail_with(&self, err: Error, culprit: Option<usize>) {
-        let mut sent = self.cause_sent.lock().unwrap_or_else(|e| e.into_inner());
+        let mut sent = self.cause_sent.locked();
         if !*sent {
             *sent = true;
             let body = encode_cause(self.rank, &err);
@@ -732,7 +733,7 @@ impl Link for TcpLink {
             return Ok(SendHandle::ready(Ok(Vec::new())));
         };
         let (handle, done) = SendHandle::pending();
-        let mut tx = peer.sender.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tx = peer.sender.locked();
         if tx.is_none() {
             let (t, rx) = mpsc::channel::<Job>();
             let sh = self.shared.clone();
@@ -747,7 +748,7 @@ impl Link for TcpLink {
                     }
                 })
                 .map_err(|e| Error::io("spawn sender", &e))?;
-            self.senders.lock().unwrap_or_else(|e| e.into_inner()).push(h);
+            self.senders.locked().push(h);
             *tx = Some(t);
         }
         let job = Job { tag, seq, data, done };
@@ -818,7 +819,7 @@ impl Drop for TcpLink {
         // Stop the sender threads after they drained their queues; on a failed link, shut the
         // sockets first so that a sender stuck on a dead peer returns at once.
         for peer in sh.peers.iter().flatten() {
-            peer.sender.lock().unwrap_or_else(|e| e.into_inner()).take();
+            peer.sender.locked().take();
         }
         let healthy = sh.mailbox.failure().is_none();
         sh.closing.store(true, Ordering::SeqCst);
@@ -834,7 +835,7 @@ impl Drop for TcpLink {
             let h = FrameHeader { kind: FrameKind::Goodbye, tag: 0, seq: 0, total: 0, offset: 0, len: 0 };
             for peer in sh.peers.iter().flatten() {
                 for c in &peer.conns {
-                    let mut w = c.writer.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut w = c.writer.locked();
                     let _ = write_frame(&mut w, &h, &[], Instant::now() + Duration::from_secs(1));
                     let _ = c.control.shutdown(Shutdown::Write);
                 }

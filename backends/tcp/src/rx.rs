@@ -15,6 +15,7 @@
 //! The decoder reads with `MSG_DONTWAIT` only, so it never blocks while held: a frame can be
 //! begun by one thread and finished by another.
 
+use ironweave_units::Locked;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -354,14 +355,14 @@ impl Drivers {
 
     /// A reader thread waits here while callers drive (bounded, so a closing link is seen).
     fn park(&self) {
-        let g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let g = self.lock.locked();
         if self.any() {
             let _ = self.cv.wait_timeout(g, PARK_CHECK);
         }
     }
 
     fn release(&self) {
-        let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = self.lock.locked();
         self.cv.notify_all();
     }
 }
@@ -383,7 +384,7 @@ pub(crate) fn reader(sh: Arc<Shared>, slot: Arc<Slot>) {
         if r <= 0 {
             continue;
         }
-        let mut conn = slot.conn.lock().unwrap_or_else(|e| e.into_inner());
+        let mut conn = slot.conn.locked();
         conn.pump(&sh, &slot.ended, true);
     }
 }

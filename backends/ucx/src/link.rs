@@ -8,6 +8,7 @@
 //! so matching is the same as in every other backend. Rendezvous-sized messages are received
 //! straight into a posted landing zone when there is one (zero copy), else into a pooled buffer.
 
+use ironweave_units::Locked;
 use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 use std::rc::Rc;
@@ -30,10 +31,6 @@ const HDR: usize = 20;
 /// How long a rendezvous message waits for its receive to be posted before it is fetched into
 /// a buffer anyway.
 const RNDV_GRACE: Duration = Duration::from_millis(20);
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// What one link is: a name and the UCX transports it may use.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,7 +95,7 @@ struct Shared {
 
 impl Shared {
     fn wake(&self) {
-        if let Some(s) = lock(&self.signal).as_ref() {
+        if let Some(s) = self.signal.locked().as_ref() {
             // SAFETY: the worker exists while the signal is stored (cleared under this lock
             // before the worker is destroyed).
             unsafe { s.raise() };
@@ -107,7 +104,7 @@ impl Shared {
 
     /// Runs `f` on the engine (waiting for the lock); an error when the link is closed.
     fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> Result<R> {
-        match lock(&self.core).as_mut() {
+        match self.core.locked().as_mut() {
             Some(c) => Ok(f(&mut c.0)),
             None => Err(self.mailbox.failure().unwrap_or(Error::Aborted { reason: "the UCX link is closed".into() })),
         }
@@ -156,7 +153,7 @@ impl ironweave_transport::Progress for Driver {
             // One that got its message lets the thread notice by itself (the next wait usually
             // follows at once); one that goes to sleep needs it now.
             if last && to_sleep {
-                let _g = lock(&sh.park.0);
+                let _g = sh.park.0.locked();
                 sh.park.1.notify_all();
                 drop(_g);
                 sh.wake();
@@ -400,7 +397,7 @@ impl Drop for UcxLink {
         self.shared.wake();
         // The thread says goodbye, waits (bounded by the linger) for the peers', closes.
         let until = Instant::now() + self.linger + Duration::from_secs(15);
-        if let Some(t) = lock(&self.thread).take() {
+        if let Some(t) = self.thread.locked().take() {
             join_until(t, until);
         }
         self.shared.mailbox.fail(Error::Aborted { reason: "link closed".into() });
@@ -833,10 +830,10 @@ fn progress_thread(
             return;
         }
     };
-    *lock(&shared.signal) = Some(worker.signal());
+    *shared.signal.locked() = Some(worker.signal());
     let _ = addr_tx.send(Ok(addr));
     let Ok(addrs) = peers_rx.recv() else {
-        *lock(&shared.signal) = None;
+        *shared.signal.locked() = None;
         return;
     };
     let mut eng = Engine { worker, eps: (0..size).map(|_| None).collect(), cb, me };
@@ -883,13 +880,13 @@ fn progress_thread(
     }
     let ok = wired.is_ok();
     let efd = eng.worker.efd();
-    *lock(&shared.core) = Some(Core(eng));
+    *shared.core.locked() = Some(Core(eng));
     let _ = ready_tx.send(wired);
     if ok {
         run(&shared, efd, &tuning);
     }
-    let taken = lock(&shared.core).take();
-    *lock(&shared.signal) = None;
+    let taken = shared.core.locked().take();
+    *shared.signal.locked() = None;
     shared.mailbox.fail(Error::Aborted { reason: "link closed".into() });
     if let Some(Core(mut eng)) = taken {
         eng.close_all(eng.cb.failed.get() || !ok);
@@ -911,13 +908,13 @@ fn run(shared: &Shared, efd: i32, tuning: &Tuning) {
             && shared.drivers.load(std::sync::atomic::Ordering::Acquire) > 0
         {
             // Callers drive the engine while they wait: stay out of their way.
-            let g = lock(&shared.park.0);
+            let g = shared.park.0.locked();
             if shared.drivers.load(std::sync::atomic::Ordering::Acquire) > 0 {
                 let _ = shared.park.1.wait_timeout(g, PARK_CHECK);
             }
             continue;
         }
-        let mut g = lock(&shared.core);
+        let mut g = shared.core.locked();
         let Some(Core(eng)) = g.as_mut() else { return };
         if closing.is_none() && shared.closing.load(std::sync::atomic::Ordering::Acquire) {
             closing = Some(Instant::now() + tuning.linger);

@@ -1,5 +1,6 @@
 //! [`VerbsLink`]: RC queue pairs to every peer, driven by one progress thread.
 
+use ironweave_units::Locked;
 use std::collections::VecDeque;
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
@@ -38,10 +39,6 @@ fn wr_id(kind: u64, peer: usize, slot: usize) -> u64 {
 
 fn wr_parts(id: u64) -> (u64, usize, usize) {
     (id >> 56, ((id >> 16) & 0xff_ffff_ffff) as usize, (id & 0xffff) as usize)
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A chunk header: tag, sequence, total length, offset, chunk length.
@@ -221,7 +218,7 @@ impl VerbsLink {
             cmds: Mutex::new(None),
         });
         let (tx, rx) = mpsc::channel();
-        *lock(&shared.cmds) = Some(tx);
+        *shared.cmds.locked() = Some(tx);
         let mut eng = Engine { shared: shared.clone(), peers, cq, _ctx: ctx, failed: false };
         let linger = cfg.linger;
         let thread = std::thread::Builder::new()
@@ -232,7 +229,7 @@ impl VerbsLink {
     }
 
     fn submit(&self, cmd: Cmd) -> Result<()> {
-        let ok = lock(&self.shared.cmds).as_ref().is_some_and(|tx| tx.send(cmd).is_ok());
+        let ok = self.shared.cmds.locked().as_ref().is_some_and(|tx| tx.send(cmd).is_ok());
         if ok {
             Ok(())
         } else {
@@ -305,7 +302,7 @@ impl Drop for VerbsLink {
     fn drop(&mut self) {
         let _ = self.submit(Cmd::Close);
         let until = Instant::now() + self.linger + Duration::from_secs(15);
-        if let Some(t) = lock(&self.thread).take() {
+        if let Some(t) = self.thread.locked().take() {
             join_until(t, until);
         }
         self.shared.mailbox.fail(Error::Aborted { reason: "link closed".into() });

@@ -3,6 +3,7 @@
 //! written last, so its presence means the data file is complete. Files live in
 //! `DIR/iter-XXXXXXXX/rank-XXXXX.{safetensors,json}`.
 
+use ironweave_units::Locked;
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::Write;
@@ -153,7 +154,7 @@ fn write_atomic(path: &Path, parts: &[&[u8]], bucket: Option<&Mutex<TokenBucket>
         for p in parts {
             for block in p.chunks(PACE_BLOCK) {
                 if let Some(b) = bucket {
-                    let wait = b.lock().unwrap_or_else(|e| e.into_inner()).take_at(block.len() as u64, Instant::now());
+                    let wait = b.locked().take_at(block.len() as u64, Instant::now());
                     std::thread::sleep(wait);
                 }
                 f.write_all(block).map_err(|e| CkptError::io(&tmp, e))?;

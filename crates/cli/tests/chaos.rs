@@ -5,6 +5,7 @@
 //! On the emulated two-host cluster (root): whole hosts killed and links set down for a few
 //! seconds; a short outage must pass without an error or a recovery.
 
+use ironweave_units::Locked;
 use std::process::Command;
 use std::sync::Mutex;
 
@@ -13,7 +14,7 @@ use std::sync::Mutex;
 static CLUSTER: Mutex<()> = Mutex::new(());
 
 fn cluster_lock() -> std::sync::MutexGuard<'static, ()> {
-    CLUSTER.lock().unwrap_or_else(|e| e.into_inner())
+    CLUSTER.locked()
 }
 
 /// Runs `ironweave chaos` with `args` (plus `--out` and `--json` in a fresh directory) and

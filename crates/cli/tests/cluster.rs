@@ -3,6 +3,7 @@
 //! striped over both links and on each alone. Needs root and iproute2; without them the tests
 //! say why they are skipped (CI runs as root).
 
+use ironweave_units::Locked;
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ironweave");
@@ -33,7 +34,7 @@ fn iw(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn up_then_down_leaves_namespaces_as_they_were() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.locked();
     if !ironweave_testkit::can_run_emulated("up_then_down_leaves_namespaces_as_they_were") {
         return;
     }
@@ -66,7 +67,7 @@ fn up_then_down_leaves_namespaces_as_they_were() {
 
 #[test]
 fn two_hosts_two_ranks_each_over_two_links() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.locked();
     if !ironweave_testkit::can_run_emulated("two_hosts_two_ranks_each_over_two_links") {
         return;
     }

@@ -1,5 +1,6 @@
 //! The recorder: scoped per-layer timers, communication spans per link, iteration boundaries.
 
+use ironweave_units::Locked;
 use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
@@ -122,7 +123,7 @@ impl<C: Clock> Profiler<C> {
 
     /// Set (or clear) the hook called after every training communication is recorded.
     pub fn set_comm_hook(&self, hook: Option<CommHook>) {
-        *self.hook.lock().unwrap_or_else(|e| e.into_inner()) = hook;
+        *self.hook.locked() = hook;
     }
 
     /// Turn per-layer recording on or off (iteration boundaries and communications, which are
@@ -137,16 +138,11 @@ impl<C: Clock> Profiler<C> {
         self.detailed.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        // A panic while holding the lock cannot leave the state inconsistent (pushes only).
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Start iteration `iter` (ends the previous one if still open).
     pub fn begin_iteration(&self, iter: u64) {
         let now = self.now_ns();
         let detailed = self.detailed();
-        let mut s = self.lock();
+        let mut s = self.state.locked();
         if let Some(mut open) = s.current.take() {
             open.end_ns = now;
             Self::push(&mut s, open, self.keep);
@@ -157,7 +153,7 @@ impl<C: Clock> Profiler<C> {
     /// End the current iteration; returns a copy of its profile.
     pub fn end_iteration(&self) -> Option<IterationProfile> {
         let now = self.now_ns();
-        let mut s = self.lock();
+        let mut s = self.state.locked();
         let mut p = s.current.take()?;
         p.end_ns = now;
         Self::push(&mut s, p.clone(), self.keep);
@@ -174,7 +170,7 @@ impl<C: Clock> Profiler<C> {
 
     /// Finished iterations, oldest first.
     pub fn history(&self) -> Vec<IterationProfile> {
-        self.lock().history.clone()
+        self.state.locked().history.clone()
     }
 
     /// Time a layer phase until the guard drops.
@@ -187,7 +183,7 @@ impl<C: Clock> Profiler<C> {
         if !self.detailed() {
             return;
         }
-        if let Some(p) = self.lock().current.as_mut() {
+        if let Some(p) = self.state.locked().current.as_mut() {
             p.layers.push(span);
         }
     }
@@ -199,11 +195,11 @@ impl<C: Clock> Profiler<C> {
 
     /// Record a communication measured elsewhere.
     pub fn record_comm(&self, span: CommSpan) {
-        if let Some(p) = self.lock().current.as_mut() {
+        if let Some(p) = self.state.locked().current.as_mut() {
             p.comms.push(span);
         }
         if span.kind == CommKind::Training {
-            let hook = self.hook.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let hook = self.hook.locked().clone();
             if let Some(h) = hook {
                 h(&span);
             }

@@ -53,6 +53,7 @@
 
 pub mod ddp;
 
+use ironweave_units::Locked;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -228,7 +229,7 @@ pub struct CollSpan {
 type SpanLog = Arc<Mutex<Vec<CollSpan>>>;
 
 fn log_span(log: &SpanLog, span: CollSpan) {
-    log.lock().unwrap_or_else(|e| e.into_inner()).push(span);
+    log.locked().push(span);
 }
 
 /// One part of a layer: a contiguous range of its parameters, sharded over a group of `n`
@@ -493,7 +494,7 @@ impl ShardEngine {
 
     /// The collectives that finished since the last call, with their times on the wire.
     pub fn take_spans(&self) -> Vec<CollSpan> {
-        std::mem::take(&mut *self.log.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut *self.log.locked())
     }
 
     /// Elements of layer `l` (0 if there is no such layer).

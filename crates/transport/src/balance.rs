@@ -20,6 +20,7 @@
 //! two links' landing zones safe even when both point at the meeting segment: the other link's
 //! message there is the empty terminator, which lands nowhere.
 
+use ironweave_units::Locked;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -144,7 +145,7 @@ pub(crate) fn run(c: &Communicator, op: Op<'_>, m: usize) -> Result<()> {
     let counts: Vec<std::sync::Mutex<Vec<usize>>> = (0..2).map(|_| std::sync::Mutex::new(Vec::new())).collect();
     c.run_lanes(&[true, true], |lane, side| {
         let got = Lane { c, lane, side, n, m, segs: &segs, what }.ring(&first, out, &blocks, red)?;
-        *counts[side].lock().unwrap_or_else(|e| e.into_inner()) = got;
+        *counts[side].locked() = got;
         Ok(())
     })?;
     let (a, b) = (counts[0].lock().map(|v| v.clone()), counts[1].lock().map(|v| v.clone()));

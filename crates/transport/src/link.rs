@@ -5,8 +5,9 @@
 //! and a receive posted as the k-th on (peer, tag) takes the k-th message, whatever order the
 //! bytes arrive in (several connections, several threads).
 
+use ironweave_units::Locked;
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use crate::error::{Error, Result};
@@ -156,7 +157,7 @@ impl BufPool {
     /// buffer, or zeros): callers overwrite all of it. Recycled buffers are not zeroed again.
     pub fn take(&self, len: usize) -> Vec<u8> {
         if len >= Self::MIN {
-            let mut free = lock(&self.free);
+            let mut free = self.free.locked();
             // Best fit among buffers no more than twice as large.
             let best = free
                 .iter()
@@ -182,7 +183,7 @@ impl BufPool {
         if v.capacity() < Self::MIN {
             return;
         }
-        let mut free = lock(&self.free);
+        let mut free = self.free.locked();
         let held: usize = free.iter().map(Vec::capacity).sum();
         if free.len() < Self::MAX_BUFFERS && held + v.capacity() <= Self::MAX_BYTES {
             free.push(v);
@@ -335,7 +336,7 @@ impl<R> Default for Filled<R> {
 impl<R> Filled<R> {
     /// Fills the slot and wakes a sleeping taker.
     pub(crate) fn fill(&self, r: Result<R>) {
-        let mut g = lock(&self.slot);
+        let mut g = self.slot.locked();
         g.0 = Some(r);
         let sleeping = g.1 > 0;
         drop(g);
@@ -345,12 +346,12 @@ impl<R> Filled<R> {
     }
 
     pub(crate) fn is_filled(&self) -> bool {
-        lock(&self.slot).0.is_some()
+        self.slot.locked().0.is_some()
     }
 
     /// Takes the result once filled, or `Timeout` naming `what` when `deadline` passes first.
     pub(crate) fn take(&self, deadline: Instant, what: &str) -> Result<R> {
-        let mut g = lock(&self.slot);
+        let mut g = self.slot.locked();
         if let Some(r) = g.0.take() {
             return r;
         }
@@ -567,11 +568,6 @@ impl Drop for RecvHandle {
     }
 }
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic in another thread while holding the lock leaves plain data behind; keep going.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// A hasher for the small integer keys of the mailbox and the sequence tables (ranks, tags,
 /// sequence numbers). SipHash's defence against chosen keys buys nothing for keys from
 /// authenticated peers and cost about a tenth of an 8-byte message's CPU time.
@@ -618,7 +614,7 @@ pub struct SeqTable {
 impl SeqTable {
     /// The sequence number of the next message to `peer` on `tag`.
     pub fn next(&self, peer: usize, tag: Tag) -> u64 {
-        let mut m = lock(&self.next);
+        let mut m = self.next.locked();
         let e = m.entry((peer, tag)).or_insert(0);
         let s = *e;
         *e += 1;
@@ -858,7 +854,7 @@ impl Mailbox {
     /// bytes count against the budget without waiting for it.
     pub fn deliver_copy(&self, src: usize, tag: Tag, seq: u64, bytes: &[u8]) -> Result<()> {
         let len = bytes.len();
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         let stp = &mut *st;
         let q = stp.queues.entry((src, tag)).or_default();
         let p = q.msgs.entry(seq).or_default();
@@ -911,7 +907,7 @@ impl Mailbox {
 
     /// Posts a receive from `src` on `tag`.
     pub fn post(self: &Arc<Self>, src: usize, tag: Tag) -> RecvHandle {
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         let q = st.queues.entry((src, tag)).or_default();
         let seq = q.next_claim;
         q.next_claim += 1;
@@ -929,7 +925,7 @@ impl Mailbox {
     /// reserved, `None` when the budget is full (try again later, or [`Mailbox::reserve`] from
     /// a thread that may block), `Some(false)` when the mailbox failed.
     pub fn try_reserve(&self, len: usize) -> Option<bool> {
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         if st.fatal.is_some() {
             return Some(false);
         }
@@ -942,7 +938,7 @@ impl Mailbox {
 
     /// Waits until `len` more bytes may be buffered. Returns `false` when the mailbox failed.
     pub fn reserve(&self, len: usize) -> bool {
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         while st.fatal.is_none() && st.buffered > 0 && st.buffered + len > self.cap_bytes {
             st.space_sleepers += 1;
             st = self.space.wait(st).unwrap_or_else(|e| e.into_inner());
@@ -954,7 +950,7 @@ impl Mailbox {
 
     /// Adds one received part of message `seq` from `src` on `tag` (already reserved).
     pub fn deliver(&self, src: usize, tag: Tag, seq: u64, total: usize, offset: usize, data: Vec<u8>) -> Result<()> {
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         let st = &mut *st;
         let len = data.len();
         let bad = |detail: String| Error::Protocol { from: format!("rank {src}"), detail };
@@ -1002,7 +998,7 @@ impl Mailbox {
     /// leaked (`mem::forget`), since dropping it is what withdraws the zone and waits for a
     /// writer in progress.
     pub unsafe fn post_into(self: &Arc<Self>, src: usize, tag: Tag, dst: *mut u8, len: usize) -> RecvHandle {
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         let q = st.queues.entry((src, tag)).or_default();
         let seq = q.next_claim;
         q.next_claim += 1;
@@ -1021,7 +1017,7 @@ impl Mailbox {
     /// `None` means: buffer the part and [`Mailbox::deliver`] it. Overlapping or oversized
     /// parts are a protocol error.
     pub fn land(&self, src: usize, tag: Tag, seq: u64, total: usize, offset: usize, len: usize) -> Result<Option<*mut u8>> {
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         let p = st.queues.entry((src, tag)).or_default().msgs.entry(seq).or_default();
         let Some(base) = p.zone_for(total) else {
             if !p.landed {
@@ -1050,7 +1046,7 @@ impl Mailbox {
 
     /// Backend side: a write granted by [`Mailbox::land`] finished (`ok`) or failed.
     pub fn land_done(&self, src: usize, tag: Tag, seq: u64, len: usize, ok: bool) {
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         if let Some(p) = st.queues.get_mut(&(src, tag)).and_then(|q| q.msgs.get_mut(&seq)) {
             p.writers -= 1;
             if ok {
@@ -1070,7 +1066,7 @@ impl Mailbox {
     /// a buffered message. Backends with a rendezvous protocol use it to fetch the data when
     /// its destination is known (straight into the zone) instead of buffering it first.
     pub fn posted(&self, src: usize, tag: Tag, seq: u64) -> Option<bool> {
-        let st = lock(&self.state);
+        let st = self.state.locked();
         let q = st.queues.get(&(src, tag))?;
         if q.next_claim <= seq {
             return None;
@@ -1079,12 +1075,12 @@ impl Mailbox {
     }
 
     fn is_complete(&self, src: usize, tag: Tag, seq: u64) -> bool {
-        let st = lock(&self.state);
+        let st = self.state.locked();
         st.queues.get(&(src, tag)).and_then(|q| q.msgs.get(&seq)).is_some_and(Partial::complete)
     }
 
     fn abandon(&self, src: usize, tag: Tag, seq: u64) {
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         loop {
             let Some(q) = st.queues.get_mut(&(src, tag)) else { return };
             let p = q.msgs.entry(seq).or_default();
@@ -1121,7 +1117,7 @@ impl Mailbox {
         let (mut now, mut rounds) = (deadline, 0u32);
         // Declared before the lock guard, so that a driver's `end` runs after it is released.
         let mut driving = Driving { hook: None };
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         loop {
             if let Some(q) = st.queues.get_mut(&(src, tag)) {
                 if q.msgs.get(&seq).is_some_and(|p| p.complete() && p.writers == 0) {
@@ -1171,14 +1167,14 @@ impl Mailbox {
                 } else {
                     std::hint::spin_loop();
                 }
-                st = lock(&self.state);
+                st = self.state.locked();
                 continue;
             }
             if driving.hook.is_some() {
                 // The backend's own threads deliver from here on: let them know first.
                 drop(st);
                 driving.stop(true);
-                st = lock(&self.state);
+                st = self.state.locked();
                 continue;
             }
             st.sleepers += 1;
@@ -1189,7 +1185,7 @@ impl Mailbox {
 
     /// Records one goodbye from `src` (one per connection).
     pub fn goodbye(&self, src: usize) {
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         if let Some(g) = st.goodbyes.get_mut(src) {
             *g += 1;
         }
@@ -1203,7 +1199,7 @@ impl Mailbox {
     /// Fails every pending and future receive with `err` (the first failure wins; returns
     /// whether this was it).
     pub fn fail(&self, err: Error) -> bool {
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         let first = st.fatal.is_none();
         if first {
             st.fatal = Some(err);
@@ -1217,7 +1213,7 @@ impl Mailbox {
 
     /// The failure, if the mailbox failed.
     pub fn failure(&self) -> Option<Error> {
-        lock(&self.state).fatal.clone()
+        self.state.locked().fatal.clone()
     }
 }
 

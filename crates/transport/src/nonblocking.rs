@@ -9,6 +9,7 @@
 //! leave the thread writing into freed memory. Every wait is bounded: by the communicator's
 //! timeout for each operation queued ahead and for this one.
 
+use ironweave_units::Locked;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 use crate::comm::Communicator;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{Error, Result};
-use crate::link::{lock, Filled};
+use crate::link::Filled;
 
 type Job = Box<dyn FnOnce(&Communicator) + Send>;
 
@@ -68,7 +69,7 @@ impl CollExecutor {
             pending.fetch_sub(1, Ordering::SeqCst);
             done.fill(r);
         });
-        if lock(&self.tx).send(job).is_err() {
+        if self.tx.locked().send(job).is_err() {
             self.pending.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::Aborted { reason: "the collective thread has stopped".into() });
         }

@@ -9,6 +9,7 @@
 //! [`Rendezvous::all_gather`] hands every rank everybody's bytes (link addresses, UCX worker
 //! addresses, NCCL unique ids).
 
+use ironweave_units::Locked;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::thread::JoinHandle;
@@ -239,7 +240,7 @@ pub fn watcher(env: &JobEnv) -> Watch {
     let env = env.clone();
     let last = std::sync::Mutex::new((Instant::now() - WATCH_EVERY, None));
     Box::new(move || {
-        let mut l = last.lock().unwrap_or_else(|e| e.into_inner());
+        let mut l = last.locked();
         if l.1.is_none() && l.0.elapsed() >= WATCH_EVERY {
             *l = (Instant::now(), env.superseded());
         }

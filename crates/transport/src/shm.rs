@@ -21,6 +21,7 @@
 //! operator, root); a rank that called something else, or with other sizes, is detected
 //! there and every rank returns the same typed error at the same phase.
 
+use ironweave_units::Locked;
 use std::fs::File;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -645,7 +646,7 @@ impl Chan<'_> {
 
     /// Starts a collective: takes the state, writes this rank's descriptor.
     fn begin(&self, desc: [u64; 4]) -> std::sync::MutexGuard<'_, State> {
-        let st = self.g.states[self.ch].lock().unwrap_or_else(|e| e.into_inner());
+        let st = self.g.states[self.ch].locked();
         let d = &self.ctrl(self.rank).desc[(st.colls % 2) as usize];
         for (slot, v) in d.iter().zip(desc) {
             slot.store(v, Ordering::Relaxed);

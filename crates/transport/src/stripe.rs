@@ -9,6 +9,7 @@
 //! made with [`Communicator::with_static_split`] or over more than two links — splits by fixed
 //! fractions, from the caller (a planner) or the links' declared or probed bandwidths.
 
+use ironweave_units::Locked;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -223,7 +224,7 @@ impl Communicator {
         }
         let lanes: Vec<std::sync::Mutex<Vec<&mut [u8]>>> = lanes.into_iter().map(std::sync::Mutex::new).collect();
         self.run_lanes(&active, |lane, i| {
-            let mut pieces = lanes[i].lock().unwrap_or_else(|e| e.into_inner());
+            let mut pieces = lanes[i].locked();
             lane.all_gather_pieces(&inb[ranges[i].clone()], &mut pieces)?;
             self.count_lane_bytes(i, (n - 1) * ranges[i].len());
             Ok(())
@@ -283,7 +284,7 @@ impl Communicator {
             }
             let mut r = vec![T::zeroed(); rc.iter().sum()];
             lane.all_to_all_v(&s, &sc, &mut r, &rc)?;
-            *received[i].lock().unwrap_or_else(|e| e.into_inner()) = r;
+            *received[i].locked() = r;
             Ok(())
         })?;
         for (i, r) in received.into_iter().enumerate() {
@@ -318,7 +319,7 @@ struct Mut<'a>(Vec<std::sync::Mutex<Option<&'a mut [u8]>>>);
 
 impl<'a> Mut<'a> {
     fn take(&self, i: usize) -> &'a mut [u8] {
-        self.0[i].lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default()
+        self.0[i].locked().take().unwrap_or_default()
     }
 }
 

@@ -153,6 +153,22 @@ mod tests {
     }
 }
 
+/// A mutex's guard whether or not a thread panicked while holding it: the workspace's one way
+/// to lock. A panic in a thread that held one of our locks has already failed the operation it
+/// was part of (its error reaches the caller by another path: a join, a closed channel, a lost
+/// peer), and the data behind the lock are plain values that stay usable; a second panic in
+/// every thread that locks after it would only hide the first one's message.
+pub trait Locked<T: ?Sized> {
+    /// Locks, taking the guard of a poisoned lock as is.
+    fn locked(&self) -> std::sync::MutexGuard<'_, T>;
+}
+
+impl<T: ?Sized> Locked<T> for std::sync::Mutex<T> {
+    fn locked(&self) -> std::sync::MutexGuard<'_, T> {
+        self.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
 /// SplitMix64: a tiny, well-mixed, seedable generator — the same numbers on every machine, no
 /// dependency. The one generator of the workspace (workloads, simulator, chaos campaigns, the
 /// candle adapter's seeded initialisation). `SplitMix64(state)` starts from a raw state;

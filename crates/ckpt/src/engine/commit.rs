@@ -5,12 +5,13 @@
 //! rank's state has arrived and been verified on every replica. A torn iteration is never
 //! committed.
 
+use ironweave_units::Locked;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use ironweave_transport::ReduceOp;
 
-use super::replicate::{lock, Shared};
+use super::replicate::Shared;
 use super::{Engine, Strategy};
 use crate::error::{CkptError, Result};
 
@@ -25,7 +26,7 @@ impl Engine {
             Strategy::None => None,
             Strategy::Blocking | Strategy::Async => self.durable,
             _ if self.holders.is_empty() => self.last_sent,
-            _ => newest_replicated(&lock(&self.shared).acks, &self.holders),
+            _ => newest_replicated(&self.shared.locked().acks, &self.holders),
         }
     }
 
@@ -63,8 +64,8 @@ impl Engine {
                 let answered = |sh: &Shared| {
                     self.holders.is_empty() || sh.acks.get(&want).is_some_and(|a| self.holders.iter().all(|h| a.contains_key(h)))
                 };
-                while !answered(&lock(&self.shared)) && Instant::now() < deadline {
-                    if !lock(&self.shared).lost_holders.is_empty() {
+                while !answered(&self.shared.locked()) && Instant::now() < deadline {
+                    if !self.shared.locked().lost_holders.is_empty() {
                         break;
                     }
                     std::thread::sleep(Duration::from_micros(200));

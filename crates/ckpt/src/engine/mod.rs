@@ -11,6 +11,7 @@
 //! Time is read through the profiler's [`ironweave_profile::Clock`] (the same clock that timed
 //! the windows); only deadlines handed to the transport are `Instant`s.
 
+use ironweave_units::Locked;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::channel;
@@ -39,7 +40,7 @@ pub mod replicate;
 
 pub use placement::{placement, placement_on_hosts};
 pub use replicate::Counters;
-use replicate::{lock, lock_sched, spawn, Job, Sched, SenderCtx, Shared};
+use replicate::{spawn, Job, Sched, SenderCtx, Shared};
 
 /// How checkpoints are taken (one engine, five strategies).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -448,7 +449,7 @@ impl Engine {
         self.stop_threads();
         self.comm = comm;
         {
-            let mut sh = lock(&self.shared);
+            let mut sh = self.shared.locked();
             sh.acks.clear();
             sh.failures.clear();
             sh.lost_holders.clear();
@@ -467,7 +468,7 @@ impl Engine {
     fn stop_threads(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         {
-            let mut s = lock_sched(&self.sched);
+            let mut s = self.sched.locked();
             s.txs.clear();
             s.releaser = None;
             s.open = false;
@@ -560,7 +561,7 @@ impl Engine {
             txs.push(per_slot);
         }
         {
-            let mut s = lock_sched(&self.sched);
+            let mut s = self.sched.locked();
             *s = Sched { txs, ..Default::default() };
         }
         // Capricorn: a window opens when a training communication on the link ends.
@@ -571,7 +572,7 @@ impl Engine {
                 if span.link != link || span.kind != CommKind::Training {
                     return;
                 }
-                let mut s = lock_sched(&sched);
+                let mut s = sched.locked();
                 let k = s.comms;
                 s.comms += 1;
                 if let Some(r) = s.releaser.as_mut() {
@@ -586,7 +587,7 @@ impl Engine {
             self.services.push(spawn("ckpt-timer".into(), move || {
                 while !stop.load(Ordering::SeqCst) {
                     {
-                        let mut s = lock_sched(&sched);
+                        let mut s = sched.locked();
                         let now = prof.now_ns();
                         if let (Some(start), Some(r)) = (s.iter_start_ns, s.releaser.as_mut()) {
                             let rel = r.tick(now.saturating_sub(start));
@@ -641,7 +642,7 @@ impl Engine {
         if let (0, Some(r)) = (k, self.cfg.link_bytes_per_s) {
             return r;
         }
-        let (b, s) = self.rate.lock().unwrap_or_else(|e| e.into_inner()).get(k).copied().unwrap_or((0.0, 0.0));
+        let (b, s) = self.rate.locked().get(k).copied().unwrap_or((0.0, 0.0));
         let declared = self.declared.get(k).copied().filter(|&d| d > 0.0);
         match (b > 0.0 && s > 0.0, declared) {
             // a send returns once the bytes are in the socket's buffer, so the measured rate
@@ -687,7 +688,7 @@ impl Engine {
         self.profiler.begin_iteration(iter);
         self.this_iter = Some((iter, profile));
         let now = self.now_ns();
-        let mut s = lock_sched(&self.sched);
+        let mut s = self.sched.locked();
         s.comms = 0;
         s.iter_start_ns = Some(now);
         if let Some(mut p) = self.pending.take() {
@@ -771,7 +772,7 @@ impl Engine {
     pub fn end_iteration(&mut self) -> IterationReport {
         // leftovers go now, marked as such: they count as outside every window
         let released = {
-            let mut s = lock_sched(&self.sched);
+            let mut s = self.sched.locked();
             s.flush();
             let n = s.released * s.txs.len();
             s.released = 0;
@@ -795,14 +796,14 @@ impl Engine {
             // this iteration's snapshot's transfers, by the iteration that released them;
             // older entries go (late ones of this snapshot are dropped at the next report)
             let spans: Vec<ChunkSpan> = {
-                let mut sh = lock(&self.shared);
+                let mut sh = self.shared.locked();
                 let v = sh.chunk_log.iter().filter(|c| Some(c.snapshot) == sending).copied().collect();
                 sh.chunk_log.retain(|c| sending.is_some_and(|i| c.snapshot > i));
                 v
             };
             rep.partition_accuracy = partition_accuracy(&training, &spans, released, p.end_ns);
             // what this rank received as a holder, judged on its own training traffic
-            let arrivals = std::mem::take(&mut lock(&self.shared).arrivals);
+            let arrivals = std::mem::take(&mut self.shared.locked().arrivals);
             let rate = |link: u32| self.link_ids.iter().position(|&l| l == link).map_or(0.0, |k| self.slot_rate(k));
             let (inside, n) = wire_accuracy(&training, &arrivals, rate, p.start_ns, p.end_ns);
             rep.wire_chunks = (inside, n);
@@ -908,7 +909,7 @@ impl Engine {
                                     self.cfg.persist_every
                                 );
                             }
-                            let mut sh = lock(&self.shared);
+                            let mut sh = self.shared.locked();
                             if sh.failures.len() < 64 {
                                 sh.failures.push(format!("persistent write of iteration {iter}: {e}"));
                             }
@@ -933,7 +934,7 @@ impl Engine {
     /// Release every chunk still held back: the rest of the plan in progress, then the parts
     /// of a snapshot not released yet.
     fn flush_pending(&mut self) {
-        lock_sched(&self.sched).flush();
+        self.sched.locked().flush();
         if let Some(prev) = self.pending.take() {
             self.release_rest(prev);
         }
@@ -941,7 +942,7 @@ impl Engine {
 
     /// Send what is left of a snapshot now, back to back.
     fn release_rest(&mut self, p: Pending) {
-        let mut s = lock_sched(&self.sched);
+        let mut s = self.sched.locked();
         if !p.begun {
             s.begin(&p.snap);
         }
@@ -963,14 +964,14 @@ impl Engine {
 
     /// Problems the background threads met (a holder that died, a corrupt transfer).
     pub fn failures(&self) -> Vec<String> {
-        lock(&self.shared).failures.clone()
+        self.shared.locked().failures.clone()
     }
 
     /// Forget every snapshot, replica and acknowledgement (collectively, on every rank): the
     /// job starts over from its initial state because nothing was ever committed.
     pub fn start_over(&mut self) {
         self.forget_memory_for_test();
-        lock_sched(&self.sched).releaser = None;
+        self.sched.locked().releaser = None;
         self.committed = None;
         self.durable = None;
         self.sending = None;
@@ -982,7 +983,7 @@ impl Engine {
         self.snaps.clear();
         self.pending = None;
         self.last_sent = None;
-        let mut sh = lock(&self.shared);
+        let mut sh = self.shared.locked();
         sh.store.clear();
         sh.acks.clear();
     }
@@ -996,7 +997,7 @@ impl Engine {
     /// Test hook: flip a byte of the replica of `src`'s iteration `iter` held here.
     #[doc(hidden)]
     pub fn corrupt_replica_for_test(&self, src: usize, iter: u64, offset: usize) -> bool {
-        let mut sh = lock(&self.shared);
+        let mut sh = self.shared.locked();
         if let Some(r) = sh.store.get_mut(&src).and_then(|v| v.iter_mut().find(|r| r.manifest.iter == iter)) {
             if let Some(b) = r.data.get_mut(offset) {
                 *b ^= 0x20;
@@ -1011,7 +1012,7 @@ impl Engine {
     pub fn shutdown(mut self) -> Result<()> {
         let _ = self.commit(true)?;
         {
-            let mut s = lock_sched(&self.sched);
+            let mut s = self.sched.locked();
             s.txs.clear();
         }
         for (_, t) in self.senders.drain(..) {
@@ -1027,7 +1028,7 @@ impl Drop for Engine {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         self.profiler.set_comm_hook(None);
-        lock_sched(&self.sched).txs.clear();
+        self.sched.locked().txs.clear();
     }
 }
 

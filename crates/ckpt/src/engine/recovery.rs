@@ -5,11 +5,12 @@
 //! replica (lowest holder first), then the persistent tier. Providers send the state to ranks
 //! that lack it; receivers verify it again.
 
+use ironweave_units::Locked;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::replicate::{lock, lock_sched, replica_limit};
+use super::replicate::replica_limit;
 use super::{Engine, Restored, Source};
 use crate::error::{CkptError, Result};
 use crate::persist;
@@ -110,7 +111,7 @@ impl Engine {
             }
         }
         {
-            let sh = lock(&self.shared);
+            let sh = self.shared.locked();
             for (&src, reps) in &sh.store {
                 for r in reps.iter().filter(|r| r.verified) {
                     if Snapshot::verify(&r.data, &r.manifest.sums, "replica").is_ok() {
@@ -194,7 +195,7 @@ impl Engine {
         for (o, p) in choice.providers.iter().enumerate() {
             if *p == Provider::Replica(me) {
                 let (man, data) = {
-                    let sh = lock(&self.shared);
+                    let sh = self.shared.locked();
                     let r = sh.store.get(&o).and_then(|v| v.iter().find(|r| r.verified && r.manifest.iter == iter)).ok_or_else(
                         || CkptError::Invalid(format!("replica of rank {o} iteration {iter} vanished while restoring")),
                     )?;
@@ -250,9 +251,9 @@ impl Engine {
         // Everything newer than the restored iteration is void; replication restarts from here.
         self.snaps.clear();
         self.pending = None;
-        lock_sched(&self.sched).releaser = None;
+        self.sched.locked().releaser = None;
         {
-            let mut sh = lock(&self.shared);
+            let mut sh = self.shared.locked();
             sh.acks.retain(|&i, _| i <= iter);
             for v in sh.store.values_mut() {
                 v.retain(|r| r.manifest.iter <= iter);

@@ -6,6 +6,7 @@
 //!
 //! The messages and their checks are in [`crate::wire`].
 
+use ironweave_units::Locked;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
@@ -59,10 +60,6 @@ pub(crate) struct Shared {
 /// At most this many arrivals wait for an iteration's report (a rank that stopped reporting
 /// must not grow the list without bound).
 pub(crate) const MAX_ARRIVALS: usize = 1 << 16;
-
-pub(crate) fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Bytes the engine moved, by where they went (read by reports and benchmarks).
 #[derive(Debug, Default)]
@@ -178,10 +175,6 @@ impl Sched {
     }
 }
 
-pub(crate) fn lock_sched(m: &Mutex<Sched>) -> std::sync::MutexGuard<'_, Sched> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 pub(crate) fn spawn<T: Send + 'static>(name: String, f: impl FnOnce() -> T + Send + 'static) -> Result<JoinHandle<T>> {
     std::thread::Builder::new().name(name).spawn(f).map_err(|e| CkptError::Invalid(format!("cannot start a thread: {e}")))
 }
@@ -241,7 +234,7 @@ pub(crate) fn send_loop(cx: SenderCtx, rx: Receiver<Job>) {
                         crate::fault::hit("replica", cx.rank as usize, snap.iter);
                     }
                     let end_ns = cx.prof.now_ns();
-                    lock(&cx.shared).chunk_log.push(ChunkSpan {
+                    cx.shared.locked().chunk_log.push(ChunkSpan {
                         snapshot: snap.iter,
                         leftover,
                         link: cx.link_id,
@@ -255,7 +248,7 @@ pub(crate) fn send_loop(cx: SenderCtx, rx: Receiver<Job>) {
                     if let Some(c) = cx.counters.replica_bytes_per_link.get(cx.slot) {
                         c.fetch_add(len, Ordering::Relaxed);
                     }
-                    let mut r = cx.rate.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut r = cx.rate.locked();
                     if let Some(x) = r.get_mut(cx.slot) {
                         x.0 += len as f64;
                         x.1 += end_ns.saturating_sub(start_ns) as f64 * 1e-9;
@@ -273,7 +266,7 @@ pub(crate) fn send_loop(cx: SenderCtx, rx: Receiver<Job>) {
         })();
         cx.counters.replica_send_cpu_ns.fetch_add(thread_cpu_ns().saturating_sub(cpu0), Ordering::Relaxed);
         if let Err(e) = r {
-            let mut sh = lock(&cx.shared);
+            let mut sh = cx.shared.locked();
             sh.failures.push(format!("replicating to rank {h}: {e}"));
             sh.lost_holders.insert(h);
             return;
@@ -305,7 +298,7 @@ fn poll_loop(
 /// in; `ack` is the first link's communicator.
 fn finish_if_complete(ack: &Communicator, src: usize, iter: u64, shared: &Mutex<Shared>) -> Result<()> {
     let ok = {
-        let mut sh = lock(shared);
+        let mut sh = shared.locked();
         let Some(r) = sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter)) else {
             return Ok(());
         };
@@ -362,7 +355,7 @@ pub(crate) fn receive_replicas(
         let r = receive_one(ack, src, limit, shared, &msg);
         if let (Some((_, link)), Some(end_ns), Ok(true)) = (arrived, in_ns, &r) {
             let a = Arrival { link, end_ns, len: msg.len().saturating_sub(CHUNK_HEADER) as u64 };
-            let mut sh = lock(shared);
+            let mut sh = shared.locked();
             if sh.arrivals.len() < MAX_ARRIVALS {
                 sh.arrivals.push(a);
             }
@@ -373,7 +366,7 @@ pub(crate) fn receive_replicas(
         r.map(|_| ())
     });
     if let Err(e) = r {
-        lock(shared).failures.push(format!("receiving replicas from rank {src}: {e}"));
+        shared.locked().failures.push(format!("receiving replicas from rank {src}: {e}"));
     }
 }
 
@@ -383,7 +376,7 @@ fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared
     match ReplicaMsg::decode(src, msg, limit)? {
         ReplicaMsg::Begin(man) => {
             let total = man.registry.total as usize;
-            let mut sh = lock(shared);
+            let mut sh = shared.locked();
             let reps = sh.store.entry(src).or_default();
             // the same Begin arrives once per link
             if reps.iter().any(|r| r.manifest.iter == man.iter) {
@@ -408,7 +401,7 @@ fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared
         }
         ReplicaMsg::Chunk { iter, offset: off, bytes } => {
             {
-                let mut sh = lock(shared);
+                let mut sh = shared.locked();
                 let r = sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter && !r.done));
                 let Some(r) = r else {
                     return Err(CkptError::Corrupt {
@@ -430,7 +423,7 @@ fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared
         }
         ReplicaMsg::End { iter } => {
             let known = {
-                let mut sh = lock(shared);
+                let mut sh = shared.locked();
                 match sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter)) {
                     Some(r) => {
                         r.ended = true;
@@ -456,7 +449,7 @@ pub(crate) fn receive_acks(comm: &Communicator, holder: usize, shared: &Mutex<Sh
     ironweave_transport::set_background_thread(true);
     let r = poll_loop(comm, holder, TAG_ACK, stop, |msg| {
         let a = Ack::decode(holder, &msg)?;
-        let mut sh = lock(shared);
+        let mut sh = shared.locked();
         sh.acks.entry(a.iter).or_default().insert(holder, a.verified);
         // keep the table small
         while sh.acks.len() > 64 {
@@ -466,7 +459,7 @@ pub(crate) fn receive_acks(comm: &Communicator, holder: usize, shared: &Mutex<Sh
         Ok(())
     });
     if let Err(e) = r {
-        let mut sh = lock(shared);
+        let mut sh = shared.locked();
         sh.failures.push(format!("acknowledgements from rank {holder}: {e}"));
         sh.lost_holders.insert(holder);
     }

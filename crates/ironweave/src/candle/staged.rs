@@ -1,6 +1,7 @@
 //! Models as chains of stages, the staged backward that lets gradients leave while earlier
 //! stages compute, and a seeded initialisation.
 
+use ironweave_units::Locked;
 use std::time::Instant;
 
 use candle_core::{DType, Module, Tensor, Var};
@@ -42,8 +43,7 @@ pub(super) fn to_host(t: &Tensor) -> Result<Vec<f32>> {
 /// initialisation, which cannot be seeded, so that two runs of a job start from the same
 /// state (and a recovered run can end bit-identical to an uninterrupted one).
 pub fn init_uniform(varmap: &VarMap, seed: u64) -> Result<()> {
-    let mut named: Vec<(String, Var)> =
-        varmap.data().lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let mut named: Vec<(String, Var)> = varmap.data().locked().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     let mut rng = ironweave_units::SplitMix64::new(seed);
     for (name, var) in named {

@@ -1,6 +1,7 @@
 //! The trainer: a candle model's parameters held replicated (bucketed averaging during the
 //! backward pass) or sharded, stepped with AdamW, and its state as checkpoint buffers.
 
+use ironweave_units::Locked;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -105,8 +106,7 @@ impl Trainer {
     }
 
     fn build(varmap: &VarMap, comm: &Arc<Communicator>, layout: Layout, cfg: TrainerConfig, sync: bool) -> Result<Trainer> {
-        let mut named: Vec<(String, Var)> =
-            varmap.data().lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut named: Vec<(String, Var)> = varmap.data().locked().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
         if named.is_empty() {
             return Err(Error::Invalid("the VarMap holds no variables: build the model from it first".into()));
