@@ -14,7 +14,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 use candle_nn::VarMap;
 use ironweave::candle::{Layout, Trainer, TrainerConfig};
-use ironweave::ckpt::{Dtype, Snapshot, TensorSpec};
+use ironweave::ckpt::{DType, Snapshot, TensorSpec};
 use ironweave::elastic::{BoxError, Generation, Iteration, Recovery, Step, StepContext, Worker};
 use ironweave::Communicator;
 use serde::Serialize;
@@ -622,7 +622,7 @@ impl Worker for ElasticRun {
     }
     fn state_specs(&self) -> Vec<TensorSpec> {
         let mut v = self.trainer.as_ref().map(Trainer::state_specs).unwrap_or_default();
-        v.push(TensorSpec::new(HISTORY, Dtype::F32, &[self.fit.iterations, 3]));
+        v.push(TensorSpec::new(HISTORY, DType::F32, &[self.fit.iterations, 3]));
         v
     }
     fn state(&self) -> Vec<&[u8]> {

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{CkptError, Result};
-use crate::registry::{Dtype, Registry};
+use crate::registry::{DType, Registry};
 
 /// The part of a global tensor one registered tensor holds: the local tensor's shape is the
 /// slice's extent in every dimension.
@@ -60,7 +60,7 @@ pub struct Source {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GlobalTensor {
     /// Element type.
-    pub dtype: Dtype,
+    pub dtype: DType,
     /// Shape.
     pub shape: Vec<u64>,
     /// Owner slices, in the order of their offsets.
@@ -220,7 +220,7 @@ pub fn plan(idx: &GlobalIndex, want: &Registry) -> Result<Vec<Fill>> {
                 ),
             ));
         }
-        let es = t.dtype.size();
+        let es = t.dtype.size() as u64;
         let mut from = Vec::new();
         for (si, s) in src.sources.iter().enumerate() {
             let runs = intersect(&g.offsets, &t.shape, &s.offsets, &s.extent, es);
@@ -329,7 +329,7 @@ mod tests {
         local[0] = to - from;
         let mut off = vec![0; shape.len()];
         off[0] = from;
-        TensorSpec::new(name, Dtype::F32, &local).with_global(GlobalSlice {
+        TensorSpec::new(name, DType::F32, &local).with_global(GlobalSlice {
             tensor: name.into(),
             shape: shape.to_vec(),
             offsets: off,
@@ -365,7 +365,7 @@ mod tests {
         let a = reg(vec![rows("w", &[4, 3], 0, 2, true)]);
         let b = reg(vec![rows("w", &[4, 3], 2, 4, true)]);
         let idx = index(&[(&a, None), (&b, None)]).unwrap();
-        let want = reg(vec![TensorSpec::new("w", Dtype::F32, &[2, 2]).with_global(GlobalSlice {
+        let want = reg(vec![TensorSpec::new("w", DType::F32, &[2, 2]).with_global(GlobalSlice {
             tensor: "w".into(),
             shape: vec![4, 3],
             offsets: vec![1, 1],
@@ -449,7 +449,7 @@ mod tests {
             let wparts: Vec<usize> = (0..dims).map(|_| 1 + rng.below(3) as usize).collect();
             let rparts: Vec<usize> = (0..dims).map(|_| 1 + rng.below(3) as usize).collect();
             let slice = |nm: &str, off: &[u64], ext: &[u64]| {
-                TensorSpec::new(nm, Dtype::F32, ext).with_global(GlobalSlice {
+                TensorSpec::new(nm, DType::F32, ext).with_global(GlobalSlice {
                     tensor: nm.to_string(),
                     shape: shape.clone(),
                     offsets: off.to_vec(),

@@ -15,9 +15,9 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use ironweave_ckpt::{Dtype, Registry, SnapshotBuffers, TensorSpec};
+//! use ironweave_ckpt::{DType, Registry, SnapshotBuffers, TensorSpec};
 //! // a rank's state as named buffers, copied into a checksummed host snapshot
-//! let reg = Arc::new(Registry::new(&[TensorSpec::new("w", Dtype::F32, &[4]), TensorSpec::new("step", Dtype::I64, &[])])?);
+//! let reg = Arc::new(Registry::new(&[TensorSpec::new("w", DType::F32, &[4]), TensorSpec::new("step", DType::I64, &[])])?);
 //! let w: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|x| x.to_le_bytes()).collect();
 //! let step = 7i64.to_le_bytes();
 //! let mut buffers = SnapshotBuffers::new(2, 4096);
@@ -40,5 +40,5 @@ pub mod wire;
 pub use engine::{placement, placement_on_hosts, CheckpointReport, Counters, Engine, EngineConfig, Restored, Source};
 pub use error::{CkptError, Result};
 pub use layout::GlobalSlice;
-pub use registry::{Dtype, Registry, TensorMeta, TensorSpec};
+pub use registry::{DType, Registry, TensorMeta, TensorSpec};
 pub use snapshot::{ChunkSum, Snapshot, SnapshotBuffers};

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{CkptError, Result};
-use crate::registry::{Dtype, Registry, TensorMeta};
+use crate::registry::{DType, Registry, TensorMeta};
 use crate::snapshot::{ChunkSum, Snapshot};
 
 /// Format tag of manifests.
@@ -185,7 +185,7 @@ fn header(reg: &Registry, meta: &BTreeMap<String, String>) -> Result<Vec<u8>> {
     for t in &reg.tensors {
         h.insert(
             t.name.clone(),
-            serde_json::json!({"dtype": t.dtype.name(), "shape": t.shape, "data_offsets": [t.offset, t.offset + t.len]}),
+            serde_json::json!({"dtype": t.dtype.safetensors_name(), "shape": t.shape, "data_offsets": [t.offset, t.offset + t.len]}),
         );
     }
     let mut bytes = serde_json::to_vec(&h).map_err(|e| CkptError::Invalid(e.to_string()))?;
@@ -279,7 +279,7 @@ pub fn parse_safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<(Registry, 
         let dtype = v
             .get("dtype")
             .and_then(|d| d.as_str())
-            .and_then(Dtype::parse)
+            .and_then(DType::parse_safetensors)
             .ok_or_else(|| bad(format!("tensor `{name}`: unknown or missing dtype")))?;
         let shape: Vec<u64> = v
             .get("shape")
@@ -294,7 +294,7 @@ pub fn parse_safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<(Registry, 
             .ok_or_else(|| bad(format!("tensor `{name}`: invalid data_offsets")))?;
         let want = shape
             .iter()
-            .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
+            .try_fold(dtype.size() as u64, |a, &d| a.checked_mul(d))
             .ok_or_else(|| bad(format!("tensor `{name}`: shape overflows")))?;
         if offs[1] - offs[0] != want {
             return Err(bad(format!("tensor `{name}`: {} bytes for shape {shape:?} of {}", offs[1] - offs[0], dtype.name())));

@@ -7,53 +7,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::{CkptError, Result};
 use crate::layout::GlobalSlice;
 
-/// Element type, named as safetensors names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "UPPERCASE")]
-pub enum Dtype {
-    /// f64
-    F64,
-    /// f32
-    F32,
-    /// f16
-    F16,
-    /// bf16
-    BF16,
-    /// i64
-    I64,
-    /// i32
-    I32,
-    /// u8
-    U8,
-}
-
-impl Dtype {
-    /// Bytes per element.
-    pub fn size(self) -> u64 {
-        match self {
-            Dtype::F64 | Dtype::I64 => 8,
-            Dtype::F32 | Dtype::I32 => 4,
-            Dtype::F16 | Dtype::BF16 => 2,
-            Dtype::U8 => 1,
-        }
-    }
-    /// The safetensors name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::F64 => "F64",
-            Dtype::F32 => "F32",
-            Dtype::F16 => "F16",
-            Dtype::BF16 => "BF16",
-            Dtype::I64 => "I64",
-            Dtype::I32 => "I32",
-            Dtype::U8 => "U8",
-        }
-    }
-    /// Parse a safetensors name.
-    pub fn parse(s: &str) -> Option<Self> {
-        [Dtype::F64, Dtype::F32, Dtype::F16, Dtype::BF16, Dtype::I64, Dtype::I32, Dtype::U8].into_iter().find(|d| d.name() == s)
-    }
-}
+/// Element type (the workspace's one dtype; manifests name it as safetensors does).
+pub use ironweave_units::DType;
 
 /// One registered buffer and where it sits in the snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,7 +16,7 @@ pub struct TensorMeta {
     /// Unique name (`layers.3.mlp.w1`, `adam.m.layers.3.mlp.w1`, `rng`, `data_position`).
     pub name: String,
     /// Element type.
-    pub dtype: Dtype,
+    pub dtype: DType,
     /// Shape.
     pub shape: Vec<u64>,
     /// Offset in the snapshot buffer.
@@ -89,7 +44,7 @@ pub struct TensorSpec {
     /// Name.
     pub name: String,
     /// Element type.
-    pub dtype: Dtype,
+    pub dtype: DType,
     /// Shape.
     pub shape: Vec<u64>,
     /// The slice of a global tensor it holds ([`crate::layout`]).
@@ -98,7 +53,7 @@ pub struct TensorSpec {
 
 impl TensorSpec {
     /// Convenience constructor.
-    pub fn new(name: impl Into<String>, dtype: Dtype, shape: &[u64]) -> Self {
+    pub fn new(name: impl Into<String>, dtype: DType, shape: &[u64]) -> Self {
         TensorSpec { name: name.into(), dtype, shape: shape.to_vec(), global: None }
     }
 
@@ -132,7 +87,7 @@ impl Registry {
                 return Err(CkptError::Invalid(format!("tensor `{}` registered twice", s.name)));
             }
             let elems = s.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-            let len = elems.and_then(|e| e.checked_mul(s.dtype.size()));
+            let len = elems.and_then(|e| e.checked_mul(s.dtype.size() as u64));
             let Some(len) = len else {
                 return Err(CkptError::Invalid(format!("tensor `{}`: shape {:?} overflows", s.name, s.shape)));
             };

@@ -162,10 +162,10 @@ pub fn decode_restore_manifest(provider: usize, owner: usize, iter: u64, msg: &[
 mod tests {
     use super::*;
     use crate::persist::FORMAT;
-    use crate::registry::{Dtype, Registry, TensorSpec};
+    use crate::registry::{DType, Registry, TensorSpec};
 
     fn manifest(rank: u32, iter: u64) -> Manifest {
-        let registry = Registry::new(&[TensorSpec::new("w", Dtype::F32, &[4])]).unwrap();
+        let registry = Registry::new(&[TensorSpec::new("w", DType::F32, &[4])]).unwrap();
         Manifest {
             format: FORMAT.into(),
             rank,

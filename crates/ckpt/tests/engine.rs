@@ -3,17 +3,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ironweave_ckpt::{placement, placement_on_hosts, CkptError, Dtype, Engine, EngineConfig, Registry, Source, TensorSpec};
+use ironweave_ckpt::{placement, placement_on_hosts, CkptError, DType, Engine, EngineConfig, Registry, Source, TensorSpec};
 
 mod common;
 use common::world;
 
 fn registry() -> Registry {
     Registry::new(&[
-        TensorSpec::new("w", Dtype::F32, &[300, 101]),
-        TensorSpec::new("adam.m", Dtype::F32, &[300, 101]),
-        TensorSpec::new("step", Dtype::I64, &[]),
-        TensorSpec::new("rng", Dtype::U8, &[32]),
+        TensorSpec::new("w", DType::F32, &[300, 101]),
+        TensorSpec::new("adam.m", DType::F32, &[300, 101]),
+        TensorSpec::new("step", DType::I64, &[]),
+        TensorSpec::new("rng", DType::U8, &[32]),
     ])
     .unwrap()
 }

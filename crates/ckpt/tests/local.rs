@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use ironweave_ckpt::partition::{leftover, partition, partition_fixed};
-use ironweave_ckpt::{persist, CkptError, Dtype, Registry, Snapshot, SnapshotBuffers, TensorSpec};
+use ironweave_ckpt::{persist, CkptError, DType, Registry, Snapshot, SnapshotBuffers, TensorSpec};
 
 /// The workspace's generator, so the instances are the same on every run.
 use ironweave_units::SplitMix64 as Rng;
@@ -11,13 +11,13 @@ use ironweave_units::SplitMix64 as Rng;
 fn state(seed: u64) -> (Arc<Registry>, Vec<Vec<u8>>) {
     let mut r = Rng(seed);
     let specs = vec![
-        TensorSpec::new("embed", Dtype::BF16, &[1000, 64]),
-        TensorSpec::new("layers.0.w", Dtype::F32, &[333, 17]),
-        TensorSpec::new("layers.0.b", Dtype::F32, &[17]),
-        TensorSpec::new("adam.m", Dtype::F32, &[40_000]),
-        TensorSpec::new("step", Dtype::I64, &[]),
-        TensorSpec::new("empty", Dtype::F16, &[0, 5]),
-        TensorSpec::new("rng", Dtype::U8, &[33]),
+        TensorSpec::new("embed", DType::BF16, &[1000, 64]),
+        TensorSpec::new("layers.0.w", DType::F32, &[333, 17]),
+        TensorSpec::new("layers.0.b", DType::F32, &[17]),
+        TensorSpec::new("adam.m", DType::F32, &[40_000]),
+        TensorSpec::new("step", DType::I64, &[]),
+        TensorSpec::new("empty", DType::F16, &[0, 5]),
+        TensorSpec::new("rng", DType::U8, &[33]),
     ];
     let reg = Arc::new(Registry::new(&specs).unwrap());
     let bufs = reg.tensors.iter().map(|t| (0..t.len).map(|_| r.next_u64() as u8).collect()).collect();
@@ -55,11 +55,11 @@ fn snapshots_copy_exactly_and_alternate_buffers() {
 #[test]
 fn bad_registrations_and_buffers_are_rejected() {
     assert!(matches!(
-        Registry::new(&[TensorSpec::new("a", Dtype::F32, &[1]), TensorSpec::new("a", Dtype::F32, &[1])]),
+        Registry::new(&[TensorSpec::new("a", DType::F32, &[1]), TensorSpec::new("a", DType::F32, &[1])]),
         Err(CkptError::Invalid(_))
     ));
-    assert!(matches!(Registry::new(&[TensorSpec::new("__metadata__", Dtype::F32, &[1])]), Err(CkptError::Invalid(_))));
-    assert!(Registry::new(&[TensorSpec::new("big", Dtype::F64, &[u64::MAX, 2])]).is_err());
+    assert!(matches!(Registry::new(&[TensorSpec::new("__metadata__", DType::F32, &[1])]), Err(CkptError::Invalid(_))));
+    assert!(Registry::new(&[TensorSpec::new("big", DType::F64, &[u64::MAX, 2])]).is_err());
     let (reg, mut bufs) = state(3);
     bufs[1].pop();
     let e = SnapshotBuffers::new(1, 4096).take(0, &reg, &refs(&bufs)).unwrap_err();

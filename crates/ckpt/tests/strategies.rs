@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ironweave_ckpt::engine::{IterationReport, Strategy};
-use ironweave_ckpt::{Dtype, Engine, EngineConfig, Registry, TensorSpec};
+use ironweave_ckpt::{DType, Engine, EngineConfig, Registry, TensorSpec};
 use ironweave_profile::{CommKind, ExpertLoad, Phase};
 use ironweave_transport::ReduceOp;
 
@@ -13,7 +13,7 @@ mod common;
 use common::world;
 
 fn registry() -> Registry {
-    Registry::new(&[TensorSpec::new("w", Dtype::F32, &[256, 1024]), TensorSpec::new("step", Dtype::I64, &[])]).unwrap()
+    Registry::new(&[TensorSpec::new("w", DType::F32, &[256, 1024]), TensorSpec::new("step", DType::I64, &[])]).unwrap()
 }
 
 fn load(iter: u64, shift_at: u64) -> ExpertLoad {

@@ -11,7 +11,7 @@
 //! ```
 use std::sync::Arc;
 
-use ironweave::ckpt::{engine::Strategy, CkptError, Dtype, Engine, EngineConfig, Registry, TensorSpec};
+use ironweave::ckpt::{engine::Strategy, CkptError, DType, Engine, EngineConfig, Registry, TensorSpec};
 use ironweave::ReduceOp;
 
 const N: usize = 4096;
@@ -21,7 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let iters: u64 = args.next().unwrap_or_else(|| "20".into()).parse()?;
     let dir = std::path::PathBuf::from(args.next().unwrap_or_else(|| "target/dp-example".into()));
-    let specs = [TensorSpec::new("w", Dtype::F32, &[N as u64]), TensorSpec::new("step", Dtype::I64, &[])];
+    let specs = [TensorSpec::new("w", DType::F32, &[N as u64]), TensorSpec::new("step", DType::I64, &[])];
     // a job started again continues the one before it from the directory: said explicitly,
     // since by default a job restores only files it wrote itself (the launcher's job id)
     let cfg = EngineConfig {

@@ -34,7 +34,7 @@
 //! rank, world and rendezvous come from [`JobEnv::from_env`].
 //!
 //! ```
-//! use ironweave::ckpt::{Dtype, EngineConfig, Snapshot, TensorSpec};
+//! use ironweave::ckpt::{DType, EngineConfig, Snapshot, TensorSpec};
 //! use ironweave::elastic::{BoxError, Config, Generation, Job, Step, StepContext, Worker};
 //!
 //! /// A model of one vector, trained data parallel.
@@ -43,7 +43,7 @@
 //! impl Worker for Fit {
 //!     type Output = f32;
 //!     fn state_specs(&self) -> Vec<TensorSpec> {
-//!         vec![TensorSpec::new("w", Dtype::F32, &[self.w.len() as u64]), TensorSpec::new("step", Dtype::I64, &[])]
+//!         vec![TensorSpec::new("w", DType::F32, &[self.w.len() as u64]), TensorSpec::new("step", DType::I64, &[])]
 //!     }
 //!     fn join(&mut self, _g: &Generation<'_>) -> Result<(), BoxError> {
 //!         Ok(()) // a model that keeps its communicator takes the new one here

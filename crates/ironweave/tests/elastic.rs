@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ironweave::ckpt::{Dtype, EngineConfig, GlobalSlice, Snapshot, TensorSpec};
+use ironweave::ckpt::{DType, EngineConfig, GlobalSlice, Snapshot, TensorSpec};
 use ironweave::elastic::{BoxError, Config, Error, Generation, Job, RestoreSource, Step, StepContext, Worker};
 use ironweave::{Backend, JobEnv, ReduceOp};
 use ironweave_testkit::tmpdir;
@@ -54,9 +54,9 @@ impl Worker for Fit {
     fn state_specs(&self) -> Vec<TensorSpec> {
         let own = self.rank == 0;
         vec![
-            TensorSpec::new("w", Dtype::F32, &[N as u64]).with_global(GlobalSlice::whole("w", &[N as u64], own)),
-            TensorSpec::new("m", Dtype::F32, &[N as u64]).with_global(GlobalSlice::whole("m", &[N as u64], own)),
-            TensorSpec::new("step", Dtype::I64, &[]).with_global(GlobalSlice::whole("step", &[], own)),
+            TensorSpec::new("w", DType::F32, &[N as u64]).with_global(GlobalSlice::whole("w", &[N as u64], own)),
+            TensorSpec::new("m", DType::F32, &[N as u64]).with_global(GlobalSlice::whole("m", &[N as u64], own)),
+            TensorSpec::new("step", DType::I64, &[]).with_global(GlobalSlice::whole("step", &[], own)),
         ]
     }
     fn state(&self) -> Vec<&[u8]> {

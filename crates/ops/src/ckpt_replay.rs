@@ -77,8 +77,8 @@ pub fn steps_from_trace(trace: &Value) -> Result<(Vec<TraceStep>, f64)> {
 /// Training-thread seconds of one snapshot of `bytes` (the engine's copy and checksums, all
 /// copy threads), best of three.
 fn snapshot_probe(bytes: u64) -> Result<f64> {
-    use ironweave_ckpt::{Dtype, Registry, SnapshotBuffers, TensorSpec};
-    let reg = std::sync::Arc::new(Registry::new(&[TensorSpec::new("state", Dtype::U8, &[bytes])])?);
+    use ironweave_ckpt::{DType, Registry, SnapshotBuffers, TensorSpec};
+    let reg = std::sync::Arc::new(Registry::new(&[TensorSpec::new("state", DType::U8, &[bytes])])?);
     let src = vec![7u8; bytes as usize];
     let mut snaps = SnapshotBuffers::new(0, 256 << 10);
     let mut best = f64::INFINITY;

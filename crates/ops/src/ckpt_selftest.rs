@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{bail, Context, Result};
-use ironweave_ckpt::{Dtype, Engine, EngineConfig, Registry, TensorSpec};
+use ironweave_ckpt::{DType, Engine, EngineConfig, Registry, TensorSpec};
 use ironweave_profile::CommKind;
 use ironweave_transport::rendezvous::JobEnv;
 use ironweave_transport::{CommOptions, ReduceOp};
@@ -29,9 +29,9 @@ fn env_num(k: &str, default: u64) -> Result<u64> {
 
 fn registry() -> Registry {
     Registry::new(&[
-        TensorSpec::new("params", Dtype::F32, &[128, 1024]),
-        TensorSpec::new("adam.m", Dtype::F32, &[128, 1024]),
-        TensorSpec::new("step", Dtype::I64, &[]),
+        TensorSpec::new("params", DType::F32, &[128, 1024]),
+        TensorSpec::new("adam.m", DType::F32, &[128, 1024]),
+        TensorSpec::new("step", DType::I64, &[]),
     ])
     .expect("static layout")
 }

@@ -114,7 +114,7 @@ pub fn inspect(dir: &Path, iter: Option<u64>) -> Result<Inspection> {
         incomplete,
         world: mans[0].world,
         layout: mans[0].layout.clone(),
-        global_bytes: idx.values().map(|t| t.shape.iter().product::<u64>() * t.dtype.size()).sum(),
+        global_bytes: idx.values().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum(),
         file_bytes,
         tensors,
         global_state_sha256: layout::hex(&layout::global_digest(&per_tensor)),

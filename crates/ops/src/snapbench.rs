@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::error::{Context, Result};
-use ironweave_ckpt::{persist, Dtype, Registry, SnapshotBuffers, TensorSpec};
+use ironweave_ckpt::{persist, DType, Registry, SnapshotBuffers, TensorSpec};
 use serde_json::json;
 
 use crate::progress::{Mode, Progress};
@@ -18,16 +18,16 @@ pub fn layout(total: u64) -> Vec<TensorSpec> {
     let mut v = Vec::new();
     let large = total * 6 / 10 / 8 / 4;
     for i in 0..8 {
-        v.push(TensorSpec::new(format!("large.{i}"), Dtype::F32, &[large]));
+        v.push(TensorSpec::new(format!("large.{i}"), DType::F32, &[large]));
     }
     let mid = (total * 3 / 10) / (256 << 10);
     for i in 0..mid {
-        v.push(TensorSpec::new(format!("mid.{i}"), Dtype::F32, &[(256 << 10) / 4]));
+        v.push(TensorSpec::new(format!("mid.{i}"), DType::F32, &[(256 << 10) / 4]));
     }
     let used = large * 4 * 8 + mid * (256 << 10);
     let small = total.saturating_sub(used) / 4096;
     for i in 0..small {
-        v.push(TensorSpec::new(format!("small.{i}"), Dtype::F32, &[1024]));
+        v.push(TensorSpec::new(format!("small.{i}"), DType::F32, &[1024]));
     }
     v
 }

@@ -208,27 +208,9 @@ impl ClusterDesc {
     }
 }
 
-/// Element type of parameters and activations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Dtype {
-    /// IEEE half.
-    Fp16,
-    /// bfloat16.
-    Bf16,
-    /// IEEE single.
-    Fp32,
-}
-
-impl Dtype {
-    /// Bytes per element.
-    pub fn bytes(self) -> f64 {
-        match self {
-            Dtype::Fp16 | Dtype::Bf16 => 2.0,
-            Dtype::Fp32 => 4.0,
-        }
-    }
-}
+/// Element type of parameters and activations (`dtype = "fp16" | "bf16" | "fp32"` in a
+/// model's TOML): the workspace's one dtype, a floating-point one.
+pub use ironweave_units::DType;
 
 /// Mixture-of-Experts feed-forward layers.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -284,7 +266,7 @@ pub struct ModelDesc {
     #[serde(default = "four")]
     pub ffn_mult: f64,
     /// Element type of weights and activations (optimizer state is fp32 master + Adam moments).
-    pub dtype: Dtype,
+    pub dtype: DType,
     /// Recompute activations in backward (store only each layer's input).
     #[serde(default = "yes")]
     pub activation_recompute: bool,
@@ -312,6 +294,12 @@ impl ModelDesc {
         }
         if self.global_batch == 0 || self.vocab == 0 || self.micro_batch == 0 {
             return Err(PlanError::invalid(what, "`global_batch`, `micro_batch` and `vocab` must be at least 1"));
+        }
+        if !self.dtype.is_float() {
+            return Err(PlanError::invalid(
+                what,
+                format!("`dtype` {} is not a type a model trains in: use \"fp16\", \"bf16\" or \"fp32\"", self.dtype),
+            ));
         }
         if self.hidden % self.heads != 0 {
             return Err(PlanError::invalid(what, format!("hidden {} is not a multiple of heads {}", self.hidden, self.heads)));
@@ -385,12 +373,12 @@ impl ModelDesc {
 
     /// Bytes of one layer's activations (input of a sub-layer) for `seqs` sequences.
     pub fn activation_bytes(&self, seqs: f64) -> f64 {
-        seqs * self.seq as f64 * self.hidden as f64 * self.dtype.bytes()
+        seqs * self.seq as f64 * self.hidden as f64 * self.dtype.size() as f64
     }
 }
 
 /// Bytes of training state per parameter under mixed precision Adam: weights and gradients in
 /// `dtype`, fp32 master weights and two fp32 moments.
-pub fn state_bytes_per_param(dtype: Dtype) -> f64 {
-    2.0 * dtype.bytes() + 12.0
+pub fn state_bytes_per_param(dtype: DType) -> f64 {
+    2.0 * dtype.size() as f64 + 12.0
 }

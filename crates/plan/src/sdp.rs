@@ -192,7 +192,7 @@ pub fn layers(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>) -> R
     let n = cluster.devices();
     let d = cluster.devices_per_node;
     let seqs = model.global_batch as f64 / n as f64;
-    let elem = model.dtype.bytes();
+    let elem = model.dtype.size() as f64;
     let state = state_bytes_per_param(model.dtype);
     let bf = 3.0 + if model.activation_recompute { 1.0 } else { 0.0 };
     let global = cm.global_group();
@@ -252,7 +252,7 @@ pub fn fixed_memory(model: &ModelDesc, cluster: &ClusterDesc, layers: &[SdpLayer
     };
     let logits = seqs * model.seq as f64 * model.vocab as f64 * 4.0;
     let biggest = layers.iter().map(|l| l.params).fold(0.0, f64::max);
-    acts + logits + 2.0 * biggest * model.dtype.bytes()
+    acts + logits + 2.0 * biggest * model.dtype.size() as f64
 }
 
 /// Fractions of the all-rank part per transformer layer, read from the JSON `ironweave plan sdp

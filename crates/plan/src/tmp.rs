@@ -258,7 +258,7 @@ pub fn build(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts:
     let state = state_bytes_per_param(model.dtype);
     let bf = 2.0 + if model.activation_recompute { 1.0 } else { 0.0 };
     let (s, h, a) = (model.seq as f64, model.hidden as f64, model.heads as f64);
-    let elem = model.dtype.bytes();
+    let elem = model.dtype.size() as f64;
     let subs: Vec<SubLayer> = sublayers
         .into_iter()
         .map(|(name, kind, params)| {

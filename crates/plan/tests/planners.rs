@@ -233,6 +233,15 @@ fn bad_descriptions_are_typed_errors() {
     assert!(e.to_string().contains("bogus"), "{e}");
     let e = ModelDesc::from_toml_str(&read("configs/models/gpt-7b.toml").replace("heads = 32", "heads = 30")).unwrap_err();
     assert!(matches!(e, PlanError::Invalid { .. }), "{e}");
+    // the one dtype of the workspace reads the model's names; a type no model trains in is refused
+    let m = ModelDesc::from_toml_str(&read("configs/models/gpt-30b.toml")).unwrap();
+    assert_eq!(m.dtype, ironweave_plan::DType::BF16);
+    let e =
+        ModelDesc::from_toml_str(&read("configs/models/gpt-7b.toml").replace("dtype = \"fp16\"", "dtype = \"i32\"")).unwrap_err();
+    assert!(matches!(e, PlanError::Invalid { .. }) && e.to_string().contains("fp16"), "{e}");
+    let e =
+        ModelDesc::from_toml_str(&read("configs/models/gpt-7b.toml").replace("dtype = \"fp16\"", "dtype = \"fp8\"")).unwrap_err();
+    assert!(e.to_string().contains("fp8"), "{e}");
     // 13 B with 40 heads cannot be split finely enough for 24 GB devices
     let m = ModelDesc::from_toml_str(&read("configs/models/gpt-13b.toml")).unwrap();
     let c = ClusterDesc::from_toml_str(&good).unwrap();

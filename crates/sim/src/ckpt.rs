@@ -164,7 +164,7 @@ fn costs(model: &ModelDesc, cluster: &ClusterDesc) -> Result<Costs> {
     let seqs = model.global_batch as f64 / n as f64;
 
     let tokens = seqs * model.seq as f64;
-    let elem = model.dtype.bytes();
+    let elem = model.dtype.size() as f64;
     // all-to-all within the EP group: the share that leaves the node crosses the NIC
     let m = ep.min(dpn);
     let a2a_bytes = tokens * moe.top_k as f64 * model.hidden as f64 * elem;

@@ -64,7 +64,7 @@ pub fn simulate(problem: &TmpProblem, model: &ModelDesc, cm: &CostModel<'_>, pic
     // sub-layer with a smaller tensor group has fewer sequences, so it handles
     // `group_batch / steps` of them per step.
     let steps = ch.iter().map(|c| (c.group_batch / c.micro).ceil() as usize).max().unwrap_or(1);
-    let elem = model.dtype.bytes();
+    let elem = model.dtype.size() as f64;
     let per_step = |c: &TmpChoice| c.group_batch / steps as f64;
     let mut all: Vec<OpId> = Vec::new();
     let mut prev_step_end = dag.mark("start", vec![]);

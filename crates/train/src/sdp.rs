@@ -320,13 +320,13 @@ impl SdpTrainer {
     /// layer's parameters in order, and their moments), padding left out, so a checkpoint of
     /// one sharding loads onto another (`ironweave_ckpt::layout`).
     pub fn state_specs(&self) -> Vec<ironweave_ckpt::TensorSpec> {
-        use ironweave_ckpt::{Dtype, GlobalSlice, TensorSpec};
+        use ironweave_ckpt::{DType, GlobalSlice, TensorSpec};
         let mut v: Vec<TensorSpec> = self
             .engine
             .checkpoint_tensors()
             .into_iter()
             .map(|t| {
-                TensorSpec::new(format!("shard.{}", t.name), Dtype::F32, &[t.values.len() as u64]).with_global(GlobalSlice {
+                TensorSpec::new(format!("shard.{}", t.name), DType::F32, &[t.values.len() as u64]).with_global(GlobalSlice {
                     tensor: t.global,
                     shape: vec![t.global_len as u64],
                     offsets: vec![t.offset as u64],
@@ -336,7 +336,7 @@ impl SdpTrainer {
             .collect();
         let rank0 = self.world.rank() == 0;
         for n in ["step", "seed"] {
-            v.push(TensorSpec::new(n, Dtype::I64, &[]).with_global(GlobalSlice::whole(n, &[], rank0)));
+            v.push(TensorSpec::new(n, DType::I64, &[]).with_global(GlobalSlice::whole(n, &[], rank0)));
         }
         v
     }

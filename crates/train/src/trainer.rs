@@ -280,9 +280,9 @@ impl Trainer {
 
 /// The checkpoint layout (with global slices) of `rank` holding `params` (name, shape).
 fn specs_of<'a>(params: impl Iterator<Item = (&'a str, &'a [usize])>, rank: usize) -> Vec<ironweave_ckpt::TensorSpec> {
-    use ironweave_ckpt::{Dtype, GlobalSlice, TensorSpec};
+    use ironweave_ckpt::{DType, GlobalSlice, TensorSpec};
     let whole = |name: String, shape: &[u64], owner: bool| {
-        TensorSpec::new(name.clone(), Dtype::F32, shape).with_global(GlobalSlice::whole(name, shape, owner))
+        TensorSpec::new(name.clone(), DType::F32, shape).with_global(GlobalSlice::whole(name, shape, owner))
     };
     let mut v = Vec::new();
     for (name, shape) in params {
@@ -293,7 +293,7 @@ fn specs_of<'a>(params: impl Iterator<Item = (&'a str, &'a [usize])>, rank: usiz
         v.push(whole(format!("adam.v.{name}"), &shape, owner));
     }
     for n in ["step", "seed"] {
-        v.push(TensorSpec::new(n, Dtype::I64, &[]).with_global(GlobalSlice::whole(n, &[], rank == 0)));
+        v.push(TensorSpec::new(n, DType::I64, &[]).with_global(GlobalSlice::whole(n, &[], rank == 0)));
     }
     v
 }

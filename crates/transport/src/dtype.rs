@@ -6,56 +6,8 @@
 
 use half::{bf16, f16};
 
-/// The element types collectives understand.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DType {
-    F32,
-    F64,
-    F16,
-    BF16,
-    I32,
-    I64,
-    U8,
-}
-
-impl DType {
-    /// Every dtype, for tests and benchmarks.
-    pub const ALL: [DType; 7] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8];
-
-    /// Size of one element in bytes.
-    pub const fn size(self) -> usize {
-        match self {
-            DType::F32 | DType::I32 => 4,
-            DType::F64 | DType::I64 => 8,
-            DType::F16 | DType::BF16 => 2,
-            DType::U8 => 1,
-        }
-    }
-
-    /// Lower-case name (`f32`, `bf16`, ...).
-    pub const fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::F64 => "f64",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-            DType::I32 => "i32",
-            DType::I64 => "i64",
-            DType::U8 => "u8",
-        }
-    }
-
-    /// Parses a name as printed by [`DType::name`].
-    pub fn parse(s: &str) -> Option<DType> {
-        DType::ALL.into_iter().find(|d| d.name() == s)
-    }
-}
-
-impl std::fmt::Display for DType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+/// The element types collectives understand: the workspace's one dtype.
+pub use ironweave_units::DType;
 
 /// Reduction operators of `all_reduce` and `reduce_scatter`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -153,6 +153,97 @@ mod tests {
     }
 }
 
+/// An element type: the workspace's one dtype — what collectives reduce, what a checkpoint's
+/// tensors hold (safetensors names), what a model description trains in (`fp16`, `bf16`,
+/// `fp32` in its TOML).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub enum DType {
+    /// IEEE double.
+    #[cfg_attr(feature = "serde", serde(rename = "F64", alias = "f64", alias = "fp64"))]
+    F64,
+    /// IEEE single.
+    #[cfg_attr(feature = "serde", serde(rename = "F32", alias = "f32", alias = "fp32"))]
+    F32,
+    /// IEEE half.
+    #[cfg_attr(feature = "serde", serde(rename = "F16", alias = "f16", alias = "fp16"))]
+    F16,
+    /// bfloat16.
+    #[cfg_attr(feature = "serde", serde(rename = "BF16", alias = "bf16"))]
+    BF16,
+    /// 64-bit signed integer.
+    #[cfg_attr(feature = "serde", serde(rename = "I64", alias = "i64"))]
+    I64,
+    /// 32-bit signed integer.
+    #[cfg_attr(feature = "serde", serde(rename = "I32", alias = "i32"))]
+    I32,
+    /// Byte.
+    #[cfg_attr(feature = "serde", serde(rename = "U8", alias = "u8"))]
+    U8,
+}
+
+impl DType {
+    /// Every dtype, for tests and benchmarks.
+    pub const ALL: [DType; 7] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8];
+
+    /// Size of one element in bytes.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::F64 | DType::I64 => 8,
+            DType::F16 | DType::BF16 => 2,
+            DType::U8 => 1,
+        }
+    }
+
+    /// Lower-case name (`f32`, `bf16`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::U8 => "u8",
+        }
+    }
+
+    /// The name safetensors files use (`F32`, `BF16`, ...).
+    pub const fn safetensors_name(self) -> &'static str {
+        match self {
+            DType::F32 => "F32",
+            DType::F64 => "F64",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::I32 => "I32",
+            DType::I64 => "I64",
+            DType::U8 => "U8",
+        }
+    }
+
+    /// Whether it is a floating-point type (what a model can train in).
+    pub const fn is_float(self) -> bool {
+        matches!(self, DType::F64 | DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// Parses a name as [`DType::name`] prints it.
+    pub fn parse(s: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.name() == s)
+    }
+
+    /// Parses a safetensors name ([`DType::safetensors_name`]).
+    pub fn parse_safetensors(s: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.safetensors_name() == s)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A mutex's guard whether or not a thread panicked while holding it: the workspace's one way
 /// to lock. A panic in a thread that held one of our locks has already failed the operation it
 /// was part of (its error reaches the caller by another path: a join, a closed channel, a lost

@@ -471,7 +471,7 @@ mod hostile_peers {
     //! naming the peer, and nothing is allocated for what it merely claims.
     use super::*;
     use crate::persist::FORMAT;
-    use crate::registry::{Dtype, Registry, TensorSpec};
+    use crate::registry::{DType, Registry, TensorSpec};
     use crate::snapshot::ChunkSum;
     use ironweave_transport::{inproc, CommOptions};
     use xxhash_rust::xxh3::xxh3_64;
@@ -484,7 +484,7 @@ mod hostile_peers {
     }
 
     fn manifest(rank: u32, bytes: u64, sums: Vec<ChunkSum>) -> Manifest {
-        let registry = Registry::new(&[TensorSpec::new("w", Dtype::U8, &[bytes])]).unwrap();
+        let registry = Registry::new(&[TensorSpec::new("w", DType::U8, &[bytes])]).unwrap();
         Manifest {
             format: FORMAT.into(),
             rank,

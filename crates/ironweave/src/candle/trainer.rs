@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
-use ironweave_ckpt::{Dtype, Snapshot, TensorSpec};
+use ironweave_ckpt::{Snapshot, TensorSpec};
 use ironweave_shard::ddp::{self, Bucket, GradSyncStats};
 use ironweave_shard::{adam_update, Groups, ShardEngine};
 use ironweave_transport::{Communicator, ReduceOp};
@@ -394,18 +394,18 @@ impl Trainer {
             Holder::Replicated { .. } => {
                 for p in &self.params {
                     let shape: Vec<u64> = p.shape.iter().map(|&d| d as u64).collect();
-                    v.push(TensorSpec::new(p.name.clone(), Dtype::F32, &shape));
-                    v.push(TensorSpec::new(format!("adam.m.{}", p.name), Dtype::F32, &shape));
-                    v.push(TensorSpec::new(format!("adam.v.{}", p.name), Dtype::F32, &shape));
+                    v.push(TensorSpec::new(p.name.clone(), ironweave_ckpt::DType::F32, &shape));
+                    v.push(TensorSpec::new(format!("adam.m.{}", p.name), ironweave_ckpt::DType::F32, &shape));
+                    v.push(TensorSpec::new(format!("adam.v.{}", p.name), ironweave_ckpt::DType::F32, &shape));
                 }
             }
             Holder::Sharded { engine, .. } => {
                 for (name, x) in engine.shard_tensors() {
-                    v.push(TensorSpec::new(format!("shard.{name}"), Dtype::F32, &[x.len() as u64]));
+                    v.push(TensorSpec::new(format!("shard.{name}"), ironweave_ckpt::DType::F32, &[x.len() as u64]));
                 }
             }
         }
-        v.push(TensorSpec::new("step", Dtype::I64, &[]));
+        v.push(TensorSpec::new("step", ironweave_ckpt::DType::I64, &[]));
         v
     }
 
