@@ -116,7 +116,7 @@ pub fn configs(data: &[u8]) {
             }
         }
         _ => {
-            if let Ok(t) = ironweave_tcp::topology::Topology::from_toml_str(text) {
+            if let Ok(t) = ironweave_ops::cluster::Topology::from_toml_str(text) {
                 for h in 0..t.hosts {
                     assert!(!t.tcp_links_env(h).is_empty());
                 }

@@ -23,6 +23,8 @@
 //! under `target/bench-venv`, made on first use: torch from PyPI is large), and writes the
 //! persistent tier beside a sequential write; `target/bench/snapshot.json` and a table.
 
+mod tidy;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -46,6 +48,9 @@ enum Cmd {
     /// Regenerate checked-in FFI bindings.
     #[command(subcommand)]
     Bindings(BindingsCmd),
+    /// The architecture invariants a reading of the source checks (module cycles, upward
+    /// imports, what the binary may do); the same checks run in `cargo test -p xtask`.
+    Tidy,
 }
 
 #[derive(Debug, Subcommand)]
@@ -108,6 +113,17 @@ enum BenchCmd {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
+        Cmd::Tidy => {
+            let problems = tidy::check(&root());
+            for p in &problems {
+                println!("{p}");
+            }
+            if !problems.is_empty() {
+                bail!("{} problems (docs/ARCHITECTURE.md, \"Architecture invariants\")", problems.len());
+            }
+            println!("tidy: no module cycle, no upward import, the binary parses and dispatches");
+            Ok(())
+        }
         Cmd::Bindings(BindingsCmd::Ucx) => {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             let out = root().join("backends/ucx-sys/src/bindings.rs");

@@ -32,7 +32,6 @@
 //! ```
 
 mod rx;
-pub mod topology;
 
 use ironweave_units::Locked;
 use std::io::Write;
@@ -212,18 +211,10 @@ pub fn parse_links(v: &str) -> Result<Vec<LinkSpec>> {
         .collect()
 }
 
-/// Parses a rate like `1gbit`, `300mbit`, `64kbit` or `2500bit` into bytes per second.
+/// Parses a rate like `1gbit`, `300mbit`, `64kbit` or `2500bit` into bytes per second
+/// ([`ironweave_units::parse_rate`], as a configuration error).
 pub fn parse_rate(s: &str) -> Result<u64> {
-    let t = s.trim().to_ascii_lowercase();
-    let (num, mul) = [("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)]
-        .iter()
-        .find_map(|(suf, m)| t.strip_suffix(suf).map(|n| (n.to_string(), *m)))
-        .ok_or_else(|| Error::Config(format!("rate {s:?}: expected a number with gbit, mbit, kbit or bit")))?;
-    let v: f64 = num.trim().parse().map_err(|_| Error::Config(format!("rate {s:?}: {num:?} is not a number")))?;
-    if !(v.is_finite() && v > 0.0) {
-        return Err(Error::Config(format!("rate {s:?} must be positive")));
-    }
-    Ok((v * mul / 8.0) as u64)
+    ironweave_units::parse_rate(s).map_err(|e| Error::Config(e.to_string()))
 }
 
 /// Joins the job described by the environment and returns the world communicator over TCP.
@@ -247,11 +238,13 @@ pub fn connect(env: &JobEnv, cfg: &TcpConfig, opts: CommOptions) -> Result<Commu
     let mut rv = Rendezvous::connect(env, cfg.timeout)?;
     let links = connect_links(env, &mut rv, cfg)?;
     let health = ironweave_transport::shm::mailbox_health(links[0].shared.mailbox.clone());
-    if let Some(g) = ironweave_transport::shm::join_job(env, &mut rv, &cfg.shm, health)? {
-        let _ = links[0].shm.set(g);
+    // the link keeps the group to abort it with its own failure; the communicator runs on it
+    let intra = ironweave_transport::shm::join_job(env, &mut rv, &cfg.shm, health)?.map(Arc::new);
+    if let Some(g) = &intra {
+        let _ = links[0].shm.set(g.clone());
     }
     rv.close()?;
-    Communicator::new(links.into_iter().map(|l| l as Arc<dyn Link>).collect(), opts)
+    Ok(Communicator::new(links.into_iter().map(|l| l as Arc<dyn Link>).collect(), opts)?.with_intra_host(intra))
 }
 
 fn route_to(master: SocketAddr) -> IpAddr {
@@ -467,7 +460,7 @@ struct Shared {
 pub struct TcpLink {
     shared: Arc<Shared>,
     /// The intra-host path over this link's world, when the job is on one host.
-    shm: std::sync::OnceLock<ShmGroup>,
+    shm: std::sync::OnceLock<Arc<ShmGroup>>,
     readers: Mutex<Vec<JoinHandle<()>>>,
     senders: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -769,9 +762,6 @@ impl Link for TcpLink {
         // SAFETY: forwarded contract: the caller keeps `dst..dst+len` valid and private until
         // the handle is waited on or dropped, and does not leak the handle.
         Ok(unsafe { self.shared.mailbox.post_into(p, tag, dst, len) })
-    }
-    fn intra_host(&self) -> Option<&ShmGroup> {
-        self.shm.get()
     }
     fn unacked_bytes(&self, p: usize) -> Option<usize> {
         let peer = self.shared.peers.get(p)?.as_ref()?;

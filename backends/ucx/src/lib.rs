@@ -159,7 +159,10 @@ pub fn init_from_env() -> Result<Communicator> {
 
 /// Joins the job: rendezvous, one UCX link per spec, the world communicator.
 pub fn connect(env: &JobEnv, cfg: &UcxConfig, opts: CommOptions) -> Result<Communicator> {
-    Communicator::new(join(env, cfg)?.into_iter().map(|l| l as Arc<dyn Link>).collect(), with_ucx_segments(opts))
+    let links = join(env, cfg)?;
+    let intra = links.first().and_then(|l| l.intra_host());
+    Ok(Communicator::new(links.into_iter().map(|l| l as Arc<dyn Link>).collect(), with_ucx_segments(opts))?
+        .with_intra_host(intra))
 }
 
 /// Segment size of collectives over UCX unless the caller chose one (`IRONWEAVE_SEGMENT_BYTES`
@@ -182,7 +185,7 @@ pub fn join(env: &JobEnv, cfg: &UcxConfig) -> Result<Vec<Arc<UcxLink>>> {
     let links = connect_links(env, &mut rv, cfg)?;
     if let Some(first) = links.first() {
         if let Some(g) = ironweave_transport::shm::join_job(env, &mut rv, &cfg.shm, first.health())? {
-            first.set_intra_host(g);
+            first.set_intra_host(Arc::new(g));
         }
     }
     rv.close()?;
@@ -227,7 +230,10 @@ pub fn connect_links(env: &JobEnv, rv: &mut Rendezvous, cfg: &UcxConfig) -> Resu
 pub fn local_world(n: usize, cfg: &UcxConfig, opts: CommOptions) -> Result<Vec<Communicator>> {
     local_links(n, cfg)?
         .into_iter()
-        .map(|links| Communicator::new(links.into_iter().map(|l| l as Arc<dyn Link>).collect(), opts.clone()))
+        .map(|links| {
+            let intra = links.first().and_then(|l| l.intra_host());
+            Ok(Communicator::new(links.into_iter().map(|l| l as Arc<dyn Link>).collect(), opts.clone())?.with_intra_host(intra))
+        })
         .collect()
 }
 

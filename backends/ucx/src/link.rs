@@ -169,7 +169,7 @@ pub struct UcxLink {
     thread: Mutex<Option<JoinHandle<()>>>,
     linger: Duration,
     /// The intra-host shared-memory path over this link's world, when the job is on one host.
-    shm: std::sync::OnceLock<ironweave_transport::shm::ShmGroup>,
+    shm: std::sync::OnceLock<Arc<ironweave_transport::shm::ShmGroup>>,
 }
 
 fn header(src: usize, tag: Tag, seq: u64) -> [u8; HDR] {
@@ -343,10 +343,6 @@ impl Link for UcxLink {
         Ok(unsafe { self.shared.mailbox.post_into(peer, tag, dst, len) })
     }
 
-    fn intra_host(&self) -> Option<&ironweave_transport::shm::ShmGroup> {
-        self.shm.get()
-    }
-
     fn abort(&self, reason: &str) {
         if let Some(g) = self.shm.get() {
             g.abort(reason);
@@ -362,9 +358,14 @@ impl UcxLink {
         ironweave_transport::shm::mailbox_health(self.shared.mailbox.clone())
     }
 
-    /// Attaches the intra-host path (once).
-    pub(crate) fn set_intra_host(&self, g: ironweave_transport::shm::ShmGroup) {
+    /// Attaches the intra-host path (once): the link aborts it with its own failure.
+    pub(crate) fn set_intra_host(&self, g: Arc<ironweave_transport::shm::ShmGroup>) {
         let _ = self.shm.set(g);
+    }
+
+    /// The intra-host path attached to this link, for the communicator built over it.
+    pub fn intra_host(&self) -> Option<Arc<ironweave_transport::shm::ShmGroup>> {
+        self.shm.get().cloned()
     }
 
     /// A peer that aborts on purpose sends the cause first, but our send to it can fail before

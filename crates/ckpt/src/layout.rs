@@ -1,7 +1,8 @@
 //! The global layout of a checkpoint: where each rank's tensors sit in the model all ranks
 //! train together, so a checkpoint written by one parallel layout loads onto another (N ranks
 //! onto M, another expert placement). Each registered tensor may name the slice of a global
-//! tensor it holds ([`GlobalSlice`]); the persistent tier writes it into every rank's manifest
+//! tensor it holds ([`GlobalSlice`](crate::GlobalSlice), defined beside the registry it is
+//! part of); the persistent tier writes it into every rank's manifest
 //! beside a checksum per tensor. Pure: the checks that refuse a set of manifests ([`index`]),
 //! the plan of which byte ranges of which files a rank reads ([`plan`]) and the layout-free
 //! digest ([`global_digest`]). Reading the planned ranges is [`crate::persist::load_global`].
@@ -12,32 +13,8 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
-
 use crate::error::{CkptError, Result};
 use crate::registry::{DType, Registry};
-
-/// The part of a global tensor one registered tensor holds: the local tensor's shape is the
-/// slice's extent in every dimension.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GlobalSlice {
-    /// Name of the global tensor (`l1.e5.w1`, `adam.m.l1.e5.w1`, `step`).
-    pub tensor: String,
-    /// Its shape.
-    pub shape: Vec<u64>,
-    /// Where the slice starts in each dimension.
-    pub offsets: Vec<u64>,
-    /// This copy is the one a loader reads (a replicated tensor has one owner; the other
-    /// ranks' copies are equal and not read).
-    pub owner: bool,
-}
-
-impl GlobalSlice {
-    /// The whole of global tensor `tensor` of `shape`.
-    pub fn whole(tensor: impl Into<String>, shape: &[u64], owner: bool) -> Self {
-        GlobalSlice { tensor: tensor.into(), shape: shape.to_vec(), offsets: vec![0; shape.len()], owner }
-    }
-}
 
 /// One owner slice as the loader sees it: which file, where in it, what part of the tensor.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -318,6 +295,7 @@ pub fn hex(d: &[u8; 32]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::registry::GlobalSlice;
     use crate::registry::TensorSpec;
 
     fn reg(specs: Vec<TensorSpec>) -> Registry {

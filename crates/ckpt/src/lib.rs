@@ -39,6 +39,5 @@ pub mod wire;
 
 pub use engine::{placement, placement_on_hosts, CheckpointReport, Counters, Engine, EngineConfig, Restored, Source};
 pub use error::{CkptError, Result};
-pub use layout::GlobalSlice;
-pub use registry::{DType, Registry, TensorMeta, TensorSpec};
+pub use registry::{DType, GlobalSlice, Registry, TensorMeta, TensorSpec};
 pub use snapshot::{ChunkSum, Snapshot, SnapshotBuffers};

@@ -5,10 +5,31 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{CkptError, Result};
-use crate::layout::GlobalSlice;
 
 /// Element type (the workspace's one dtype; manifests name it as safetensors does).
 pub use ironweave_units::DType;
+
+/// The part of a global tensor one registered tensor holds: the local tensor's shape is the
+/// slice's extent in every dimension.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GlobalSlice {
+    /// Name of the global tensor (`l1.e5.w1`, `adam.m.l1.e5.w1`, `step`).
+    pub tensor: String,
+    /// Its shape.
+    pub shape: Vec<u64>,
+    /// Where the slice starts in each dimension.
+    pub offsets: Vec<u64>,
+    /// This copy is the one a loader reads (a replicated tensor has one owner; the other
+    /// ranks' copies are equal and not read).
+    pub owner: bool,
+}
+
+impl GlobalSlice {
+    /// The whole of global tensor `tensor` of `shape`.
+    pub fn whole(tensor: impl Into<String>, shape: &[u64], owner: bool) -> Self {
+        GlobalSlice { tensor: tensor.into(), shape: shape.to_vec(), offsets: vec![0; shape.len()], owner }
+    }
+}
 
 /// One registered buffer and where it sits in the snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

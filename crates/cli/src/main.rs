@@ -10,9 +10,7 @@ use ironweave_ops::{
     scaling, sdp, sdp_bench, selftest, simulate, snapbench, train,
 };
 
-use std::time::Duration;
-
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
@@ -29,37 +27,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Start N local ranks of PROGRAM with the job in their environment.
-    Launch {
-        /// Number of ranks (default with --topology: hosts x --ranks-per-host).
-        #[arg(short = 'n', long = "ranks")]
-        ranks: Option<usize>,
-        /// Run on the emulated cluster of this topology file (see `ironweave cluster up`).
-        #[arg(long)]
-        topology: Option<std::path::PathBuf>,
-        /// Ranks per emulated host.
-        #[arg(long, default_value_t = 1)]
-        ranks_per_host: usize,
-        /// Backend the ranks should use (exported as IRONWEAVE_BACKEND).
-        #[arg(long, default_value = "tcp")]
-        backend: String,
-        /// Stop the job after this many seconds.
-        #[arg(long)]
-        timeout: Option<f64>,
-        /// Do not prefix output lines with the rank.
-        #[arg(long)]
-        no_prefix: bool,
-        /// Restart ranks that fail, up to this many times in all; a restarted rank runs with
-        /// IRONWEAVE_GENERATION set to the job's next generation (see docs/ARCHITECTURE.md).
-        #[arg(long, default_value_t = 0)]
-        max_restarts: usize,
-        /// Compute threads per rank (RAYON_NUM_THREADS and OMP_NUM_THREADS of every rank).
-        /// Default: the user's RAYON_NUM_THREADS / OMP_NUM_THREADS, else cores / ranks per host.
-        #[arg(long)]
-        threads_per_rank: Option<usize>,
-        /// The program and its arguments.
-        #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
-        command: Vec<String>,
-    },
+    Launch(launch::LaunchArgs),
     /// One self-contained HTML page (charts, timeline) from a train or bench run directory.
     Report {
         /// The run directory (target/train-report, target/bench/ckpt, target/bench/scaling, ...).
@@ -116,36 +84,14 @@ enum Cmd {
     /// An emulated cluster: hosts in network namespaces joined by rate-limited links.
     Cluster {
         #[command(subcommand)]
-        what: ClusterCmd,
+        what: cluster::ClusterCmd,
     },
     /// Per-rank body of `bench collectives` (started by it).
     #[command(hide = true)]
-    BenchWorker {
-        #[arg(long)]
-        backend: String,
-        #[arg(long, default_value = "")]
-        link: String,
-        #[arg(long, value_delimiter = ',')]
-        ops: Vec<String>,
-        #[arg(long, value_delimiter = ',')]
-        sizes: Vec<String>,
-        #[arg(long)]
-        dtype: String,
-        #[arg(long)]
-        min_time: f64,
-        #[arg(long)]
-        out: Option<String>,
-    },
+    BenchWorker(bench::BenchWorkerArgs),
     /// Per-rank body of `cluster probe` (started by it).
     #[command(hide = true)]
-    ProbeWorker {
-        #[arg(long)]
-        seconds: f64,
-        #[arg(long)]
-        out: String,
-        #[arg(long, default_value_t = 1)]
-        ranks_per_host: usize,
-    },
+    ProbeWorker(cluster::ProbeWorkerArgs),
     /// Which backends this build has, which work on this machine (and why not), and the
     /// links each one finds.
     #[command(alias = "info")]
@@ -231,40 +177,6 @@ enum CkptCmd {
 }
 
 #[derive(Debug, Subcommand)]
-enum ClusterCmd {
-    /// Create the hosts and links (needs root).
-    Up {
-        #[arg(long)]
-        topology: std::path::PathBuf,
-    },
-    /// Remove what `up` created; succeeds when nothing is there.
-    Down {
-        #[arg(long)]
-        topology: std::path::PathBuf,
-    },
-    /// Show the hosts and links.
-    Status {
-        #[arg(long)]
-        topology: std::path::PathBuf,
-    },
-    /// Measure every link's latency and bandwidth between hosts 0 and 1.
-    Probe {
-        #[arg(long)]
-        topology: std::path::PathBuf,
-        /// Seconds of streaming per link.
-        #[arg(long, default_value_t = 2.0)]
-        seconds: f64,
-        /// Write the measurements as JSON here.
-        #[arg(long)]
-        json: Option<String>,
-        /// Ranks per host: with 2 or more, the path between two ranks of host 0 is measured
-        /// too (reported as link `host`, the intra-node link of a planner's cluster).
-        #[arg(long, default_value_t = 1)]
-        ranks_per_host: usize,
-    },
-}
-
-#[derive(Debug, Subcommand)]
 enum BenchCmd {
     /// Tokens/s of the same training at 1, 2, 4 ranks (threads chosen per rank), efficiency
     /// against one single-threaded rank, share of gradient communication hidden behind
@@ -282,98 +194,13 @@ enum BenchCmd {
     /// beside `cat` of its files; the page cache dropped before each timing (root).
     Reshard(ckpt_tool::ReshardBenchArgs),
     /// Collectives over local processes, nccl-tests style, each row verified.
-    Collectives {
-        /// Number of ranks (processes).
-        #[arg(long, default_value_t = 2)]
-        ranks: usize,
-        /// Backend: tcp (default), ucx, verbs, nccl.
-        #[arg(long, default_value = "tcp")]
-        backend: String,
-        /// Comma-separated: allreduce, allgather, reducescatter, alltoall, broadcast.
-        #[arg(long, value_delimiter = ',', default_value = "allreduce,allgather,reducescatter,alltoall")]
-        ops: Vec<String>,
-        /// Comma-separated sizes in bytes with K/M/G suffixes (total buffer, as nccl-tests).
-        #[arg(long, value_delimiter = ',', default_value = "4K,1M,16M")]
-        sizes: Vec<String>,
-        /// Element type.
-        #[arg(long, default_value = "f32")]
-        dtype: String,
-        /// Seconds each timed loop should last (at least 3 iterations).
-        #[arg(long, default_value_t = 0.3)]
-        min_time: f64,
-        /// Write the rows as JSON here.
-        #[arg(long)]
-        json: Option<String>,
-        /// Run on the emulated cluster of this topology file.
-        #[arg(long)]
-        topology: Option<std::path::PathBuf>,
-        /// Ranks per emulated host (with --topology).
-        #[arg(long, default_value_t = 1)]
-        ranks_per_host: usize,
-        /// Which link: a link name; `all` (striped over every link: all-gather and
-        /// reduce-scatter balance dynamically over two links, the rest splits by rate);
-        /// `all-static` (every collective split by rate); `all:F1,F2` (split by these
-        /// fractions); or the default link.
-        #[arg(long, default_value = "")]
-        link: String,
-    },
+    Collectives(bench::CollectivesArgs),
     /// The same training under each checkpoint strategy, one after the other (same seed and
     /// data): iteration time, overhead vs `none`, Capricorn's speedup over each.
-    Ckpt {
-        /// Training configuration.
-        #[arg(long, default_value = "configs/moe-wide.toml")]
-        config: std::path::PathBuf,
-        /// Strategies to compare (`all`: none, blocking, async, gemini, capricorn,
-        /// capricorn-always, capricorn-sparse, and capricorn-multilink when the topology has
-        /// several links; `gemini-sweep`: Gemini's
-        /// span fill 0.7-1.0 and chunk sizes, `gemini-fill0.8-chunk1M` one of them).
-        #[arg(long, value_delimiter = ',', default_value = "all")]
-        strategies: Vec<String>,
-        /// Ranks.
-        #[arg(long, default_value_t = 4)]
-        ranks: usize,
-        /// Iterations per strategy (the first two are warm-up and not counted).
-        #[arg(long, default_value_t = 8)]
-        iters: u64,
-        /// Run on the emulated cluster of this topology file (brought up if it is not).
-        #[arg(long)]
-        topology: Option<std::path::PathBuf>,
-        /// Ranks per emulated host (with --topology).
-        #[arg(long, default_value_t = 2)]
-        ranks_per_host: usize,
-        /// Where the per-strategy reports, ckpt.json and ckpt.md go.
-        #[arg(long, default_value = "target/bench/ckpt")]
-        out: std::path::PathBuf,
-        /// Also write the rows here (JSON).
-        #[arg(long)]
-        json: Option<std::path::PathBuf>,
-        /// Bandwidth of the emulated remote storage per host (`200mbit`, `1gbit`), or `auto`:
-        /// the paper-scale ratio of one checkpoint's write time to one iteration (simulated
-        /// on configs/clusters/4x8-a100.toml) applied to the measured `none` iteration, or
-        /// `unlimited` (the local disk).
-        #[arg(long, default_value = "auto")]
-        storage_rate: String,
-        /// Run every strategy this many times, interleaved (none, blocking, ..., none,
-        /// blocking, ...); rows pool the rounds' steady iterations.
-        #[arg(long, default_value_t = 1)]
-        rounds: usize,
-    },
+    Ckpt(ckpt_bench::CkptBenchArgs),
     /// Snapshot a state to host memory (ironweave-ckpt vs memcpy) and to the persistent tier
     /// (vs a sequential write); `cargo xtask bench snapshot` adds torch.save and torchsnapshot.
-    Snapshot {
-        /// State size (K/M/G suffixes).
-        #[arg(long, default_value = "1G")]
-        bytes: String,
-        /// Timed repetitions (best is reported).
-        #[arg(long, default_value_t = 3)]
-        repeat: usize,
-        /// Directory for the persistent writes.
-        #[arg(long, default_value = "target/bench/snapshot")]
-        dir: std::path::PathBuf,
-        /// Write the results as JSON here.
-        #[arg(long)]
-        json: Option<std::path::PathBuf>,
-    },
+    Snapshot(snapbench::SnapshotArgs),
 }
 
 /// Keeps freed blocks in the process: training allocates and frees the same few-MB tensors
@@ -408,128 +235,11 @@ fn main() {
     std::process::exit(code);
 }
 
-fn cluster_cmd(what: ClusterCmd) -> Result<i32> {
-    match what {
-        ClusterCmd::Up { topology } => {
-            let t = cluster::Topology::load(&topology)?;
-            cluster::up(&t)?;
-            cluster::status(&t)?;
-            Ok(0)
-        }
-        ClusterCmd::Down { topology } => {
-            let t = cluster::Topology::load(&topology)?;
-            cluster::down(&t)?;
-            println!("cluster {:?}: down", t.name);
-            Ok(0)
-        }
-        ClusterCmd::Status { topology } => {
-            let t = cluster::Topology::load(&topology)?;
-            Ok(if cluster::status(&t)? { 0 } else { 3 })
-        }
-        ClusterCmd::Probe { topology, seconds, json, ranks_per_host } => {
-            let rph = ranks_per_host.max(1);
-            let t = cluster::Topology::load(&topology)?;
-            if t.hosts < 2 {
-                bail!("probing needs at least two hosts");
-            }
-            if !cluster::status(&t)? {
-                bail!("cluster {:?} is not up: run `ironweave cluster up --topology {}`", t.name, topology.display());
-            }
-            let exe = std::env::current_exe().context("locating the ironweave binary")?;
-            let out = std::env::temp_dir().join(format!("ironweave-probe-{}.json", std::process::id()));
-            eprintln!(
-                "probing {} links between host 0 and host 1{}, {seconds} s of streaming each",
-                t.links.len(),
-                if rph > 1 { " and the path between two ranks of host 0" } else { "" }
-            );
-            let spec = launch::LaunchSpec {
-                ranks: t.hosts * rph,
-                program: exe.to_string_lossy().into_owned(),
-                args: vec![
-                    "probe-worker".into(),
-                    "--seconds".into(),
-                    seconds.to_string(),
-                    "--out".into(),
-                    out.to_string_lossy().into_owned(),
-                    "--ranks-per-host".into(),
-                    rph.to_string(),
-                ],
-                prefix: true,
-                env: vec![],
-                timeout: None,
-                topology: Some((t.clone(), rph)),
-                max_restarts: 0,
-                threads_per_rank: None,
-            };
-            launch::install_signal_handlers();
-            match launch::run(&spec)? {
-                launch::Outcome::Success => {}
-                other => bail!("the probe ranks did not finish: {other:?}"),
-            }
-            let text = std::fs::read(&out).with_context(|| format!("reading {}", out.display()))?;
-            let _ = std::fs::remove_file(&out);
-            let probes: Vec<ironweave_transport::probe::LinkProbe> = serde_json::from_slice(&text)?;
-            println!("| link | declared (Mbit/s) | measured (Mbit/s) | measured / declared | latency (us) |\n|---|---:|---:|---:|---:|");
-            for p in &probes {
-                let m = p.bandwidth_bytes_per_s * 8.0 / 1e6;
-                let (d, ratio) = match p.declared_bytes_per_s {
-                    Some(d) => (format!("{:.0}", d * 8.0 / 1e6), format!("{:.3}", m / (d * 8.0 / 1e6))),
-                    None => ("-".into(), "-".into()),
-                };
-                println!("| {} | {d} | {m:.0} | {ratio} | {:.1} |", p.name, p.latency_s * 1e6);
-            }
-            if let Some(path) = json {
-                std::fs::write(&path, serde_json::to_vec_pretty(&probes)?).with_context(|| format!("writing {path}"))?;
-            }
-            Ok(0)
-        }
-    }
-}
-
 fn run(cli: Cli) -> Result<i32> {
     match cli.cmd {
-        Cmd::Launch { ranks, topology, ranks_per_host, backend, timeout, no_prefix, max_restarts, threads_per_rank, command } => {
-            backend::check(&backend)?;
-            let topology = match topology {
-                Some(p) => Some((cluster::Topology::load(&p)?, ranks_per_host.max(1))),
-                None => None,
-            };
-            let ranks = match (ranks, &topology) {
-                (Some(n), _) => n,
-                (None, Some((t, k))) => t.hosts * k,
-                (None, None) => bail!("give the number of ranks with -n (or a --topology)"),
-            };
+        Cmd::Launch(a) => Ok(launch::command(&a)?),
+        Cmd::Bench { what: BenchCmd::Ckpt(a), .. } => {
             launch::install_signal_handlers();
-            let spec = launch::LaunchSpec {
-                topology,
-                ranks,
-                program: command[0].clone(),
-                args: command[1..].to_vec(),
-                prefix: !no_prefix,
-                env: vec![("IRONWEAVE_BACKEND".into(), backend)],
-                timeout: timeout.map(Duration::from_secs_f64),
-                max_restarts,
-                threads_per_rank,
-            };
-            Ok(launch::run(&spec)?.exit_code())
-        }
-        Cmd::Bench {
-            what: BenchCmd::Ckpt { config, strategies, ranks, iters, topology, ranks_per_host, out, json, storage_rate, rounds },
-            ..
-        } => {
-            launch::install_signal_handlers();
-            let a = ckpt_bench::CkptBenchArgs {
-                config,
-                strategies,
-                ranks,
-                iters,
-                topology,
-                ranks_per_host,
-                out,
-                json,
-                storage_rate,
-                rounds,
-            };
             ckpt_bench::bench(&a)?;
             Ok(0)
         }
@@ -571,109 +281,25 @@ fn run(cli: Cli) -> Result<i32> {
             scaling::bench(&a)?;
             Ok(0)
         }
-        Cmd::Bench { what: BenchCmd::Snapshot { bytes, repeat, dir, json }, .. } => {
-            snapbench::run(bench::parse_size(&bytes)? as u64, repeat, &dir, json.as_deref())?;
-            Ok(0)
-        }
-        Cmd::Bench {
-            what: BenchCmd::Collectives { ranks, backend, ops, sizes, dtype, min_time, json, topology, ranks_per_host, link },
-            ..
-        } => {
-            backend::check(&backend)?;
-            bench::check_args(&ops, &sizes, &dtype)?;
-            let topology = match topology {
-                Some(p) => Some((cluster::Topology::load(&p)?, ranks_per_host.max(1))),
-                None => None,
-            };
-            let ranks = topology.as_ref().map_or(ranks, |(t, k)| t.hosts * k);
+        Cmd::Bench { what: BenchCmd::Snapshot(a), .. } => Ok(snapbench::command(&a)?),
+        Cmd::Bench { what: BenchCmd::Collectives(a), .. } => {
             launch::install_signal_handlers();
-            let exe = std::env::current_exe().context("locating the ironweave binary")?;
-            let out = std::env::temp_dir().join(format!("ironweave-bench-{}.json", std::process::id()));
-            let _ = std::fs::remove_file(&out);
-            eprintln!(
-                "ironweave bench collectives: {ranks} ranks over {backend}, {} ops x {} sizes, dtype {dtype}",
-                ops.len(),
-                sizes.len()
-            );
-            let spec = launch::LaunchSpec {
-                ranks,
-                program: exe.to_string_lossy().into_owned(),
-                args: vec![
-                    "bench-worker".into(),
-                    "--backend".into(),
-                    backend.clone(),
-                    "--link".into(),
-                    link.clone(),
-                    "--ops".into(),
-                    ops.join(","),
-                    "--sizes".into(),
-                    sizes.join(","),
-                    "--dtype".into(),
-                    dtype.clone(),
-                    "--min-time".into(),
-                    min_time.to_string(),
-                    "--out".into(),
-                    out.to_string_lossy().into_owned(),
-                ],
-                prefix: true,
-                env: vec![],
-                timeout: None,
-                topology,
-                max_restarts: 0,
-                threads_per_rank: None,
-            };
-            match launch::run(&spec)? {
-                launch::Outcome::Success => {}
-                other => bail!("the benchmark ranks did not finish: {other:?}"),
-            }
-            let mut rows: Vec<bench::Row> =
-                serde_json::from_slice(&std::fs::read(&out).with_context(|| format!("reading {}", out.display()))?)?;
-            let _ = std::fs::remove_file(&out);
-            for r in rows.iter_mut() {
-                r.memcpy_gbps = bench::memcpy_gbps(r.bytes);
-            }
-            println!("{}", bench::table(&rows));
-            if let Some(path) = json {
-                std::fs::write(&path, serde_json::to_vec_pretty(&rows)?).with_context(|| format!("writing {path}"))?;
-                eprintln!("wrote {path}");
-            }
-            let bad: Vec<String> =
-                rows.iter().filter(|r| !r.verified).map(|r| format!("{} {}", r.op, bench::human(r.bytes))).collect();
-            if !bad.is_empty() {
-                eprintln!("ironweave: {} rows failed verification: {}", bad.len(), bad.join(", "));
-                return Ok(2);
-            }
+            Ok(bench::collectives(&a)?)
+        }
+        Cmd::BenchWorker(a) => {
+            bench::worker(&a)?;
             Ok(0)
         }
-        Cmd::BenchWorker { backend, link, ops, sizes, dtype, min_time, out } => {
-            bench::worker(&backend, &link, &ops, &sizes, &dtype, min_time, out.as_deref())?;
+        Cmd::ProbeWorker(a) => {
+            cluster::probe_worker(&a)?;
             Ok(0)
         }
-        Cmd::ProbeWorker { seconds, out, ranks_per_host } => {
-            let comm = backend::connect("tcp")?;
-            let mut probes = Vec::new();
-            let (rph, stream) = (ranks_per_host.max(1), Duration::from_secs_f64(seconds));
-            for i in 0..comm.links().len() {
-                // host 0's first rank and host 1's first rank
-                let p = ironweave_transport::probe::probe_link(&comm, i, 0, rph, stream)?;
-                probes.extend(p.filter(|_| comm.rank() == 0));
+        Cmd::Cluster { what } => {
+            if matches!(what, cluster::ClusterCmd::Probe(_)) {
+                launch::install_signal_handlers();
             }
-            if rph > 1 {
-                // two ranks of host 0: the path between them never leaves the host
-                let p = ironweave_transport::probe::probe_link(&comm, 0, 0, 1, stream)?;
-                probes.extend(p.filter(|_| comm.rank() == 0).map(|p| ironweave_transport::probe::LinkProbe {
-                    name: "host".into(),
-                    declared_bytes_per_s: None,
-                    ..p
-                }));
-            }
-            if comm.rank() == 0 {
-                std::fs::write(&out, serde_json::to_vec_pretty(&probes)?).with_context(|| format!("writing {out}"))?;
-            }
-            comm.barrier()?;
-            Ok(0)
+            Ok(cluster::command(&what)?)
         }
-        Cmd::Cluster { what } => cluster_cmd(what),
         Cmd::Ckpt { what: CkptCmd::Reshard { dir, to, ranks, config, iter } } => {
             let (cfg, _) = ironweave_ops::run::load_config(&config)?;
             let r = ckpt_tool::reshard(&dir, iter, &to, ranks, &cfg)?;
@@ -730,25 +356,7 @@ fn run(cli: Cli) -> Result<i32> {
             }
             Ok(0)
         }
-        Cmd::Doctor { json } => {
-            let reports = backend::doctor();
-            if json {
-                println!("{}", serde_json::to_string_pretty(&reports)?);
-            } else {
-                for r in &reports {
-                    let state = match (r.compiled, r.usable) {
-                        (false, _) => "not compiled",
-                        (true, true) => "usable",
-                        (true, false) => "NOT usable",
-                    };
-                    println!("{:<6} {:<13} {}", r.backend, state, r.detail);
-                    for l in &r.links {
-                        println!("       {} {:<16} {}", if l.usable { "ok " } else { "BAD" }, l.name, l.detail);
-                    }
-                }
-            }
-            Ok(0)
-        }
+        Cmd::Doctor { json } => Ok(backend::doctor_command(json)?),
         Cmd::Selftest { scenario, backend } if scenario == "ckpt" => {
             let _ = backend;
             ckpt_selftest::run()?;

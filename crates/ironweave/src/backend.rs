@@ -129,10 +129,21 @@ pub fn init_from_env() -> Result<Communicator> {
 // One module per optional backend: what it can do here, joining over it, and what the doctor
 // reports; a backend left out of the build gets the stub below instead.
 
+/// One link of a backend.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LinkReport {
+    /// The link's (or device's) name.
+    pub name: String,
+    /// Whether it works here.
+    pub usable: bool,
+    /// What was found, or why it does not work.
+    pub detail: String,
+}
+
 #[cfg(feature = "ucx")]
 pub(crate) mod ucx {
+    use super::LinkReport;
     use super::*;
-    use crate::LinkReport;
     pub fn available() -> Result<String> {
         ironweave_ucx::available()
     }
@@ -160,8 +171,8 @@ pub(crate) mod ucx {
 
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs {
+    use super::LinkReport;
     use super::*;
-    use crate::LinkReport;
     pub fn available() -> Result<()> {
         ironweave_verbs::available().map(drop)
     }
@@ -180,8 +191,8 @@ pub(crate) mod verbs {
 
 #[cfg(feature = "nccl")]
 pub(crate) mod nccl {
+    use super::LinkReport;
     use super::*;
-    use crate::LinkReport;
     pub fn available() -> Result<()> {
         ironweave_nccl::available().map(drop)
     }
@@ -203,8 +214,8 @@ macro_rules! stub {
     ($m:ident, $f:literal, $avail:ty) => {
         #[allow(dead_code)]
         pub(crate) mod $m {
+            use super::LinkReport;
             use super::*;
-            use crate::LinkReport;
             pub fn available() -> Result<$avail> {
                 Err(Error::NotCompiledWith { feature: $f })
             }

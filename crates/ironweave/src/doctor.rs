@@ -4,7 +4,7 @@
 use ironweave_transport::{Error, Result};
 use serde::Serialize;
 
-use crate::backend::{self, Backend};
+use crate::backend::{self, Backend, LinkReport};
 
 /// One backend as the doctor sees it.
 #[derive(Debug, Clone, Serialize)]
@@ -19,17 +19,6 @@ pub struct BackendReport {
     pub detail: String,
     /// Links (or devices) found, each with whether it works.
     pub links: Vec<LinkReport>,
-}
-
-/// One link of a backend.
-#[derive(Debug, Clone, Serialize)]
-pub struct LinkReport {
-    /// The link's (or device's) name.
-    pub name: String,
-    /// Whether it works here.
-    pub usable: bool,
-    /// What was found, or why it does not work.
-    pub detail: String,
 }
 
 /// Every backend: compiled in or not, usable here or why not, and the links found.

@@ -43,8 +43,8 @@ pub mod candle;
 mod doctor;
 pub mod elastic;
 
-pub use backend::{connect, init, init_from_env, Backend};
-pub use doctor::{doctor, BackendReport, LinkReport};
+pub use backend::{connect, init, init_from_env, Backend, LinkReport};
+pub use doctor::{doctor, BackendReport};
 pub use ironweave_ckpt as ckpt;
 pub use ironweave_plan as plan;
 pub use ironweave_profile as profile;

@@ -14,3 +14,25 @@ pub fn check(name: &str) -> Result<()> {
 pub fn connect(name: &str) -> Result<Communicator> {
     ironweave::init(Backend::pick(name)?)
 }
+
+/// `ironweave doctor`: every backend, compiled in or not, usable here or why not, and its
+/// links; a table, or JSON with `json`.
+pub fn doctor_command(json: bool) -> crate::Result<i32> {
+    let reports = doctor();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&reports)?);
+        return Ok(0);
+    }
+    for r in &reports {
+        let state = match (r.compiled, r.usable) {
+            (false, _) => "not compiled",
+            (true, true) => "usable",
+            (true, false) => "NOT usable",
+        };
+        println!("{:<6} {:<13} {}", r.backend, state, r.detail);
+        for l in &r.links {
+            println!("       {} {:<16} {}", if l.usable { "ok " } else { "BAD" }, l.name, l.detail);
+        }
+    }
+    Ok(0)
+}

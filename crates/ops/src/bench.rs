@@ -105,19 +105,145 @@ pub fn memcpy_gbps(bytes: usize) -> f64 {
     (bytes as f64 * iters as f64) / t.elapsed().as_secs_f64() / 1e9
 }
 
+/// `ironweave bench collectives`'s options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CollectivesArgs {
+    /// Number of ranks (processes).
+    #[arg(long, default_value_t = 2)]
+    pub ranks: usize,
+    /// Backend: tcp (default), ucx, verbs, nccl.
+    #[arg(long, default_value = "tcp")]
+    pub backend: String,
+    /// Comma-separated: allreduce, allgather, reducescatter, alltoall, broadcast.
+    #[arg(long, value_delimiter = ',', default_value = "allreduce,allgather,reducescatter,alltoall")]
+    pub ops: Vec<String>,
+    /// Comma-separated sizes in bytes with K/M/G suffixes (total buffer, as nccl-tests).
+    #[arg(long, value_delimiter = ',', default_value = "4K,1M,16M")]
+    pub sizes: Vec<String>,
+    /// Element type.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Seconds each timed loop should last (at least 3 iterations).
+    #[arg(long, default_value_t = 0.3)]
+    pub min_time: f64,
+    /// Write the rows as JSON here.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    /// Run on the emulated cluster of this topology file.
+    #[arg(long)]
+    pub topology: Option<std::path::PathBuf>,
+    /// Ranks per emulated host (with --topology).
+    #[arg(long, default_value_t = 1)]
+    pub ranks_per_host: usize,
+    /// Which link: a link name; `all` (striped over every link: all-gather and
+    /// reduce-scatter balance dynamically over two links, the rest splits by rate);
+    /// `all-static` (every collective split by rate); `all:F1,F2` (split by these
+    /// fractions); or the default link.
+    #[arg(long, default_value = "")]
+    pub link: String,
+}
+
+/// What each benchmark rank is told: its command line is [`BenchWorkerArgs::to_argv`], parsed
+/// back by the hidden `bench-worker` subcommand.
+#[derive(Debug, Clone, PartialEq, clap::Args)]
+pub struct BenchWorkerArgs {
+    #[arg(long)]
+    pub backend: String,
+    #[arg(long, default_value = "")]
+    pub link: String,
+    #[arg(long, value_delimiter = ',')]
+    pub ops: Vec<String>,
+    #[arg(long, value_delimiter = ',')]
+    pub sizes: Vec<String>,
+    #[arg(long)]
+    pub dtype: String,
+    #[arg(long)]
+    pub min_time: f64,
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+}
+
+impl BenchWorkerArgs {
+    /// The hidden subcommand that runs it.
+    pub const SUBCOMMAND: &'static str = "bench-worker";
+
+    /// The rank's command line: the subcommand, then these options as clap parses them.
+    pub fn to_argv(&self) -> Vec<String> {
+        let mut v: Vec<String> = vec![
+            Self::SUBCOMMAND.into(),
+            "--backend".into(),
+            self.backend.clone(),
+            format!("--link={}", self.link),
+            "--ops".into(),
+            self.ops.join(","),
+            "--sizes".into(),
+            self.sizes.join(","),
+            "--dtype".into(),
+            self.dtype.clone(),
+            "--min-time".into(),
+            self.min_time.to_string(),
+        ];
+        if let Some(o) = &self.out {
+            v.extend(["--out".into(), o.display().to_string()]);
+        }
+        v
+    }
+}
+
+/// `ironweave bench collectives`: the ranks run [`worker`], rank 0's rows come back as JSON,
+/// the memcpy ceiling is measured beside each, the table is printed; returns 2 when a row
+/// failed verification.
+pub fn collectives(a: &CollectivesArgs) -> Result<i32> {
+    crate::backend::check(&a.backend)?;
+    check_args(&a.ops, &a.sizes, &a.dtype)?;
+    let topology = match &a.topology {
+        Some(p) => Some((crate::cluster::Topology::load(p)?, a.ranks_per_host.max(1))),
+        None => None,
+    };
+    let ranks = topology.as_ref().map_or(a.ranks, |(t, k)| t.hosts * k);
+    let out = std::env::temp_dir().join(format!("ironweave-bench-{}.json", std::process::id()));
+    let _ = std::fs::remove_file(&out);
+    eprintln!(
+        "ironweave bench collectives: {ranks} ranks over {}, {} ops x {} sizes, dtype {}",
+        a.backend,
+        a.ops.len(),
+        a.sizes.len(),
+        a.dtype
+    );
+    let w = BenchWorkerArgs {
+        backend: a.backend.clone(),
+        link: a.link.clone(),
+        ops: a.ops.clone(),
+        sizes: a.sizes.clone(),
+        dtype: a.dtype.clone(),
+        min_time: a.min_time,
+        out: Some(out.clone()),
+    };
+    crate::launch::helpers(ranks, w.to_argv(), topology, "benchmark")?;
+    let mut rows: Vec<Row> = serde_json::from_slice(&std::fs::read(&out).with_context(|| format!("reading {}", out.display()))?)?;
+    let _ = std::fs::remove_file(&out);
+    for r in rows.iter_mut() {
+        r.memcpy_gbps = memcpy_gbps(r.bytes);
+    }
+    println!("{}", table(&rows));
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&rows)?).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    let bad: Vec<String> = rows.iter().filter(|r| !r.verified).map(|r| format!("{} {}", r.op, human(r.bytes))).collect();
+    if !bad.is_empty() {
+        eprintln!("ironweave: {} rows failed verification: {}", bad.len(), bad.join(", "));
+        return Ok(2);
+    }
+    Ok(0)
+}
+
 /// The per-rank part: runs inside every launched process.
-pub fn worker(
-    backend: &str,
-    link: &str,
-    ops: &[String],
-    sizes: &[String],
-    dtype: &str,
-    min_time: f64,
-    out: Option<&str>,
-) -> Result<()> {
+pub fn worker(a: &BenchWorkerArgs) -> Result<()> {
+    let (backend, ops, sizes, min_time) = (a.backend.as_str(), &a.ops, &a.sizes, a.min_time);
     let world = crate::backend::connect(backend).context("joining the job")?;
-    let comm = select_link(&world, link)?;
-    let d = DType::parse(dtype).context("dtype")?;
+    let comm = select_link(&world, &a.link)?;
+    let d = DType::parse(&a.dtype).context("dtype")?;
     let rows = match d {
         DType::F32 => rows::<f32>(&comm, backend, ops, sizes, min_time)?,
         DType::F64 => rows::<f64>(&comm, backend, ops, sizes, min_time)?,
@@ -128,8 +254,8 @@ pub fn worker(
         DType::U8 => rows::<u8>(&comm, backend, ops, sizes, min_time)?,
     };
     if comm.rank() == 0 {
-        if let Some(path) = out {
-            std::fs::write(path, serde_json::to_vec_pretty(&rows)?).with_context(|| format!("writing {path}"))?;
+        if let Some(path) = &a.out {
+            std::fs::write(path, serde_json::to_vec_pretty(&rows)?).with_context(|| format!("writing {}", path.display()))?;
         }
     }
     comm.barrier()?;
@@ -376,4 +502,26 @@ pub fn table(rows: &[Row]) -> String {
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rank_parses_back_what_the_parent_wrote() {
+        for (link, out) in [("", None), ("all:0.7,0.3", Some("/tmp/rows.json".into())), ("a", None)] {
+            let a = BenchWorkerArgs {
+                backend: "tcp".into(),
+                link: link.into(),
+                ops: vec!["allreduce".into(), "alltoall".into()],
+                sizes: vec!["4K".into(), "1M".into()],
+                dtype: "bf16".into(),
+                min_time: 0.125,
+                out,
+            };
+            let b: BenchWorkerArgs = crate::parse_back(&a.to_argv());
+            assert_eq!(a, b);
+        }
+    }
 }

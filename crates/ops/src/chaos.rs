@@ -146,7 +146,7 @@ struct Bed<'a> {
     /// Ranks holding a replica of each rank (the engine's placement).
     holders: Vec<Vec<usize>>,
     /// The emulated cluster.
-    topology: Option<&'a ironweave_tcp::topology::Topology>,
+    topology: Option<&'a crate::cluster::Topology>,
     link_down_s: f64,
     long_outage_deadline_s: f64,
     /// Iterations one snapshot spans (`capricorn-sparse[K]`: K; else 1): snapshots are taken
@@ -477,7 +477,7 @@ pub fn run(a: &ChaosArgs) -> Result<Vec<RunResult>> {
     if a.replicas < 2 || a.replicas as usize > a.ranks {
         bail!("--replicas {}: the campaign needs 2 to {} copies (a rank's own and at least one on a peer)", a.replicas, a.ranks);
     }
-    let topo = a.topology.as_deref().map(ironweave_tcp::topology::Topology::load).transpose()?;
+    let topo = a.topology.as_deref().map(crate::cluster::Topology::load).transpose()?;
     if let Some(t) = &topo {
         if a.ranks != t.hosts * a.ranks_per_host {
             bail!("--ranks {} does not fill {} hosts x --ranks-per-host {}", a.ranks, t.hosts, a.ranks_per_host);
@@ -489,7 +489,7 @@ pub fn run(a: &ChaosArgs) -> Result<Vec<RunResult>> {
     }
 }
 
-fn campaign(a: &ChaosArgs, kinds: &[String], topo: Option<&ironweave_tcp::topology::Topology>) -> Result<Vec<RunResult>> {
+fn campaign(a: &ChaosArgs, kinds: &[String], topo: Option<&crate::cluster::Topology>) -> Result<Vec<RunResult>> {
     if a.ranks < 2 {
         bail!("--ranks {}: a campaign needs at least 2 ranks (a replica lives on another rank)", a.ranks);
     }

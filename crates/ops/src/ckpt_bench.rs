@@ -24,19 +24,44 @@ pub const GEMINI_SWEEP: [&str; 6] =
     ["gemini-fill0.7", "gemini-fill0.8", "gemini-fill0.9", "gemini", "gemini-chunk1M", "gemini-chunk4M"];
 
 /// `ironweave bench ckpt`'s options.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct CkptBenchArgs {
+    /// Training configuration.
+    #[arg(long, default_value = "configs/moe-wide.toml")]
     pub config: PathBuf,
+    /// Strategies to compare (`all`: none, blocking, async, gemini, capricorn,
+    /// capricorn-always, capricorn-sparse, and capricorn-multilink when the topology has
+    /// several links; `gemini-sweep`: Gemini's span fill 0.7-1.0 and chunk sizes,
+    /// `gemini-fill0.8-chunk1M` one of them).
+    #[arg(long, value_delimiter = ',', default_value = "all")]
     pub strategies: Vec<String>,
+    /// Ranks.
+    #[arg(long, default_value_t = 4)]
     pub ranks: usize,
+    /// Iterations per strategy (the first two are warm-up and not counted).
+    #[arg(long, default_value_t = 8)]
     pub iters: u64,
+    /// Run on the emulated cluster of this topology file (brought up if it is not).
+    #[arg(long)]
     pub topology: Option<PathBuf>,
+    /// Ranks per emulated host (with --topology).
+    #[arg(long, default_value_t = 2)]
     pub ranks_per_host: usize,
+    /// Where the per-strategy reports, ckpt.json and ckpt.md go.
+    #[arg(long, default_value = "target/bench/ckpt")]
     pub out: PathBuf,
+    /// Also write the rows here (JSON).
+    #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Bandwidth of the emulated remote storage per host (`200mbit`, `1gbit`), or `auto`: the
+    /// paper-scale ratio of one checkpoint's write time to one iteration (simulated on
+    /// configs/clusters/4x8-a100.toml) applied to the measured `none` iteration, or `unlimited`
+    /// (the local disk).
+    #[arg(long, default_value = "auto")]
     pub storage_rate: String,
-    /// Each strategy runs this many times, the strategies interleaved (none, a, b, none, a,
-    /// b, ...); its row pools the steady iterations of every round.
+    /// Run every strategy this many times, interleaved (none, blocking, ..., none, blocking,
+    /// ...); rows pool the rounds' steady iterations.
+    #[arg(long, default_value_t = 1)]
     pub rounds: usize,
 }
 
@@ -163,7 +188,7 @@ pub fn bench(a: &CkptBenchArgs) -> Result<Vec<Row>> {
         r => {
             // bytes per second
             let rate =
-                ironweave_tcp::parse_rate(r).map_err(|e| crate::error::err!("--storage-rate: {e} (or auto, unlimited)"))?;
+                ironweave_units::parse_rate(r).map_err(|e| crate::error::err!("--storage-rate: {e} (or auto, unlimited)"))?;
             if rate == 0 {
                 bail!("--storage-rate must be above 0");
             }

@@ -343,7 +343,7 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
     }
     let topo = crate::cluster::Topology::load(&m.topology)?;
     let rate = |i: usize| -> Result<f64> {
-        Ok(topo.links.get(i).map(|l| ironweave_tcp::parse_rate(&l.rate)).transpose()?.unwrap_or(0) as f64)
+        Ok(topo.links.get(i).map(|l| ironweave_units::parse_rate(&l.rate)).transpose()?.unwrap_or(0) as f64)
     };
     let (steps, _) = steps_from_trace(&read_json(&m.profile_dir.join("trace.json"))?)?;
     eprintln!("replaying the profile of {}", m.profile_dir.display());

@@ -80,7 +80,7 @@ pub fn run() -> Result<()> {
         env.master.set_port(base.master.port() + gen);
         env.job_id = format!("{}-g{gen}", base.job_id);
         let opts = CommOptions { timeout: Duration::from_secs(30), ..CommOptions::default() };
-        let comm = Arc::new(ironweave_tcp::connect(&env, &ironweave_tcp::TcpConfig::from_env()?, opts)?);
+        let comm = Arc::new(ironweave::connect(ironweave::Backend::Tcp, &env, opts)?);
         match engine.as_mut() {
             Some(e) => e.rebind(comm.clone())?,
             None => engine = Some(Engine::new(comm.clone(), registry(), cfg.clone())?),

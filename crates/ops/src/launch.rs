@@ -39,6 +39,91 @@ fn send_signal(child: &Child, sig: libc::c_int) {
     }
 }
 
+/// `ironweave launch`'s options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LaunchArgs {
+    /// Number of ranks (default with --topology: hosts x --ranks-per-host).
+    #[arg(short = 'n', long = "ranks")]
+    pub ranks: Option<usize>,
+    /// Run on the emulated cluster of this topology file (see `ironweave cluster up`).
+    #[arg(long)]
+    pub topology: Option<std::path::PathBuf>,
+    /// Ranks per emulated host.
+    #[arg(long, default_value_t = 1)]
+    pub ranks_per_host: usize,
+    /// Backend the ranks should use (exported as IRONWEAVE_BACKEND).
+    #[arg(long, default_value = "tcp")]
+    pub backend: String,
+    /// Stop the job after this many seconds.
+    #[arg(long)]
+    pub timeout: Option<f64>,
+    /// Do not prefix output lines with the rank.
+    #[arg(long)]
+    pub no_prefix: bool,
+    /// Restart ranks that fail, up to this many times in all; a restarted rank runs with
+    /// IRONWEAVE_GENERATION set to the job's next generation (see docs/ARCHITECTURE.md).
+    #[arg(long, default_value_t = 0)]
+    pub max_restarts: usize,
+    /// Compute threads per rank (RAYON_NUM_THREADS and OMP_NUM_THREADS of every rank).
+    /// Default: the user's RAYON_NUM_THREADS / OMP_NUM_THREADS, else cores / ranks per host.
+    #[arg(long)]
+    pub threads_per_rank: Option<usize>,
+    /// The program and its arguments.
+    #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
+    pub command: Vec<String>,
+}
+
+/// `ironweave launch`: the ranks of `a.command`, supervised to their end (signals forwarded);
+/// returns the command's exit status ([`Outcome::exit_code`]).
+pub fn command(a: &LaunchArgs) -> Result<i32> {
+    crate::backend::check(&a.backend)?;
+    let topology = match &a.topology {
+        Some(p) => Some((crate::topology::Topology::load(p)?, a.ranks_per_host.max(1))),
+        None => None,
+    };
+    let ranks = match (a.ranks, &topology) {
+        (Some(n), _) => n,
+        (None, Some((t, k))) => t.hosts * k,
+        (None, None) => bail!("give the number of ranks with -n (or a --topology)"),
+    };
+    let Some((program, args)) = a.command.split_first() else { bail!("give the program to start after --") };
+    install_signal_handlers();
+    let spec = LaunchSpec {
+        topology,
+        ranks,
+        program: program.clone(),
+        args: args.to_vec(),
+        prefix: !a.no_prefix,
+        env: vec![("IRONWEAVE_BACKEND".into(), a.backend.clone())],
+        timeout: a.timeout.map(Duration::from_secs_f64),
+        max_restarts: a.max_restarts,
+        threads_per_rank: a.threads_per_rank,
+    };
+    Ok(run(&spec)?.exit_code())
+}
+
+/// Runs this binary's hidden worker subcommand `args` on `ranks` ranks (on an emulated cluster
+/// with `topology`), their output prefixed, no restarts; an error unless every rank succeeded.
+pub fn helpers(ranks: usize, args: Vec<String>, topology: Option<(crate::topology::Topology, usize)>, what: &str) -> Result<()> {
+    let exe = std::env::current_exe().context("locating the ironweave binary")?;
+    let spec = LaunchSpec {
+        ranks,
+        program: exe.to_string_lossy().into_owned(),
+        args,
+        prefix: true,
+        env: vec![],
+        timeout: None,
+        topology,
+        max_restarts: 0,
+        threads_per_rank: None,
+    };
+    install_signal_handlers();
+    match run(&spec)? {
+        Outcome::Success => Ok(()),
+        other => bail!("the {what} ranks did not finish: {other:?}"),
+    }
+}
+
 /// How to run the ranks.
 #[derive(Debug, Clone)]
 pub struct LaunchSpec {
@@ -53,7 +138,7 @@ pub struct LaunchSpec {
     pub timeout: Option<Duration>,
     /// Run on an emulated cluster: each rank inside its host's namespace, `ranks_per_host` per
     /// host, one TCP link per topology link.
-    pub topology: Option<(crate::cluster::Topology, usize)>,
+    pub topology: Option<(crate::topology::Topology, usize)>,
     /// Restart failed ranks this many times (0: the first failure stops the job). A restarted
     /// rank gets `IRONWEAVE_GENERATION` = the job's next generation; ranks re-form the job on
     /// master port `IRONWEAVE_MASTER_PORT + generation`.
@@ -163,7 +248,7 @@ pub fn workers(
     args: Vec<String>,
     backend: &str,
     quiet: bool,
-    topology: Option<(crate::cluster::Topology, usize)>,
+    topology: Option<(crate::topology::Topology, usize)>,
     max_restarts: usize,
     threads_per_rank: Option<usize>,
 ) -> Result<i32> {

@@ -53,6 +53,7 @@ pub mod sdp_bench;
 pub mod selftest;
 pub mod simulate;
 pub mod snapbench;
+pub mod topology;
 pub mod train;
 
 pub use error::{Error, Result};
@@ -75,4 +76,13 @@ pub fn train(a: &run::TrainArgs) -> Result<i32> {
         return overlap::run(a);
     }
     train::run(a)
+}
+
+/// A rank's options parsed back from the command line its parent wrote (`to_argv`: the hidden
+/// subcommand's name first), as the rank's own parser does: the round-trip tests of every
+/// struct a parent and its ranks share.
+#[cfg(test)]
+pub(crate) fn parse_back<A: clap::Args + clap::FromArgMatches>(argv: &[String]) -> A {
+    let cmd = A::augment_args(clap::Command::new("rank"));
+    A::from_arg_matches(&cmd.try_get_matches_from(argv).expect("the rank parses its command line")).expect("and takes it")
 }

@@ -46,6 +46,29 @@ fn best(repeat: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(b)
 }
 
+/// `ironweave bench snapshot`'s options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SnapshotArgs {
+    /// State size (K/M/G suffixes).
+    #[arg(long, default_value = "1G")]
+    pub bytes: String,
+    /// Timed repetitions (best is reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Directory for the persistent writes.
+    #[arg(long, default_value = "target/bench/snapshot")]
+    pub dir: std::path::PathBuf,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+/// `ironweave bench snapshot`.
+pub fn command(a: &SnapshotArgs) -> Result<i32> {
+    run(ironweave_units::parse_size(&a.bytes)? as u64, a.repeat, &a.dir, a.json.as_deref())?;
+    Ok(0)
+}
+
 pub fn run(bytes: u64, repeat: usize, dir: &Path, json_out: Option<&Path>) -> Result<()> {
     let reg = Arc::new(Registry::new(&layout(bytes))?);
     let total = reg.total;

@@ -352,7 +352,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     let storage_per_rank = match &a.storage_rate {
         Some(r) => {
             // bytes per second
-            let rate = ironweave_tcp::parse_rate(r).map_err(|e| crate::error::err!("--storage-rate: {e}"))?;
+            let rate = ironweave_units::parse_rate(r).map_err(|e| crate::error::err!("--storage-rate: {e}"))?;
             if rate == 0 {
                 bail!("--storage-rate must be above 0 (leave it out for the local disk's speed)");
             }

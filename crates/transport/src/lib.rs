@@ -35,7 +35,6 @@
 //! });
 //! ```
 
-mod balance;
 pub mod board;
 mod comm;
 mod dtype;
@@ -43,15 +42,14 @@ mod error;
 pub mod handshake;
 pub mod inproc;
 mod link;
-mod nonblocking;
 pub mod probe;
 pub mod rendezvous;
 pub mod shm;
-mod stripe;
 pub mod testing;
 pub mod threads;
 pub mod wire;
 
+pub use comm::CollHandle;
 pub use comm::{CommOptions, Communicator, DEFAULT_TIMEOUT, MAX_USER_TAG};
 pub use dtype::{finish_avg, reduce_into, DType, Element, ReduceOp};
 pub use error::{Error, Result};
@@ -61,4 +59,3 @@ pub use link::{
     join_until, wait_blocking_send, Buf, BufMut, DeviceSlice, Link, LinkInfo, Mailbox, MemKind, NativeCollectives, PendingSend,
     Progress, RecvBuf, RecvHandle, SendCompleter, SendHandle, SeqTable, SpeedSource, Tag, PROGRESS_SPIN,
 };
-pub use nonblocking::CollHandle;

@@ -296,11 +296,6 @@ pub trait Link: Send + Sync + std::fmt::Debug {
     fn native_collectives(&self) -> Option<&dyn NativeCollectives> {
         None
     }
-    /// The intra-host shared-memory path over this link's whole world, where the backend set
-    /// one up (every rank on one host): the world communicator's host collectives use it.
-    fn intra_host(&self) -> Option<&crate::shm::ShmGroup> {
-        None
-    }
     /// Bytes sent to `peer` that the peer has not acknowledged yet (the kernel's send queues
     /// for TCP), where the backend can tell; `None` otherwise. A send returns once its bytes
     /// are handed over, which can be long before they cross a link with a deep queue: this is

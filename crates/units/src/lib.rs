@@ -153,6 +153,21 @@ mod tests {
     }
 }
 
+/// Parses a link rate as `tc` writes it — `1gbit`, `300mbit`, `64kbit`, `2500bit` (either case)
+/// — into bytes per second.
+pub fn parse_rate(s: &str) -> Result<u64, ParseError> {
+    let t = s.trim().to_ascii_lowercase();
+    let (num, mul) = [("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)]
+        .iter()
+        .find_map(|(suf, m)| t.strip_suffix(suf).map(|n| (n.to_string(), *m)))
+        .ok_or_else(|| ParseError(format!("rate {s:?}: expected a number with gbit, mbit, kbit or bit")))?;
+    let v: f64 = num.trim().parse().map_err(|_| ParseError(format!("rate {s:?}: {num:?} is not a number")))?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(ParseError(format!("rate {s:?} must be positive")));
+    }
+    Ok((v * mul / 8.0) as u64)
+}
+
 /// An element type: the workspace's one dtype — what collectives reduce, what a checkpoint's
 /// tensors hold (safetensors names), what a model description trains in (`fp16`, `bf16`,
 /// `fp32` in its TOML).

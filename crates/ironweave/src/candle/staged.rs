@@ -7,8 +7,16 @@ use std::time::Instant;
 use candle_core::{DType, Module, Tensor, Var};
 use candle_nn::VarMap;
 
-use super::trainer::Param;
 use super::{Error, Result};
+
+/// One parameter of the model.
+#[derive(Debug, Clone)]
+pub(super) struct Param {
+    pub(super) name: String,
+    pub(super) var: Var,
+    pub(super) shape: Vec<usize>,
+    pub(super) len: usize,
+}
 
 /// A model whose forward is a chain of stages: stage `k` maps stage `k - 1`'s output (the
 /// input for stage 0) to its own; the last stage's output goes to the loss. Parameters may be

@@ -12,17 +12,8 @@ use ironweave_shard::ddp::{self, Bucket, GradSyncStats};
 use ironweave_shard::{adam_update, Groups, ShardEngine};
 use ironweave_transport::{Communicator, ReduceOp};
 
-use super::staged::{staged_backward, to_host, Staged};
+use super::staged::{staged_backward, to_host, Param, Staged};
 use super::{Error, Layout, Result, StepStats, TrainerConfig};
-
-/// One parameter of the model.
-#[derive(Debug, Clone)]
-pub(super) struct Param {
-    pub(super) name: String,
-    pub(super) var: Var,
-    pub(super) shape: Vec<usize>,
-    pub(super) len: usize,
-}
 
 /// How the state is held.
 #[derive(Debug)]

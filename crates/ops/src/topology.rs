@@ -1,14 +1,13 @@
-//! A multi-host TCP layout: hosts, each with the same named links, each link with a rate and a
-//! /24. It gives every host's `IRONWEAVE_TCP_LINKS` and the namespace names of the emulated
-//! cluster (`ironweave cluster up`). Parsing and validation are pure and fuzzed (`fuzz/`, target
-//! `configs`).
+//! The emulated cluster's file format (`topologies/*.toml`), owned by the code that reads it:
+//! hosts, each with the same named links, each link with a rate and a /24. It gives every
+//! host's `IRONWEAVE_TCP_LINKS` (what the TCP backend reads) and the namespace names of the
+//! emulated cluster (`ironweave cluster up`). Parsing and validation are pure and fuzzed
+//! (`fuzz/`, target `configs`).
 
 use std::path::Path;
 
-use ironweave_transport::{Error, Result};
+use ironweave::transport::{Error, Result};
 use serde::{Deserialize, Serialize};
-
-use crate::parse_rate;
 
 /// A topology file.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -69,7 +68,7 @@ impl Topology {
             if self.links[..i].iter().any(|m| m.name == l.name) {
                 return bad(format!("link {:?} appears twice", l.name));
             }
-            parse_rate(&l.rate).map_err(|e| Error::Config(format!("link {:?}: {e}", l.name)))?;
+            ironweave_units::parse_rate(&l.rate).map_err(|e| Error::Config(format!("link {:?}: {e}", l.name)))?;
             self.prefix(i)?;
         }
         Ok(())

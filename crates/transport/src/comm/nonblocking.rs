@@ -15,7 +15,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::comm::Communicator;
+use super::Communicator;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::link::Filled;

@@ -25,7 +25,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::comm::Communicator;
+use super::Communicator;
 use crate::dtype::{reduce_into, DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::link::{RecvBuf, RecvHandle};

@@ -11,7 +11,56 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::error::{bail, Context, Result};
-pub use ironweave_tcp::topology::Topology;
+mod probe;
+
+pub use crate::topology::{LinkDef, Topology};
+pub use probe::{probe, probe_worker, ProbeArgs, ProbeWorkerArgs};
+
+/// `ironweave cluster`'s subcommands.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum ClusterCmd {
+    /// Create the hosts and links (needs root).
+    Up {
+        #[arg(long)]
+        topology: PathBuf,
+    },
+    /// Remove what `up` created; succeeds when nothing is there.
+    Down {
+        #[arg(long)]
+        topology: PathBuf,
+    },
+    /// Show the hosts and links.
+    Status {
+        #[arg(long)]
+        topology: PathBuf,
+    },
+    /// Measure every link's latency and bandwidth between hosts 0 and 1.
+    Probe(ProbeArgs),
+}
+
+/// `ironweave cluster ...`: returns the command's exit status (`status`: 3 when the cluster is
+/// not up).
+pub fn command(c: &ClusterCmd) -> Result<i32> {
+    match c {
+        ClusterCmd::Up { topology } => {
+            let t = Topology::load(topology)?;
+            up(&t)?;
+            status(&t)?;
+            Ok(0)
+        }
+        ClusterCmd::Down { topology } => {
+            let t = Topology::load(topology)?;
+            down(&t)?;
+            println!("cluster {:?}: down", t.name);
+            Ok(0)
+        }
+        ClusterCmd::Status { topology } => {
+            let t = Topology::load(topology)?;
+            Ok(if status(&t)? { 0 } else { 3 })
+        }
+        ClusterCmd::Probe(a) => probe(a),
+    }
+}
 
 /// Where `up` records the namespaces it made.
 fn state_file(t: &Topology) -> PathBuf {

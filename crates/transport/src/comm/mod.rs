@@ -6,6 +6,12 @@
 //! inside a collective aborts the link, at every peer, so nobody waits for a partner that will
 //! never send: a failed collective leaves the communicator unusable, as in NCCL.
 
+mod balance;
+mod nonblocking;
+mod stripe;
+
+pub use nonblocking::CollHandle;
+
 use std::ops::Range;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -91,11 +97,15 @@ pub struct Communicator {
     splits: AtomicU32,
     pub(crate) opts: CommOptions,
     /// How collectives are split over all links, when they are (see `stripe.rs`).
-    pub(crate) stripe: Option<Arc<crate::stripe::Stripe>>,
+    pub(crate) stripe: Option<Arc<stripe::Stripe>>,
     /// The thread that runs non-blocking collectives, started on first use (`nonblocking.rs`).
-    pub(crate) nb: std::sync::OnceLock<Result<crate::nonblocking::CollExecutor>>,
+    pub(crate) nb: std::sync::OnceLock<Result<nonblocking::CollExecutor>>,
     /// The intra-host channel this communicator claimed (decided on first use).
     shm_chan: std::sync::OnceLock<Option<usize>>,
+    /// The intra-host shared-memory group of the first link's whole world, where the backend
+    /// set one up ([`Communicator::with_intra_host`]): given when the world communicator is
+    /// built, carried by its views, dups and splits.
+    intra: Option<Arc<crate::shm::ShmGroup>>,
 }
 
 impl Communicator {
@@ -122,7 +132,16 @@ impl Communicator {
             stripe: None,
             nb: std::sync::OnceLock::new(),
             shm_chan: std::sync::OnceLock::new(),
+            intra: None,
         })
+    }
+
+    /// The world communicator with the intra-host shared-memory path of its first link's
+    /// whole world (every rank on one host): its host collectives, and those of its views and
+    /// dups on that link, take it.
+    pub fn with_intra_host(mut self, g: Option<Arc<crate::shm::ShmGroup>>) -> Self {
+        self.intra = g;
+        self
     }
 
     /// This rank's index in the group.
@@ -182,6 +201,7 @@ impl Communicator {
             stripe: None,
             nb: std::sync::OnceLock::new(),
             shm_chan: std::sync::OnceLock::new(),
+            intra: self.intra.clone(),
         })
     }
 
@@ -198,7 +218,7 @@ impl Communicator {
         if self.link != 0 || self.stripe.is_some() {
             return None;
         }
-        let g = self.l().intra_host()?;
+        let g = self.intra.as_deref()?;
         let ch = *self.shm_chan.get_or_init(|| {
             let whole = g.size() == self.size() && g.rank() == self.me && self.members.iter().enumerate().all(|(i, &m)| i == m);
             whole.then(|| g.channel(self.ctx).map(|c| c.index())).flatten()
@@ -214,7 +234,7 @@ impl Communicator {
     /// Collectives this rank has run through the intra-host path (of every communicator on
     /// the link), or `None` where the link has none.
     pub fn shared_memory_collectives(&self) -> Option<u64> {
-        self.links[0].intra_host().map(|g| g.collectives_run())
+        self.intra.as_ref().map(|g| g.collectives_run())
     }
 
     pub(crate) fn deadline(&self) -> Instant {
@@ -980,6 +1000,7 @@ impl Communicator {
             stripe: self.stripe.clone(),
             nb: std::sync::OnceLock::new(),
             shm_chan: std::sync::OnceLock::new(),
+            intra: self.intra.clone(),
         })
     }
 
@@ -1000,6 +1021,7 @@ impl Communicator {
             stripe: self.stripe.clone(),
             nb: std::sync::OnceLock::new(),
             shm_chan: std::sync::OnceLock::new(),
+            intra: self.intra.clone(),
         }
     }
 

@@ -13,7 +13,7 @@ use ironweave_units::Locked;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::comm::Communicator;
+use super::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::link::BufMut;
@@ -208,7 +208,7 @@ impl Communicator {
             if n == 1 {
                 return Ok(());
             }
-            return crate::balance::run(self, crate::balance::Op::Gather { out: outb }, m);
+            return super::balance::run(self, super::balance::Op::Gather { out: outb }, m);
         }
         let ranges = self.stripe_ranges(m, 1);
         let active: Vec<bool> = ranges.iter().map(|r| !r.is_empty()).collect();
@@ -238,7 +238,7 @@ impl Communicator {
                 outb.copy_from_slice(inb);
             } else {
                 let blocks: Vec<&[u8]> = (0..n).map(|j| &inb[j * m..(j + 1) * m]).collect();
-                crate::balance::run(self, crate::balance::Op::Reduce { blocks, out: &mut *outb, dtype, op }, m)?;
+                super::balance::run(self, super::balance::Op::Reduce { blocks, out: &mut *outb, dtype, op }, m)?;
             }
             if op == ReduceOp::Avg {
                 crate::dtype::finish_avg(dtype, outb, n);
