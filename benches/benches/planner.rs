@@ -2,7 +2,7 @@
 //! Target: under one second per plan.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use ironweave_plan::{sdp, tmp, ClusterDesc, CostModel, ModelDesc};
+use ironweave_plan::{sdp, tp, ClusterDesc, CostModel, ModelDesc};
 
 fn read(path: &str) -> String {
     std::fs::read_to_string(format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))).expect(path)
@@ -14,8 +14,8 @@ fn planners(c: &mut Criterion) {
     g.sample_size(10);
     for cluster in ["32x3090-pcie", "128x8-h100"] {
         let cl = ClusterDesc::from_toml_str(&read(&format!("configs/clusters/{cluster}.toml"))).unwrap();
-        g.bench_function(format!("tmp {cluster}"), |b| {
-            b.iter(|| tmp::plan(&m, &cl, &CostModel::new(&cl), &tmp::TmpOptions::default()).unwrap())
+        g.bench_function(format!("tp {cluster}"), |b| {
+            b.iter(|| tp::plan(&m, &cl, &CostModel::new(&cl), &tp::TpOptions::default()).unwrap())
         });
     }
     // one sequence per device: the model's global batch of 1024 on 1024 devices

@@ -131,7 +131,7 @@ pub fn plans(data: &[u8]) {
     let Some((&which, rest)) = data.split_first() else { return };
     match which % 4 {
         0 => {
-            let _ = ironweave_plan::tmp::TmpPlan::from_json(rest);
+            let _ = ironweave_plan::tp::TpPlan::from_json(rest);
         }
         1 => {
             if let Ok(f) = ironweave_plan::sdp::part_fractions_from_json(rest, 4) {

@@ -112,7 +112,8 @@ enum Cmd {
 #[derive(Debug, Subcommand)]
 enum PlanCmd {
     /// Oases: per sub-layer tensor-parallel degree and sub-batches, against Megatron.
-    Tmp(PlanArgs),
+    #[command(alias = "tmp")]
+    Tp(PlanArgs),
     /// HSDP: per layer split of parameter traffic over the links, against FSDP.
     Sdp(PlanArgs),
 }
@@ -341,7 +342,7 @@ fn run(cli: Cli) -> Result<i32> {
         }
         Cmd::Plan { what } => {
             match what {
-                PlanCmd::Tmp(a) => plan::tmp(
+                PlanCmd::Tp(a) => plan::tp(
                     &a.model,
                     &a.cluster,
                     a.profile.as_deref(),

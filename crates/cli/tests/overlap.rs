@@ -97,7 +97,7 @@ fn a_plan_is_executed_as_planned_or_refused_with_the_reason() {
         .current_dir(ROOT)
         .args([
             "plan",
-            "tmp",
+            "tp",
             "--model",
             "configs/models/gpt-tp-cpu.toml",
             "--cluster",

@@ -18,7 +18,7 @@ fn plan_tmp_prints_and_writes_a_plan() {
     let json = dir.join("tmp.json");
     let (code, out, err) = ironweave(&[
         "plan",
-        "tmp",
+        "tp",
         "--model",
         "configs/models/gpt-7b.toml",
         "--cluster",
@@ -73,11 +73,12 @@ fn simulate_ckpt_prints_five_strategies_and_a_timeline() {
 #[test]
 fn bad_inputs_fail_with_a_message() {
     let (code, _, err) =
+        // the old name still works (an alias)
         ironweave(&["plan", "tmp", "--model", "configs/models/nope.toml", "--cluster", "configs/clusters/2x8-h100.toml"]);
     assert_ne!(code, 0);
     assert!(err.contains("nope.toml"), "{err}");
     let (code, _, err) =
-        ironweave(&["plan", "tmp", "--model", "configs/models/gpt-13b.toml", "--cluster", "configs/clusters/32x3090-pcie.toml"]);
+        ironweave(&["plan", "tp", "--model", "configs/models/gpt-13b.toml", "--cluster", "configs/clusters/32x3090-pcie.toml"]);
     assert_ne!(code, 0);
     assert!(err.contains("no feasible plan"), "{err}");
     let (code, _, err) =

@@ -5,7 +5,7 @@
 //! ```sh
 //! cargo run --release -p ironweave --example plan -- configs/models/gpt-7b.toml configs/clusters/32x3090-pcie.toml
 //! ```
-use ironweave::plan::{sdp, tmp, ClusterDesc, CostModel, ModelDesc};
+use ironweave::plan::{sdp, tp, ClusterDesc, CostModel, ModelDesc};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -16,7 +16,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cost = CostModel::new(&cluster);
 
     // Oases: per sub-layer TP degree and sub-batch count, overlap-aware.
-    let p = tmp::plan(&model, &cluster, &cost, &tmp::TmpOptions::default())?;
+    let p = tp::plan(&model, &cluster, &cost, &tp::TpOptions::default())?;
     println!("Oases plan for {} on {} ({} devices):", p.model, p.cluster, p.devices);
     for s in &p.sublayers {
         println!("  {:<24} TP {} x {} sub-batches", s.name, s.tp, s.sub_batches);

@@ -271,7 +271,7 @@ pub fn degrees_str(d: &[usize]) -> String {
     }
 }
 
-/// What the runtime takes from a TMP plan (`ironweave plan tmp --json`).
+/// What the runtime takes from a TMP plan (`ironweave plan tp --json`).
 #[derive(Debug, Clone)]
 pub struct PlanLayout {
     /// Each transformer sub-layer's degree (`L0.attn, L0.mlp, ...`), as planned.
@@ -292,18 +292,18 @@ impl PlanLayout {
     /// Reads a plan for a job of `ranks` ranks and checks the runtime can execute it.
     pub fn load(path: &Path, ranks: usize) -> Result<PlanLayout> {
         let bytes = std::fs::read(path).with_context(|| format!("reading plan {}", path.display()))?;
-        let plan = ironweave_plan::tmp::TmpPlan::from_json(&bytes).with_context(|| format!("plan {}", path.display()))?;
+        let plan = ironweave_plan::tp::TpPlan::from_json(&bytes).with_context(|| format!("plan {}", path.display()))?;
         Self::from_plan(&plan, ranks).with_context(|| format!("plan {}", path.display()))
     }
 
     /// The layout of `plan` on `ranks` ranks: the degree of every attention and MLP sub-layer
     /// (the embeddings run at the first one's, the head at the last one's).
-    pub fn from_plan(plan: &ironweave_plan::tmp::TmpPlan, ranks: usize) -> Result<PlanLayout> {
+    pub fn from_plan(plan: &ironweave_plan::tp::TpPlan, ranks: usize) -> Result<PlanLayout> {
         if plan.devices as usize != ranks {
             bail!("the plan is for {} devices; run it with --ranks {}", plan.devices, plan.devices);
         }
         if plan.global_batch == 0 {
-            bail!("the plan does not say its global batch (written by an older `ironweave plan tmp`): plan again");
+            bail!("the plan does not say its global batch (written by an older `ironweave plan tp`): plan again");
         }
         let sublayers: Vec<(String, u32, u32)> = plan.sublayers.iter().map(|s| (s.name.clone(), s.tp, s.sub_batches)).collect();
         let mut degrees = Vec::new();
@@ -488,8 +488,8 @@ pub fn bench(a: &OverlapArgs) -> Result<()> {
             cm.profile = Some(&profile);
             let mut ks = vec![1u32, a.sub_batches as u32];
             ks.dedup();
-            let opts = ironweave_plan::tmp::TmpOptions { sub_batches: ks, ..Default::default() };
-            let problem = ironweave_plan::tmp::build(&model, &cluster, &cm, &opts)?;
+            let opts = ironweave_plan::tp::TpOptions { sub_batches: ks, ..Default::default() };
+            let problem = ironweave_plan::tp::build(&model, &cluster, &cm, &opts)?;
             let (sol, by) = problem.chain.solve(opts.solver, opts.time_limit_s, opts.mip_rel_gap)?;
             let plan = problem.plan(&model, &cluster, &sol, by, &opts)?;
             let uniform = |t: usize, k: usize| problem.uniform(t as u32, k as u32).map(|u| u.iter_s);

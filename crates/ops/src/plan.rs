@@ -1,4 +1,4 @@
-//! `ironweave plan tmp|sdp`: read the descriptions, run a planner, print the plan against its
+//! `ironweave plan tp|sdp`: read the descriptions, run a planner, print the plan against its
 //! baselines, optionally write it as JSON.
 
 use std::path::Path;
@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use crate::error::{bail, Context, Result};
 use ironweave_plan::chain::{Method, SolvedBy};
-use ironweave_plan::{sdp, tmp, ClusterDesc, CostModel, ModelDesc, ProfileTable};
+use ironweave_plan::{sdp, tp, ClusterDesc, CostModel, ModelDesc, ProfileTable};
 
 pub fn load_model(path: &Path, global_batch: Option<u32>) -> Result<ModelDesc> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading model file {}", path.display()))?;
@@ -156,7 +156,7 @@ fn runs<T: PartialEq + Copy>(names: &[String], keys: &[T]) -> Vec<(String, Strin
     out
 }
 
-pub fn tmp(
+pub fn tp(
     model: &Path,
     cluster: &Path,
     profile: Option<&Path>,
@@ -169,9 +169,9 @@ pub fn tmp(
     let prof = load_profile(profile, &m)?;
     let mut cm = CostModel::new(&c);
     cm.profile = prof.as_ref();
-    let opts = tmp::TmpOptions { solver: if highs_only { Method::Highs } else { Method::Auto }, ..Default::default() };
+    let opts = tp::TpOptions { solver: if highs_only { Method::Highs } else { Method::Auto }, ..Default::default() };
     let t0 = Instant::now();
-    let problem = tmp::build(&m, &c, &cm, &opts)?;
+    let problem = tp::build(&m, &c, &cm, &opts)?;
     let (sol, by) = problem.chain.solve(opts.solver, opts.time_limit_s, opts.mip_rel_gap)?;
     let solve_s = t0.elapsed().as_secs_f64();
     let plan = problem.plan(&m, &c, &sol, by, &opts)?;

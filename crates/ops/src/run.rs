@@ -121,7 +121,7 @@ pub struct TrainArgs {
     /// Sub-batches per rank's batch (default: 2 for oases, 1 for megatron).
     #[arg(long)]
     pub sub_batches: Option<usize>,
-    /// Execute the planner's plan (`ironweave plan tmp ... --json plan.json`): its
+    /// Execute the planner's plan (`ironweave plan tp ... --json plan.json`): its
     /// tensor-parallel degree, sub-batches and batch per group.
     #[arg(long)]
     pub tp_plan: Option<PathBuf>,

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{bail, Context, Result};
 use ironweave_plan::chain::Method;
-use ironweave_plan::{sdp as psdp, tmp, CostModel};
+use ironweave_plan::{sdp as psdp, tp as ptp, CostModel};
 use ironweave_sim::ckpt::{self, CkptOptions, Strategy};
 use ironweave_sim::load::{LoadSource, LoadTrace, SyntheticLoad};
 use ironweave_sim::{sdp, svg, tp};
@@ -57,7 +57,7 @@ pub struct SimArgs {
     probe: Option<PathBuf>,
     /// tp, sdp: measured compute throughputs (a TOML table — `bench sdp` writes one — or a
     /// tensor-parallel run's directory: `ironweave train --tp` / `bench overlap` rows), as
-    /// `plan tmp|sdp --profile`.
+    /// `plan tp|sdp --profile`.
     #[arg(long)]
     profile: Option<PathBuf>,
     /// tp: also simulate these uniform degrees under both schedules (e.g. the degree a
@@ -105,8 +105,8 @@ fn run_tp(a: &SimArgs) -> Result<()> {
     let prof = crate::plan::load_profile(a.profile.as_deref(), &m)?;
     let mut cm = CostModel::new(&c);
     cm.profile = prof.as_ref();
-    let opts = tmp::TmpOptions { solver: Method::Auto, ..Default::default() };
-    let problem = tmp::build(&m, &c, &cm, &opts)?;
+    let opts = ptp::TpOptions { solver: Method::Auto, ..Default::default() };
+    let problem = ptp::build(&m, &c, &cm, &opts)?;
     let (sol, by) = problem.chain.solve(opts.solver, opts.time_limit_s, opts.mip_rel_gap)?;
     let plan = problem.plan(&m, &c, &sol, by, &opts)?;
     let picks_for = |t: u32, k: u32| -> Option<Vec<usize>> {

@@ -2,7 +2,7 @@
 //! instances; memory always respected; SDP fractions well-formed; descriptions checked.
 
 use ironweave_plan::chain::{ChainProblem, Choice, Method, SolvedBy};
-use ironweave_plan::{sdp, tmp, ClusterDesc, CostModel, ModelDesc, PlanError};
+use ironweave_plan::{sdp, tp, ClusterDesc, CostModel, ModelDesc, PlanError};
 
 /// The workspace's generator, so the instances are the same on every run.
 use ironweave_units::SplitMix64 as Rng;
@@ -57,8 +57,8 @@ fn tmp_ilp_and_dp_equal_brute_force_on_random_instances() {
         let m = random_model(&mut r);
         let c = random_cluster(&mut r, 1000.0);
         let cm = CostModel::new(&c);
-        let opts = tmp::TmpOptions { reserve_gib: 0.0, ..Default::default() };
-        let mut p = match tmp::build(&m, &c, &cm, &opts) {
+        let opts = tp::TpOptions { reserve_gib: 0.0, ..Default::default() };
+        let mut p = match tp::build(&m, &c, &cm, &opts) {
             Ok(p) => p,
             Err(PlanError::Infeasible { .. }) => continue,
             Err(e) => panic!("{e}"),
@@ -139,7 +139,7 @@ fn every_config_parses_and_plans_respect_memory() {
     for c in clusters.iter().filter(|c| c.devices() <= 64) {
         let cm = CostModel::new(c);
         for m in &models {
-            match tmp::plan(m, c, &cm, &tmp::TmpOptions::default()) {
+            match tp::plan(m, c, &cm, &tp::TpOptions::default()) {
                 Ok(plan) => {
                     assert!(plan.memory_gib <= plan.memory_budget_gib * (1.0 + 1e-9), "{} on {}", m.name, c.name);
                     assert!(
@@ -245,7 +245,7 @@ fn bad_descriptions_are_typed_errors() {
     // 13 B with 40 heads cannot be split finely enough for 24 GB devices
     let m = ModelDesc::from_toml_str(&read("configs/models/gpt-13b.toml")).unwrap();
     let c = ClusterDesc::from_toml_str(&good).unwrap();
-    let e = tmp::plan(&m, &c, &CostModel::new(&c), &tmp::TmpOptions::default()).unwrap_err();
+    let e = tp::plan(&m, &c, &CostModel::new(&c), &tp::TpOptions::default()).unwrap_err();
     assert!(matches!(e, PlanError::Infeasible { .. }), "{e}");
     assert!(e.to_string().contains("GiB"), "{e}");
 }

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use ironweave_plan::tmp::{TmpChoice, TmpProblem};
+use ironweave_plan::tp::{TpChoice, TpProblem};
 use ironweave_plan::{Coll, CostModel, ModelDesc};
 
 use crate::engine::{run, Class, Dag, OpId, ResId, Trace};
@@ -32,11 +32,11 @@ pub struct TpRun {
 }
 
 /// Simulate the sub-layer choices `picks` (indices into each sub-layer's options).
-pub fn simulate(problem: &TmpProblem, model: &ModelDesc, cm: &CostModel<'_>, picks: &[usize], name: &str) -> Result<TpRun> {
+pub fn simulate(problem: &TpProblem, model: &ModelDesc, cm: &CostModel<'_>, picks: &[usize], name: &str) -> Result<TpRun> {
     if picks.len() != problem.sublayers.len() {
         return Err(SimError::Invalid(format!("{} picks for {} sub-layers", picks.len(), problem.sublayers.len())));
     }
-    let ch: Vec<TmpChoice> = problem
+    let ch: Vec<TpChoice> = problem
         .sublayers
         .iter()
         .zip(picks)
@@ -65,10 +65,10 @@ pub fn simulate(problem: &TmpProblem, model: &ModelDesc, cm: &CostModel<'_>, pic
     // `group_batch / steps` of them per step.
     let steps = ch.iter().map(|c| (c.group_batch / c.micro).ceil() as usize).max().unwrap_or(1);
     let elem = model.dtype.size() as f64;
-    let per_step = |c: &TmpChoice| c.group_batch / steps as f64;
+    let per_step = |c: &TpChoice| c.group_batch / steps as f64;
     let mut all: Vec<OpId> = Vec::new();
     let mut prev_step_end = dag.mark("start", vec![]);
-    let allreduce = |dag: &mut Dag, c: &TmpChoice, name: String, dep: OpId, tp_links: &BTreeMap<u32, ResId>| -> OpId {
+    let allreduce = |dag: &mut Dag, c: &TpChoice, name: String, dep: OpId, tp_links: &BTreeMap<u32, ResId>| -> OpId {
         match tp_links.get(&c.tp) {
             Some(&link) => {
                 let g = cm.tp_group(c.tp);
@@ -79,7 +79,7 @@ pub fn simulate(problem: &TmpProblem, model: &ModelDesc, cm: &CostModel<'_>, pic
         }
     };
     let reshard =
-        |dag: &mut Dag, a: &TmpChoice, b: &TmpChoice, name: String, deps: Vec<OpId>, tp_links: &BTreeMap<u32, ResId>| -> OpId {
+        |dag: &mut Dag, a: &TpChoice, b: &TpChoice, name: String, deps: Vec<OpId>, tp_links: &BTreeMap<u32, ResId>| -> OpId {
             let big = if a.tp > b.tp { a } else { b };
             match tp_links.get(&big.tp) {
                 Some(&link) if a.tp != b.tp => {

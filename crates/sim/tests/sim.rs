@@ -1,7 +1,7 @@
 //! Simulator tests: conservation on random DAGs, determinism, speculative activation,
 //! agreement with the planners where their models coincide, and typed errors.
 
-use ironweave_plan::{sdp as psdp, tmp, ClusterDesc, CostModel, ModelDesc};
+use ironweave_plan::{sdp as psdp, tp as ptp, ClusterDesc, CostModel, ModelDesc};
 use ironweave_sim::ckpt::{self, CkptOptions, Strategy};
 use ironweave_sim::engine::{run, Class, Dag, Work};
 use ironweave_sim::load::{LoadSource, LoadTrace, Rng, SyntheticLoad};
@@ -243,8 +243,8 @@ fn tp_and_sdp_simulations_match_the_planner_where_it_is_exact() {
     let m = ModelDesc::from_toml_str(&read("configs/models/gpt-2.7b.toml")).unwrap();
     let c = ClusterDesc::from_toml_str(&read("configs/clusters/32x3090-pcie.toml")).unwrap();
     let cm = CostModel::new(&c);
-    let opts = tmp::TmpOptions::default();
-    let p = tmp::build(&m, &c, &cm, &opts).unwrap();
+    let opts = ptp::TpOptions::default();
+    let p = ptp::build(&m, &c, &cm, &opts).unwrap();
     let picks: Vec<usize> =
         p.sublayers.iter().map(|s| s.options.iter().position(|o| o.tp == 4 && o.sub_batches == 1).unwrap()).collect();
     let r = tp::simulate(&p, &m, &cm, &picks, "megatron").unwrap();

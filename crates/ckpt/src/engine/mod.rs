@@ -970,16 +970,15 @@ impl Engine {
     /// Forget every snapshot, replica and acknowledgement (collectively, on every rank): the
     /// job starts over from its initial state because nothing was ever committed.
     pub fn start_over(&mut self) {
-        self.forget_memory_for_test();
+        self.forget_memory();
         self.sched.locked().releaser = None;
         self.committed = None;
         self.durable = None;
         self.sending = None;
     }
 
-    /// Test hook: forget everything held in memory (as a restarted process would).
-    #[doc(hidden)]
-    pub fn forget_memory_for_test(&mut self) {
+    /// Forgets everything held in memory (as a restarted process would have nothing).
+    fn forget_memory(&mut self) {
         self.snaps.clear();
         self.pending = None;
         self.last_sent = None;
@@ -988,14 +987,23 @@ impl Engine {
         sh.acks.clear();
     }
 
+    /// Test hook: forget everything held in memory (as a restarted process would).
+    #[cfg(feature = "test-hooks")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-hooks")))]
+    pub fn forget_memory_for_test(&mut self) {
+        self.forget_memory();
+    }
+
     /// Test hook: flip a bit of iteration `iter`'s first chunk on its way to every holder.
-    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-hooks")))]
     pub fn corrupt_in_transit_for_test(&self, iter: u64) {
         self.corrupt_in_transit.store(iter, Ordering::SeqCst);
     }
 
     /// Test hook: flip a byte of the replica of `src`'s iteration `iter` held here.
-    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-hooks")))]
     pub fn corrupt_replica_for_test(&self, src: usize, iter: u64, offset: usize) -> bool {
         let mut sh = self.shared.locked();
         if let Some(r) = sh.store.get_mut(&src).and_then(|v| v.iter_mut().find(|r| r.manifest.iter == iter)) {

@@ -41,7 +41,7 @@ pub enum SubLayerKind {
 /// Planner knobs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct TmpOptions {
+pub struct TpOptions {
     /// Tensor-parallel degrees to consider (default: powers of two that divide the device
     /// count and the head count, up to the device count).
     pub tp_degrees: Option<Vec<u32>>,
@@ -61,9 +61,9 @@ pub struct TmpOptions {
     pub solver: Method,
 }
 
-impl Default for TmpOptions {
+impl Default for TpOptions {
     fn default() -> Self {
-        TmpOptions {
+        TpOptions {
             tp_degrees: None,
             sub_batches: vec![1, 2],
             sub_batch_penalty: 0.03,
@@ -78,7 +78,7 @@ impl Default for TmpOptions {
 
 /// One option of one sub-layer, with everything the costs were made of.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct TmpChoice {
+pub struct TpChoice {
     /// Tensor-parallel degree.
     pub tp: u32,
     /// Sub-batches.
@@ -99,7 +99,7 @@ pub struct TmpChoice {
     pub mem: f64,
 }
 
-impl TmpChoice {
+impl TpChoice {
     /// The part of the node's time that does not depend on its neighbours.
     fn node_cost(&self) -> f64 {
         // Gradients are all-reduced once, after the last micro-step: only that micro-step's
@@ -127,12 +127,12 @@ pub struct SubLayer {
     /// Parameters.
     pub params: f64,
     /// Admissible options.
-    pub options: Vec<TmpChoice>,
+    pub options: Vec<TpChoice>,
 }
 
 /// The planning problem in both forms: sub-layers with their options, and the chain.
 #[derive(Debug, Clone)]
-pub struct TmpProblem {
+pub struct TpProblem {
     /// Sub-layers in execution order.
     pub sublayers: Vec<SubLayer>,
     /// The chain the solver sees.
@@ -182,7 +182,7 @@ pub struct UniformResult {
 
 /// The planner's answer.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct TmpPlan {
+pub struct TpPlan {
     /// Model name.
     pub model: String,
     /// Cluster name.
@@ -215,21 +215,21 @@ pub struct TmpPlan {
     pub solved_by: SolvedBy,
 }
 
-impl TmpPlan {
-    /// Reads the JSON `ironweave plan tmp --json` writes (`{"plan": ..., "solve_s": ...}`) or a
+impl TpPlan {
+    /// Reads the JSON `ironweave plan tp --json` writes (`{"plan": ..., "solve_s": ...}`) or a
     /// bare plan. Pure; fuzzed (`fuzz/`, target `plans`).
-    pub fn from_json(json: &[u8]) -> Result<TmpPlan> {
+    pub fn from_json(json: &[u8]) -> Result<TpPlan> {
         let what = "TMP plan";
         let v: serde_json::Value =
             serde_json::from_slice(json).map_err(|e| PlanError::invalid(what, format!("not JSON: {e}")))?;
         let v = v.get("plan").cloned().unwrap_or(v);
         serde_json::from_value(v)
-            .map_err(|e| PlanError::invalid(what, format!("{e}: write one with `ironweave plan tmp ... --json`")))
+            .map_err(|e| PlanError::invalid(what, format!("{e}: write one with `ironweave plan tp ... --json`")))
     }
 }
 
 /// Build the problem: options per sub-layer and the chain.
-pub fn build(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: &TmpOptions) -> Result<TmpProblem> {
+pub fn build(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: &TpOptions) -> Result<TpProblem> {
     model.validate()?;
     cluster.validate()?;
     if !(opts.mem_fraction > 0.0 && opts.mem_fraction <= 1.0) {
@@ -308,7 +308,7 @@ pub fn build(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts:
                         continue;
                     }
                     let pen = if k > 1 { 1.0 + opts.sub_batch_penalty } else { 1.0 };
-                    options.push(TmpChoice {
+                    options.push(TpChoice {
                         tp: t,
                         sub_batches: k,
                         group_batch: gb,
@@ -360,10 +360,10 @@ pub fn build(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts:
         .collect();
     let edges = (0..last).map(|i| edge_table(model, cm, &subs[i].options, &subs[i + 1].options)).collect();
     let budget = cluster.device_memory_bytes() * opts.mem_fraction - opts.reserve_gib * GIB;
-    Ok(TmpProblem { sublayers: subs, chain: ChainProblem { choices, edges, mem_budget: budget } })
+    Ok(TpProblem { sublayers: subs, chain: ChainProblem { choices, edges, mem_budget: budget } })
 }
 
-fn reshard_s(model: &ModelDesc, cm: &CostModel<'_>, a: &TmpChoice, b: &TmpChoice) -> f64 {
+fn reshard_s(model: &ModelDesc, cm: &CostModel<'_>, a: &TpChoice, b: &TpChoice) -> f64 {
     if a.tp == b.tp {
         return 0.0;
     }
@@ -374,7 +374,7 @@ fn reshard_s(model: &ModelDesc, cm: &CostModel<'_>, a: &TmpChoice, b: &TmpChoice
     2.0 * steps * cm.tp_group(big.tp).time(Coll::AllToAll, model.activation_bytes(big.micro))
 }
 
-fn edge_cost(model: &ModelDesc, cm: &CostModel<'_>, a: &TmpChoice, b: &TmpChoice) -> f64 {
+fn edge_cost(model: &ModelDesc, cm: &CostModel<'_>, a: &TpChoice, b: &TpChoice) -> f64 {
     let same = a.tp == b.tp;
     let mut cost = reshard_s(model, cm, a, b);
     if a.sub_batches > 1 {
@@ -390,11 +390,11 @@ fn edge_cost(model: &ModelDesc, cm: &CostModel<'_>, a: &TmpChoice, b: &TmpChoice
     cost
 }
 
-fn edge_table(model: &ModelDesc, cm: &CostModel<'_>, a: &[TmpChoice], b: &[TmpChoice]) -> Vec<Vec<f64>> {
+fn edge_table(model: &ModelDesc, cm: &CostModel<'_>, a: &[TpChoice], b: &[TpChoice]) -> Vec<Vec<f64>> {
     a.iter().map(|x| b.iter().map(|y| edge_cost(model, cm, x, y)).collect()).collect()
 }
 
-impl TmpProblem {
+impl TpProblem {
     fn picks_for(&self, tp: u32, k: u32) -> Option<Vec<usize>> {
         self.sublayers.iter().map(|s| s.options.iter().position(|o| o.tp == tp && o.sub_batches == k)).collect()
     }
@@ -426,8 +426,8 @@ impl TmpProblem {
         cluster: &ClusterDesc,
         sol: &ChainSolution,
         solved_by: SolvedBy,
-        opts: &TmpOptions,
-    ) -> Result<TmpPlan> {
+        opts: &TpOptions,
+    ) -> Result<TpPlan> {
         let megatron = self.best_uniform(1).ok_or_else(|| PlanError::Infeasible {
             why: "no uniform tensor-parallel degree fits in memory, so there is no Megatron baseline".into(),
             hint: "use more devices or a smaller model".into(),
@@ -449,7 +449,7 @@ impl TmpProblem {
                 memory_gib: o.mem / GIB,
             });
         }
-        Ok(TmpPlan {
+        Ok(TpPlan {
             model: model.name.clone(),
             cluster: cluster.name.clone(),
             devices: cluster.devices(),
@@ -469,7 +469,7 @@ impl TmpProblem {
 }
 
 /// Plan with the ILP.
-pub fn plan(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: &TmpOptions) -> Result<TmpPlan> {
+pub fn plan(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: &TpOptions) -> Result<TpPlan> {
     let p = build(model, cluster, cm, opts)?;
     let (sol, by) = p.chain.solve(opts.solver, opts.time_limit_s, opts.mip_rel_gap)?;
     p.plan(model, cluster, &sol, by, opts)
