@@ -15,11 +15,19 @@ pub fn connect(name: &str) -> Result<Communicator> {
     ironweave::init(Backend::pick(name)?)
 }
 
+/// `ironweave doctor`'s options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DoctorArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
 /// `ironweave doctor`: every backend, compiled in or not, usable here or why not, and its
-/// links; a table, or JSON with `json`.
-pub fn doctor_command(json: bool) -> crate::Result<i32> {
+/// links; a table, or JSON with `--json`.
+pub fn doctor_command(a: &DoctorArgs) -> crate::Result<i32> {
     let reports = doctor();
-    if json {
+    if a.json {
         println!("{}", serde_json::to_string_pretty(&reports)?);
         return Ok(0);
     }

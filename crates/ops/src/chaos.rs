@@ -459,6 +459,14 @@ fn restored_iter(stdout: &str) -> Option<u64> {
     None
 }
 
+/// `ironweave chaos`: the campaign with its table; fails (1) on a hang or a wrong final state
+/// (runs that could not be survived are in the table with their error).
+pub fn command(a: &ChaosArgs) -> Result<i32> {
+    crate::launch::install_signal_handlers();
+    let rs = run(a)?;
+    Ok(if rs.iter().any(|r| r.hang || (r.finished && !r.final_state_matches)) { 1 } else { 0 })
+}
+
 /// Runs the campaign; returns the faulty runs' results.
 pub fn run(a: &ChaosArgs) -> Result<Vec<RunResult>> {
     let known: Vec<&str> = KINDS.iter().chain(if a.topology.is_some() { &CLUSTER_KINDS[..] } else { &[] }).copied().collect();
@@ -493,11 +501,11 @@ fn campaign(a: &ChaosArgs, kinds: &[String], topo: Option<&crate::cluster::Topol
     if a.ranks < 2 {
         bail!("--ranks {}: a campaign needs at least 2 ranks (a replica lives on another rank)", a.ranks);
     }
-    let choice = crate::run::parse_strategy(&a.ckpt)?;
+    let choice = crate::train::args::parse_strategy(&a.ckpt)?;
     if !choice.strategy.in_memory() {
         bail!("--ckpt {}: the campaign kills ranks and expects in-memory recovery; use capricorn or gemini", a.ckpt);
     }
-    let (cfg, _) = crate::run::load_config(&a.config)?;
+    let (cfg, _) = crate::train::args::load_config(&a.config)?;
     let iters = a.iters.unwrap_or(cfg.train.iters);
     if iters < 4 {
         bail!("--iters {iters}: a campaign needs at least 4 iterations");

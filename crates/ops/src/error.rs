@@ -20,6 +20,11 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
+    /// The run ended with this exit status after saying why (a rank that cannot recover its
+    /// committed state: [`ironweave::elastic::EXIT_UNRECOVERABLE`], which the launcher does not
+    /// restart); the binary exits with it and prints nothing more.
+    #[error("the run ended with exit status {0} (the reason was printed above)")]
+    Exit(i32),
     /// A file or process could not be read, written or started.
     #[error(transparent)]
     Io(#[from] std::io::Error),
@@ -74,6 +79,15 @@ pub enum Error {
 }
 
 impl Error {
+    /// The exit status a run chose ([`Error::Exit`], under any context), if it did.
+    pub fn exit_status(&self) -> Option<i32> {
+        match self {
+            Error::Exit(code) => Some(*code),
+            Error::Context { source, .. } => source.exit_status(),
+            _ => None,
+        }
+    }
+
     /// An error saying `msg`.
     pub fn msg(msg: impl Display) -> Self {
         Error::Msg(msg.to_string())

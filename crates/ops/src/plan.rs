@@ -8,6 +8,55 @@ use crate::error::{bail, Context, Result};
 use ironweave_plan::chain::{Method, SolvedBy};
 use ironweave_plan::{sdp, tp, ClusterDesc, CostModel, ModelDesc, ProfileTable};
 
+/// `ironweave plan`'s subcommands.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum PlanCmd {
+    /// Oases: per sub-layer tensor-parallel degree and sub-batches, against Megatron.
+    #[command(alias = "tmp")]
+    Tp(PlanArgs),
+    /// HSDP: per layer split of parameter traffic over the links, against FSDP.
+    Sdp(PlanArgs),
+}
+
+/// The inputs of a plan.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PlanArgs {
+    /// Model description (configs/models/*.toml).
+    #[arg(long)]
+    pub model: std::path::PathBuf,
+    /// Cluster description (configs/clusters/*.toml).
+    #[arg(long)]
+    pub cluster: std::path::PathBuf,
+    /// Measured compute throughputs overriding the analytic ones (TOML `[ops.<kind>] flops, seconds`).
+    #[arg(long)]
+    pub profile: Option<std::path::PathBuf>,
+    /// Also write the plan as JSON here.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    /// tp: solve with HiGHS branch and bound even where the exact chain algorithms apply.
+    #[arg(long)]
+    pub highs: bool,
+    /// Override the model's global batch (sequences per iteration), e.g. to scale it with the cluster.
+    #[arg(long)]
+    pub global_batch: Option<u32>,
+    /// Use link figures measured by `ironweave cluster probe --json FILE` instead of the description's.
+    #[arg(long)]
+    pub probe: Option<std::path::PathBuf>,
+}
+
+/// `ironweave plan tp|sdp`: the plan printed against its baselines.
+pub fn command(c: &PlanCmd) -> Result<i32> {
+    match c {
+        PlanCmd::Tp(a) => {
+            tp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref(), a.highs, a.global_batch, a.probe.as_deref())?
+        }
+        PlanCmd::Sdp(a) => {
+            sdp(&a.model, &a.cluster, a.profile.as_deref(), a.json.as_deref(), a.global_batch, a.probe.as_deref())?
+        }
+    }
+    Ok(0)
+}
+
 pub fn load_model(path: &Path, global_batch: Option<u32>) -> Result<ModelDesc> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading model file {}", path.display()))?;
     let mut m = ModelDesc::from_toml_str(&text).with_context(|| format!("in {}", path.display()))?;
@@ -83,7 +132,7 @@ pub fn load_profile(path: Option<&Path>, model: &ModelDesc) -> Result<Option<Pro
     let Some(path) = path else { return Ok(None) };
     let report = if path.is_dir() { path.join("report.json") } else { path.to_path_buf() };
     if report.extension().is_some_and(|e| e == "json") {
-        let r: crate::run::TpReport = serde_json::from_slice(
+        let r: crate::rundir::TpReport = serde_json::from_slice(
             &std::fs::read(&report).with_context(|| format!("reading the run's report {}", report.display()))?,
         )
         .with_context(|| format!("{} is not the report of a tensor-parallel run (`ironweave train --tp`)", report.display()))?;
@@ -99,7 +148,7 @@ pub fn load_profile(path: Option<&Path>, model: &ModelDesc) -> Result<Option<Pro
 /// backward of 3x forward with recomputation), so the model's compute per sub-layer is the
 /// measured one. The MLP's backward is taken from the layers below the last (whose backward
 /// stage also runs the head).
-pub fn profile_from_run(r: &crate::run::TpReport, model: &ModelDesc) -> Result<ProfileTable> {
+pub fn profile_from_run(r: &crate::rundir::TpReport, model: &ModelDesc) -> Result<ProfileTable> {
     let layers = model.layers as usize;
     if r.stage_compute_s.len() != 4 * layers + 1 || r.degrees.iter().any(|&d| d != r.tp) {
         bail!(

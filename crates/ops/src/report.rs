@@ -6,10 +6,27 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::{bail, Context, Result};
+
+/// `ironweave report`'s options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReportArgs {
+    /// The run directory (target/train-report, target/bench/ckpt, target/bench/scaling, ...).
+    pub dir: PathBuf,
+    /// Where to write the page (default: DIR/report.html).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// `ironweave report DIR`: writes the page and prints its path.
+pub fn command(a: &ReportArgs) -> Result<i32> {
+    let p = write(&a.dir, a.out.as_deref())?;
+    println!("{}", p.display());
+    Ok(0)
+}
 use plotters::prelude::*;
 use serde_json::Value;
 
-use crate::run::Report;
+use crate::rundir::Report;
 
 const W: u32 = 760;
 const H: u32 = 300;
@@ -131,7 +148,7 @@ pub fn write(dir: &Path, out: Option<&Path>) -> Result<PathBuf> {
         && serde_json::from_slice::<Value>(&std::fs::read(&rp)?)
             .is_ok_and(|v| v.get("schedule").is_some() && v.get("tp").is_some());
     if tp_run {
-        let r: crate::run::TpReport =
+        let r: crate::rundir::TpReport =
             serde_json::from_slice(&std::fs::read(&rp)?).with_context(|| format!("reading {}", rp.display()))?;
         summary = format!(
             "{}: tensor parallel {} x data parallel {}, schedule {} with {} sub-batches, {} iterations, loss {:.3} → {:.3}, median iteration {:.1} ms, {:.0}% of tensor-parallel communication hidden",

@@ -126,6 +126,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn rates_in_bits_and_bytes_per_second() {
+        assert_eq!(parse_rate("200mbit").unwrap(), 25_000_000);
+        assert_eq!(parse_rate("10Gbit").unwrap(), 1_250_000_000);
+        assert_eq!(parse_rate("125mbps").unwrap(), 125_000_000);
+        assert_eq!(parse_rate("800").unwrap(), 100);
+        assert!(parse_rate("fast").unwrap_err().to_string().contains("expected a number"));
+        assert!(parse_rate("3furlongs").unwrap_err().to_string().contains("expected a number"));
+        assert!(parse_rate("0mbit").unwrap_err().to_string().contains("positive"));
+    }
+
+    #[test]
     fn sizes() {
         assert_eq!(parse_size("4K").unwrap(), 4096);
         assert_eq!(parse_size(" 16m ").unwrap(), 16 << 20);
@@ -153,19 +164,29 @@ mod tests {
     }
 }
 
-/// Parses a link rate as `tc` writes it — `1gbit`, `300mbit`, `64kbit`, `2500bit` (either case)
-/// — into bytes per second.
+/// Parses a link rate as `tc` writes it — bits per second as `1gbit`, `300mbit`, `64kbit`,
+/// `2500bit` or a bare number, bytes per second as `125mbps`, `1gbps`, `64kbps`, `500bps`
+/// (either case) — into bytes per second.
 pub fn parse_rate(s: &str) -> Result<u64, ParseError> {
     let t = s.trim().to_ascii_lowercase();
-    let (num, mul) = [("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)]
-        .iter()
-        .find_map(|(suf, m)| t.strip_suffix(suf).map(|n| (n.to_string(), *m)))
-        .ok_or_else(|| ParseError(format!("rate {s:?}: expected a number with gbit, mbit, kbit or bit")))?;
+    let units =
+        [("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0), ("gbps", 8e9), ("mbps", 8e6), ("kbps", 8e3), ("bps", 8.0)];
+    let (num, bits) = match units.iter().find_map(|(suf, m)| t.strip_suffix(suf).map(|n| (n.to_string(), *m))) {
+        Some(x) => x,
+        None if t.chars().next().is_some_and(|c| c.is_ascii_digit()) && !t.chars().any(|c| c.is_ascii_alphabetic()) => {
+            (t.clone(), 1.0)
+        }
+        None => {
+            return Err(ParseError(format!(
+                "rate {s:?}: expected a number with gbit, mbit, kbit, bit (bits/s) or gbps, mbps, kbps, bps (bytes/s)"
+            )))
+        }
+    };
     let v: f64 = num.trim().parse().map_err(|_| ParseError(format!("rate {s:?}: {num:?} is not a number")))?;
     if !(v.is_finite() && v > 0.0) {
         return Err(ParseError(format!("rate {s:?} must be positive")));
     }
-    Ok((v * mul / 8.0) as u64)
+    Ok((v * bits / 8.0) as u64)
 }
 
 /// An element type: the workspace's one dtype — what collectives reduce, what a checkpoint's

@@ -58,7 +58,10 @@ pub fn command(c: &ClusterCmd) -> Result<i32> {
             let t = Topology::load(topology)?;
             Ok(if status(&t)? { 0 } else { 3 })
         }
-        ClusterCmd::Probe(a) => probe(a),
+        ClusterCmd::Probe(a) => {
+            crate::launch::install_signal_handlers();
+            probe(a)
+        }
     }
 }
 

@@ -3,6 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod replay;
+
 use crate::error::{bail, Context, Result};
 use ironweave_plan::chain::Method;
 use ironweave_plan::{sdp as psdp, tp as ptp, CostModel};
@@ -84,6 +86,22 @@ fn inputs(a: &SimArgs) -> Result<(&Path, &Path)> {
     }
 }
 
+/// `ironweave simulate`'s options.
+#[derive(Debug, clap::Args)]
+pub struct SimulateArgs {
+    /// tp: Megatron vs the Oases plan; sdp: FSDP vs the HSDP plan; ckpt: five checkpoint strategies.
+    pub scenario: String,
+    #[command(flatten)]
+    pub args: SimArgs,
+}
+
+/// `ironweave simulate SCENARIO`.
+pub fn command(a: &SimulateArgs) -> Result<i32> {
+    run(&a.scenario, &a.args)?;
+    Ok(0)
+}
+
+/// Runs `scenario` (tp, sdp, ckpt) and prints its table.
 pub fn run(scenario: &str, a: &SimArgs) -> Result<()> {
     if a.from_report.is_some() && scenario != "ckpt" {
         bail!("--from-report replays a checkpoint run: use it with `simulate ckpt`");
@@ -92,7 +110,7 @@ pub fn run(scenario: &str, a: &SimArgs) -> Result<()> {
         "tp" => run_tp(a),
         "sdp" => run_sdp(a),
         "ckpt" => match &a.from_report {
-            Some(dir) => crate::ckpt_replay::run(dir, a.json.as_deref()),
+            Some(dir) => crate::simulate::replay::run(dir, a.json.as_deref()),
             None => run_ckpt(a),
         },
         other => bail!("unknown scenario `{other}` (expected tp, sdp or ckpt)"),
@@ -199,7 +217,7 @@ fn run_ckpt(a: &SimArgs) -> Result<()> {
     for s in &a.strategies {
         let s = s.trim();
         if s.starts_with("capricorn-sparse") {
-            sparse.push(crate::run::parse_strategy(s)?.spread);
+            sparse.push(crate::train::args::parse_strategy(s)?.spread);
         } else {
             strategies.push(Strategy::parse(s)?);
         }

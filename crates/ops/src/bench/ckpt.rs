@@ -12,8 +12,9 @@ use crate::error::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::progress::{Mode, Progress};
-use crate::run::{median_after, parse_strategy, Report, TrainArgs};
-use crate::train::run;
+use crate::rundir::{median_after, Report};
+use crate::train::args::{parse_strategy, TrainArgs};
+use crate::train::moe::run;
 
 /// The five strategies of the paper's comparison.
 pub const FIVE: [&str; 5] = ["none", "blocking", "async", "gemini", "capricorn"];
@@ -485,7 +486,7 @@ mod tests {
         // the Gemini sweep: every name of it is a strategy the runs accept
         let sweep = expand(&v(&["none", "gemini-sweep"]), 1).unwrap();
         assert_eq!(sweep.len(), 1 + GEMINI_SWEEP.len());
-        assert!(sweep.iter().all(|s| crate::run::parse_strategy(s).is_ok()), "{sweep:?}");
+        assert!(sweep.iter().all(|s| crate::train::args::parse_strategy(s).is_ok()), "{sweep:?}");
         assert!(expand(&v(&["zip"]), 1).is_err());
         assert_eq!(median_after(&[9.0, 9.0, 3.0, 1.0, 2.0], 2), 2.0);
         assert_eq!(median_after(&[9.0, 9.0, 4.0, 1.0, 2.0, 3.0], 2), 2.5);

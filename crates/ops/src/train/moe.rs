@@ -17,10 +17,13 @@ use ironweave_train::model::Params;
 use ironweave_train::{StepReport, TrainConfig, Trainer};
 
 use crate::error::{bail, Context, Result};
-use crate::run::{host_fail_to_ranks, load_config, parse_fail, parse_strategy, process_footprint, RankLog, Report, TrainArgs};
+use crate::rundir::{process_footprint, Report};
+use crate::train::args::{host_fail_to_ranks, load_config, parse_fail, parse_strategy, TrainArgs};
+use crate::train::elastic::RankLog;
 
-/// The hidden `train-worker`'s options (set by `ironweave train`).
-#[derive(Debug, Clone, clap::Args)]
+/// The hidden `train-worker`'s options: `ironweave train` writes them with
+/// [`WorkerArgs::to_argv`], each rank parses them back and runs [`worker`].
+#[derive(Debug, Clone, PartialEq, clap::Args)]
 pub struct WorkerArgs {
     #[arg(long)]
     pub config: PathBuf,
@@ -44,6 +47,27 @@ pub struct WorkerArgs {
     /// Start from the newest complete checkpoint in this persistent tier.
     #[arg(long)]
     pub resume_from: Option<PathBuf>,
+}
+
+impl WorkerArgs {
+    /// The hidden subcommand that runs it.
+    pub const SUBCOMMAND: &'static str = "train-worker";
+
+    /// The rank's command line: the subcommand, then these options as clap parses them.
+    pub fn to_argv(&self) -> Vec<String> {
+        crate::Argv::new(Self::SUBCOMMAND)
+            .opt("config", self.config.display())
+            .opt("ckpt", &self.ckpt)
+            .some("iters", self.iters)
+            .opt("report-dir", self.report_dir.display())
+            .some("fail", self.fail.as_ref())
+            .opt("persist-every", self.persist_every)
+            .opt("replicas", self.replicas)
+            .some("bucket-kb", self.bucket_kb)
+            .some("storage-bytes-per-s", self.storage_bytes_per_s)
+            .some("resume-from", self.resume_from.as_ref().map(|p| p.display()))
+            .done()
+    }
 }
 
 /// The reference MoE trainer as an elastic worker: the runtime owns generations, restores and
@@ -80,7 +104,7 @@ impl Worker for MoeWorker {
         if let Some((ranks, fi)) = &self.fail {
             // only the job's first generation fails: a restarted rank runs to the end
             let armed = g.number == 0 && ranks.contains(&self.rank);
-            tr.backward_hook = Some(crate::run::kill_hook(armed, self.rank, *fi, self.cfg.model.layers / 2));
+            tr.backward_hook = Some(crate::train::elastic::kill_hook(armed, self.rank, *fi, self.cfg.model.layers / 2));
         }
         self.step = (tr.params.step as i64).to_le_bytes();
         self.trainer = Some(tr);
@@ -178,7 +202,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         ..choice.engine_config(&a.report_dir, a.persist_every)
     };
     let links = if choice.multilink { elastic::CheckpointLinks::All } else { elastic::CheckpointLinks::Training };
-    let job = crate::run::join_job(iters, ecfg.clone(), links, a.resume_from.as_deref())?;
+    let job = crate::train::elastic::join_job(iters, ecfg.clone(), links, a.resume_from.as_deref())?;
     let rank = job.rank();
     let mut w = MoeWorker {
         seed: (cfg.train.seed as i64).to_le_bytes(),
@@ -191,7 +215,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         initial: None,
         step: [0; 8],
     };
-    let done = crate::run::run_elastic(job, &mut w)?;
+    let done = crate::train::elastic::run_elastic(job, &mut w)?;
     let tr = w.trainer.take().context("the job ran no generation")?;
     let e = done.engine();
     let comm = done.comm().clone();
@@ -243,7 +267,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         let (mut bufs, step, seed) = tr.state_bytes();
         bufs.push(&step);
         bufs.push(&seed);
-        rep.digests = crate::run::Digests::of(&done, &bufs)?;
+        rep.digests = crate::rundir::Digests::of(&done, &bufs)?;
     }
     rep.restore_sources =
         done.restore_sources()?.into_iter().map(|s| s.map_or("", elastic::RestoreSource::name).to_string()).collect();
@@ -272,7 +296,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
 /// iteration wins, so a restarted rank 0 still reports every iteration), `expert_load.json`,
 /// `trace.json` and `timeline.svg`.
 fn write_rank0_files(rep: &mut Report, cfg: &TrainConfig, report_dir: &Path, iters: u64, tr: &Trainer, e: &Engine) -> Result<()> {
-    let last = crate::run::read_iterations(report_dir);
+    let last = crate::rundir::read_iterations(report_dir);
     let n = iters as usize;
     rep.iter_time_s = vec![0.0; n];
     rep.loss = vec![0.0; n];
@@ -333,7 +357,7 @@ fn write_rank0_files(rep: &mut Report, cfg: &TrainConfig, report_dir: &Path, ite
 }
 
 /// `ironweave train` of data and expert parallelism: launches the ranks, prints the summary;
-/// returns the exit status. ([`crate::train()`] picks this, `--tp` or `--sdp`.)
+/// returns the exit status. ([`crate::train::run`] picks this, `--tp` or `--sdp`.)
 pub fn run(a: &TrainArgs) -> Result<i32> {
     let (config, ranks, strategy, backend) = (a.config.as_path(), a.ranks, a.ckpt.as_str(), a.backend.as_str());
     let (iters, report_dir, persist_every) = (a.iters, a.report_dir.as_path(), a.persist_every);
@@ -377,39 +401,24 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     std::fs::create_dir_all(report_dir).with_context(|| format!("creating {}", report_dir.display()))?;
     if let Some(from) = &a.resume_from {
-        crate::run::check_resume_from(from, report_dir)?;
+        crate::train::args::check_resume_from(from, report_dir)?;
     }
     let _ = std::fs::remove_dir_all(report_dir.join("persist"));
     let _ = std::fs::remove_file(report_dir.join("report.json"));
     let _ = std::fs::remove_file(report_dir.join("iterations.jsonl"));
-    let mut args = vec![
-        "train-worker".to_string(),
-        "--config".into(),
-        config.display().to_string(),
-        "--ckpt".into(),
-        strategy.into(),
-        "--report-dir".into(),
-        report_dir.display().to_string(),
-        "--persist-every".into(),
-        persist_every.to_string(),
-        "--replicas".into(),
-        a.replicas.to_string(),
-    ];
-    if let Some(i) = iters {
-        args.extend(["--iters".into(), i.to_string()]);
+    let args = WorkerArgs {
+        config: config.to_path_buf(),
+        ckpt: strategy.to_string(),
+        iters,
+        report_dir: report_dir.to_path_buf(),
+        fail: fail.map(str::to_string),
+        persist_every,
+        replicas: a.replicas,
+        bucket_kb: a.bucket_kb,
+        storage_bytes_per_s: storage_per_rank,
+        resume_from: a.resume_from.clone(),
     }
-    if let Some(f) = fail {
-        args.extend(["--fail".into(), f.to_string()]);
-    }
-    if let Some(k) = a.bucket_kb {
-        args.extend(["--bucket-kb".into(), k.to_string()]);
-    }
-    if let Some(r) = storage_per_rank {
-        args.extend(["--storage-bytes-per-s".into(), format!("{r}")]);
-    }
-    if let Some(d) = &a.resume_from {
-        args.extend(["--resume-from".into(), d.display().to_string()]);
-    }
+    .to_argv();
     let topology = match &a.topology {
         Some(p) => Some((crate::cluster::Topology::load(p)?, a.ranks_per_host.max(1))),
         None => None,

@@ -9,8 +9,9 @@ use crate::error::{bail, Context, Result};
 use serde::Serialize;
 
 use crate::progress::{Mode, Progress};
-use crate::run::{Report, TrainArgs};
-use crate::train::run;
+use crate::rundir::Report;
+use crate::train::args::TrainArgs;
+use crate::train::moe::run;
 
 /// `ironweave bench scaling`'s options.
 #[derive(Debug, Clone, clap::Args)]

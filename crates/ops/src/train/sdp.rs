@@ -18,10 +18,13 @@ use ironweave_train::sdp::{SdpStep, SdpTrainer};
 use ironweave_train::TrainConfig;
 
 use crate::error::{bail, Context, Result};
-use crate::run::{load_config, RankLog, SdpReport, TrainArgs};
+use crate::rundir::SdpReport;
+use crate::train::args::{load_config, TrainArgs};
+use crate::train::elastic::RankLog;
 
-/// The per-rank options `train` hands to `sdp-worker`.
-#[derive(Debug, Clone, clap::Args)]
+/// The per-rank options `train --sdp` hands to `sdp-worker`: written with
+/// [`SdpWorkerArgs::to_argv`], parsed back by each rank, which runs [`worker`].
+#[derive(Debug, Clone, PartialEq, clap::Args)]
 pub struct SdpWorkerArgs {
     #[arg(long)]
     pub config: PathBuf,
@@ -54,6 +57,29 @@ pub struct SdpWorkerArgs {
 }
 
 /// Lanes of the trace: compute, then one per group (each on its own link).
+impl SdpWorkerArgs {
+    /// The hidden subcommand that runs it.
+    pub const SUBCOMMAND: &'static str = "sdp-worker";
+
+    /// The rank's command line: the subcommand, then these options as clap parses them.
+    pub fn to_argv(&self) -> Vec<String> {
+        crate::Argv::new(Self::SUBCOMMAND)
+            .opt("config", self.config.display())
+            .opt("strategy", &self.strategy)
+            .list("fractions", &self.fractions)
+            .opt("ranks-per-host", self.ranks_per_host)
+            .opt("full-link", &self.full_link)
+            .opt("inter-link", &self.inter_link)
+            .some("iters", self.iters)
+            .opt("report-dir", self.report_dir.display())
+            .opt("ckpt", &self.ckpt)
+            .some("fail", self.fail.as_ref())
+            .opt("persist-every", self.persist_every)
+            .some("resume-from", self.resume_from.as_ref().map(|p| p.display()))
+            .done()
+    }
+}
+
 pub const LANES: [&str; 3] = ["all-rank", "host", "cross-host"];
 
 fn link_index(comm: &ironweave_transport::Communicator, name: &str, default: usize) -> Result<usize> {
@@ -125,7 +151,7 @@ impl Worker for SdpWorker<'_> {
         let mut tr = SdpTrainer::new(self.cfg.clone(), self.corpus.clone(), comm, groups, self.strategy, &self.a.fractions)?;
         if let Some((ranks, fi)) = &self.fail {
             let armed = g.number == 0 && ranks.contains(&self.rank);
-            tr.set_backward_hook(crate::run::kill_hook(armed, self.rank, *fi, self.cfg.model.layers / 2));
+            tr.set_backward_hook(crate::train::elastic::kill_hook(armed, self.rank, *fi, self.cfg.model.layers / 2));
         }
         self.step = (tr.iter() as i64).to_le_bytes();
         self.tr = Some(tr);
@@ -219,15 +245,15 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
     let (cfg, corpus) = load_config(&a.config)?;
     let iters = a.iters.unwrap_or(cfg.train.iters);
     let strategy = Strategy::parse(&a.strategy)?;
-    let choice = crate::run::parse_strategy(&a.ckpt)?;
+    let choice = crate::train::args::parse_strategy(&a.ckpt)?;
     if choice.multilink {
         bail!("sharded runs checkpoint over the first link (their groups keep the others busy): use --ckpt capricorn");
     }
-    let fail = a.fail.as_deref().map(crate::run::parse_fail).transpose()?;
+    let fail = a.fail.as_deref().map(crate::train::args::parse_fail).transpose()?;
     let dir = &a.report_dir;
     std::fs::create_dir_all(dir)?;
     let ecfg = choice.engine_config(dir, a.persist_every);
-    let job = crate::run::join_job(iters, ecfg, elastic::CheckpointLinks::Training, a.resume_from.as_deref())?;
+    let job = crate::train::elastic::join_job(iters, ecfg, elastic::CheckpointLinks::Training, a.resume_from.as_deref())?;
     let rank = job.rank();
     let mut w = SdpWorker {
         a,
@@ -244,7 +270,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         step: [0; 8],
         last_spans: Vec::new(),
     };
-    let done = crate::run::run_elastic(job, &mut w)?;
+    let done = crate::train::elastic::run_elastic(job, &mut w)?;
     let tr = w.tr.take().context("the job ran no generation")?;
     let comm = done.comm().clone();
     let mut rep = SdpReport {
@@ -266,7 +292,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         let (mut bufs, step, seed) = tr.state_bufs();
         bufs.push(&step);
         bufs.push(&seed);
-        rep.digests = crate::run::Digests::of(&done, &bufs)?;
+        rep.digests = crate::rundir::Digests::of(&done, &bufs)?;
     }
     // the communication threads' CPU of every rank (read while the links are still open)
     let mut cpu =
@@ -286,7 +312,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
             lanes.push((r, serde_json::from_slice(&b).with_context(|| format!("rank {r}'s spans"))?));
         }
         // the whole run from the per-iteration lines (a re-run iteration's last line wins)
-        let by_iter = crate::run::read_iterations(dir);
+        let by_iter = crate::rundir::read_iterations(dir);
         for v in by_iter.values() {
             let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
             rep.iter_time_s.push(f("time"));
@@ -322,9 +348,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     let chosen = ironweave::Backend::pick(&a.backend)?;
     chosen.usable().with_context(|| format!("--backend {chosen} cannot run here (`ironweave doctor` says more)"))?;
     let (cfg, _) = load_config(&a.config)?;
-    let choice = crate::run::parse_strategy(&a.ckpt)?;
+    let choice = crate::train::args::parse_strategy(&a.ckpt)?;
     if let Some(f) = &a.fail {
-        crate::run::parse_fail(f)?;
+        crate::train::args::parse_fail(f)?;
         if choice.strategy == CkptStrategy::None {
             bail!("--fail needs a checkpoint to recover from: drop --ckpt none (capricorn is the default)");
         }
@@ -360,40 +386,24 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         let _ = std::fs::remove_file(a.report_dir.join(f));
     }
     if let Some(from) = &a.resume_from {
-        crate::run::check_resume_from(from, &a.report_dir)?;
+        crate::train::args::check_resume_from(from, &a.report_dir)?;
     }
     let _ = std::fs::remove_dir_all(a.report_dir.join("persist"));
-    let mut args = vec![
-        "sdp-worker".to_string(),
-        "--config".into(),
-        a.config.display().to_string(),
-        "--strategy".into(),
-        strategy.name().into(),
-        "--ranks-per-host".into(),
-        rph.to_string(),
-        "--full-link".into(),
+    let args = SdpWorkerArgs {
+        config: a.config.clone(),
+        strategy: strategy.name().into(),
+        fractions,
+        ranks_per_host: rph,
         full_link,
-        "--inter-link".into(),
         inter_link,
-        "--report-dir".into(),
-        a.report_dir.display().to_string(),
-        "--ckpt".into(),
-        a.ckpt.clone(),
-        "--persist-every".into(),
-        a.persist_every.to_string(),
-    ];
-    if let Some(f) = &a.fail {
-        args.extend(["--fail".into(), f.clone()]);
+        iters: a.iters,
+        report_dir: a.report_dir.clone(),
+        ckpt: a.ckpt.clone(),
+        fail: a.fail.clone(),
+        persist_every: a.persist_every,
+        resume_from: a.resume_from.clone(),
     }
-    if let Some(d) = &a.resume_from {
-        args.extend(["--resume-from".into(), d.display().to_string()]);
-    }
-    if !fractions.is_empty() {
-        args.extend(["--fractions".into(), fractions.iter().map(|f| format!("{f}")).collect::<Vec<_>>().join(",")]);
-    }
-    if let Some(i) = a.iters {
-        args.extend(["--iters".into(), i.to_string()]);
-    }
+    .to_argv();
     let topology = match &a.topology {
         Some(p) => Some((crate::cluster::load_up(p)?, rph)),
         None => None,
@@ -420,7 +430,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     let rep: SdpReport =
         serde_json::from_slice(&std::fs::read(a.report_dir.join("report.json")).context("reading report.json")?)?;
-    let steady = crate::run::median_after(&rep.iter_time_s, 2);
+    let steady = crate::rundir::median_after(&rep.iter_time_s, 2);
     if rep.recoveries > 0 {
         println!("recoveries: {}", rep.recoveries);
     }

@@ -314,10 +314,10 @@ fn measured(dir: &Path) -> Result<Measured> {
             link_bytes_per_iter_per_host: (link > 0.0).then(|| link / hosts / iters),
         })
     } else if dir.join("report.json").exists() {
-        let r: crate::run::Report = serde_json::from_value(read_json(&dir.join("report.json"))?)?;
+        let r: crate::rundir::Report = serde_json::from_value(read_json(&dir.join("report.json"))?)?;
         let topology =
             r.topology.clone().context("the run was not on the emulated cluster (no --topology): a replay needs its links")?;
-        let t = crate::run::median_after(&r.iter_time_s, 2);
+        let t = crate::rundir::median_after(&r.iter_time_s, 2);
         Ok(Measured {
             rows: vec![(r.strategy.clone(), t)],
             profile_dir: dir.to_path_buf(),
@@ -395,8 +395,11 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
     let strategies = Strategy::ALL;
     let fill = ironweave_ckpt::EngineConfig::default().window_fill;
     // every capricorn-sparse[K] row measured is replayed with its K
-    let sparse: Vec<u64> =
-        m.rows.iter().filter_map(|r| crate::run::parse_strategy(&r.0).ok().filter(|c| c.spread > 1).map(|c| c.spread)).collect();
+    let sparse: Vec<u64> = m
+        .rows
+        .iter()
+        .filter_map(|r| crate::train::args::parse_strategy(&r.0).ok().filter(|c| c.spread > 1).map(|c| c.spread))
+        .collect();
     let pred: Vec<Predicted> = replay_with(&bed, &strategies, fill, if topo.links.len() > 1 { rate(1)? } else { 0.0 }, &sparse)?;
     println!(
         "Replay of {} on {} ({} hosts x {} ranks, link {:.0} MB/s per host, {:.1} MB of state per rank, storage {}), probes: snapshot {:.1} ms, {:.2} ns of CPU per checkpoint byte {path}",

@@ -1,48 +1,70 @@
 //! `ironweave selftest SCENARIO`: small rank programs the fault tests start as real processes.
 
+pub mod ckpt;
+
 use crate::error::{bail, Result};
 use ironweave_transport::{Communicator, ReduceOp};
 
-/// Runs one scenario on this rank; errors are printed with their `Debug` form (the tests look
-/// for the variant) and the process exits with status 3.
+/// `ironweave selftest`'s options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SelftestArgs {
+    /// ok, loop, iloop, sloop, mismatch, stream, idle-wait, or ckpt (the
+    /// checkpoint recovery rank program).
+    pub scenario: String,
+    #[arg(long, default_value = "tcp")]
+    pub backend: String,
+}
+
+/// `ironweave selftest SCENARIO`: this rank's scenario.
+pub fn command(a: &SelftestArgs) -> Result<i32> {
+    if a.scenario == "ckpt" {
+        ckpt::run()?;
+    } else {
+        run(&a.scenario, &a.backend)?;
+    }
+    Ok(0)
+}
+
+/// Runs one scenario on this rank; a transport error is printed with its `Debug` form (the tests
+/// look for the variant) and ends the run with exit status 3 ([`crate::Error::Exit`]); a wrong
+/// sum with 4.
 pub fn run(scenario: &str, backend: &str) -> Result<()> {
     let comm = match crate::backend::connect(backend) {
         Ok(c) => c,
-        Err(e) => fail(&e),
+        Err(e) => return Err(fail(&e)),
     };
     // Which path the world's collectives take, for the fault tests to check they test it.
     eprintln!("selftest path {}", if comm.uses_shared_memory() { "shm" } else { "link" });
     let r = match scenario {
         "ok" => ok(&comm),
-        "loop" => looping(&comm),
-        "mismatch" => mismatch(&comm),
-        "stream" => stream(&comm),
-        "idle-wait" => idle_wait(&comm),
-        "iloop" => nonblocking_loop(&comm),
-        "sloop" => striped_loop(&comm),
+        "loop" => looping(&comm).map(|()| true),
+        "mismatch" => mismatch(&comm).map(|()| true),
+        "stream" => stream(&comm).map(|()| true),
+        "idle-wait" => idle_wait(&comm).map(|()| true),
+        "iloop" => nonblocking_loop(&comm).map(|()| true),
+        "sloop" => striped_loop(&comm).map(|()| true),
         other => bail!("unknown selftest scenario {other:?} (ok, loop, iloop, sloop, mismatch, stream, idle-wait)"),
     };
-    if let Err(e) = r {
-        fail(&e);
+    match r {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(crate::Error::Exit(4)),
+        Err(e) => Err(fail(&e)),
     }
-    Ok(())
 }
 
-fn fail(e: &ironweave_transport::Error) -> ! {
+fn fail(e: &ironweave_transport::Error) -> crate::Error {
     eprintln!("selftest error: {e:?}\nselftest error message: {e}");
-    std::process::exit(3);
+    crate::Error::Exit(3)
 }
 
-fn ok(c: &Communicator) -> ironweave_transport::Result<()> {
+/// Whether the sum came out right.
+fn ok(c: &Communicator) -> ironweave_transport::Result<bool> {
     let mut v = vec![1i64; 1000];
     c.all_reduce(&mut v, ReduceOp::Sum)?;
     c.barrier()?;
     let good = v.iter().all(|&x| x == c.size() as i64);
     println!("selftest ok rank {} of {} sum-correct={good}", c.rank(), c.size());
-    if !good {
-        std::process::exit(4);
-    }
-    Ok(())
+    Ok(good)
 }
 
 fn looping(c: &Communicator) -> ironweave_transport::Result<()> {

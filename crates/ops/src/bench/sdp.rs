@@ -16,9 +16,9 @@ use ironweave_plan::{sdp as psdp, ClusterDesc, CostModel, MeasuredOp, ModelDesc,
 use serde::{Deserialize, Serialize};
 
 use crate::progress::{Mode, Progress};
-use crate::run::median_after;
-use crate::run::SdpReport;
-use crate::run::TrainArgs;
+use crate::rundir::median_after;
+use crate::rundir::SdpReport;
+use crate::train::args::TrainArgs;
 
 /// `ironweave bench sdp`'s options.
 #[derive(Debug, Clone, clap::Args)]
@@ -205,7 +205,7 @@ fn run_all(a: &SdpBenchArgs, topo: &crate::cluster::Topology, model: &ModelDesc)
     let probe_path = a.out.join("probe.json");
     probe(a, &probe_path)?;
     progress.step(1, &format!("probed the links ({})", probe_path.display()));
-    let rates: Vec<f64> = topo.links.iter().map(|l| crate::run::tc_rate_bytes(&l.rate)).collect::<Result<_>>()?;
+    let rates: Vec<f64> = topo.links.iter().map(|l| Ok(ironweave_units::parse_rate(&l.rate)? as f64)).collect::<Result<_>>()?;
     let plan_path = a.out.join("plan.json");
     let mut measured: Vec<(SdpReport, Vec<u64>)> = Vec::new();
     let mut planned: Option<(ClusterDesc, ProfileTable, psdp::SdpPlan)> = None;
@@ -252,7 +252,7 @@ fn run_all(a: &SdpBenchArgs, topo: &crate::cluster::Topology, model: &ModelDesc)
             ..TrainArgs::new(&a.config)
         };
         let before = crate::cluster::link_tx_bytes(topo)?;
-        let code = crate::sdp::run(&args)?;
+        let code = crate::train::sdp::run(&args)?;
         if code != 0 {
             bail!("the {} run failed (status {code}); see its output above", v.name);
         }
