@@ -121,7 +121,7 @@ fn main() -> Result<()> {
             if !problems.is_empty() {
                 bail!("{} problems (docs/ARCHITECTURE.md, \"Architecture invariants\")", problems.len());
             }
-            println!("tidy: no module cycle, no upward import, the binary parses and dispatches");
+            println!("tidy: no module cycle, no upward import, the binary parses and dispatches, deterministic cores pure, no forbidden dependency");
             Ok(())
         }
         Cmd::Bindings(BindingsCmd::Ucx) => {

@@ -45,7 +45,7 @@ pub const CRATE_LAYERS: &[&[&str]] = &[
     &["ironweave-ucx-sys"],
     &["ironweave-tcp", "ironweave-ucx", "ironweave-verbs", "ironweave-overlap", "ironweave-ckpt"],
     // NCCL's host traffic goes over the TCP backend
-    &["ironweave-nccl", "ironweave-shard", "ironweave-sim"],
+    &["ironweave-nccl", "ironweave-sdp", "ironweave-sim"],
     &["ironweave-train", "ironweave"],
     &["ironweave-testkit"],
     &["ironweave-ops", "ironweave-airq"],
@@ -723,6 +723,111 @@ pub fn backend_uses(root: &Path) -> Vec<String> {
     out
 }
 
+/// The deterministic cores: sources that may do no IO and read no clock (they take a `Clock`,
+/// events or structs), relative to the workspace root; a folder means every file in it.
+/// `ironweave-profile`'s `clock.rs` is the one real clock they are handed.
+pub const PURE: &[&str] = &[
+    "crates/plan/src",
+    "crates/sim/src",
+    "crates/profile/src",
+    "crates/overlap/src/schedule.rs",
+    "crates/ckpt/src/partition.rs",
+    "crates/ckpt/src/schedule.rs",
+];
+
+/// Outside crates some workspace crates may not depend on, and why: the engines own flat
+/// buffers and know nothing of a tensor library; no async runtime carries the data path.
+pub const FORBIDDEN_DEPS: &[(&str, &[&str], &str)] = &[
+    (
+        "candle",
+        &[
+            "ironweave-transport",
+            "ironweave-profile",
+            "ironweave-ckpt",
+            "ironweave-sdp",
+            "ironweave-overlap",
+            "ironweave-plan",
+            "ironweave-sim",
+            "ironweave-tcp",
+            "ironweave-ucx",
+            "ironweave-verbs",
+            "ironweave-nccl",
+        ],
+        "the engines own flat buffers; the model is the caller's",
+    ),
+    ("tokio", &["*"], "no async runtime in the data path: progress threads and blocking waits"),
+    ("async-std", &["*"], "no async runtime in the data path: progress threads and blocking waits"),
+];
+
+/// Dependencies [`FORBIDDEN_DEPS`] rules out (a prefix: `candle` is `candle-core` too).
+pub fn forbidden_deps(crates: &[(String, PathBuf, Vec<String>)], rules: &[(&str, &[&str], &str)]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (name, _, ds) in crates {
+        for (dep, who, why) in rules {
+            if !(who.contains(&"*") || who.contains(&name.as_str())) {
+                continue;
+            }
+            for d in ds.iter().filter(|d| d.starts_with(dep)) {
+                out.push(format!("`{name}` depends on `{d}`: {why}"));
+            }
+        }
+    }
+    out
+}
+
+/// What a deterministic core may not name: clocks, files, sockets, the environment,
+/// processes, printing.
+const IMPURE: [&str; 12] = [
+    "Instant::now",
+    "SystemTime",
+    "std::fs",
+    "File::",
+    "std::net",
+    "std::env",
+    "std::process",
+    "std::io::stdin",
+    "println!",
+    "eprintln!",
+    "print!",
+    "thread::sleep",
+];
+
+/// Where the sources of `files` (path, text) do IO or read a clock, comments, strings and tests
+/// left out.
+pub fn impure(files: &[(PathBuf, String)]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (f, text) in files {
+        for (ln, line) in strip(text).lines().enumerate() {
+            if let Some(pat) = IMPURE.iter().find(|p| line.contains(*p)) {
+                out.push(format!(
+                    "{}:{}: `{pat}` in a deterministic core (take a Clock or the bytes instead)",
+                    f.display(),
+                    ln + 1
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// The [`PURE`] sources under `root`, read.
+fn pure_sources(root: &Path) -> Vec<(PathBuf, String)> {
+    let mut files = Vec::new();
+    for p in PURE {
+        let path = root.join(p);
+        if path.is_dir() {
+            rust_files(&path, &mut files);
+        } else {
+            files.push(path);
+        }
+    }
+    files
+        .into_iter()
+        .filter(|f| !f.ends_with("profile/src/clock.rs"))
+        .filter_map(|f| std::fs::read_to_string(&f).ok().map(|s| (f, s)))
+        .collect()
+}
+
 /// Every check on the workspace at `root`: the problems found (empty: tidy).
 pub fn check(root: &Path) -> Vec<String> {
     let mut out = Vec::new();
@@ -741,6 +846,8 @@ pub fn check(root: &Path) -> Vec<String> {
     out.extend(cli_violations(&cli).into_iter().map(|v| format!("ironweave-cli: {v}")));
     out.extend(unused_deps(&root.join("crates/cli")).into_iter().map(|d| format!("ironweave-cli lists `{d}` and never uses it")));
     out.extend(backend_uses(root));
+    out.extend(impure(&pure_sources(root)));
+    out.extend(forbidden_deps(&cs, FORBIDDEN_DEPS));
     out
 }
 
@@ -762,6 +869,34 @@ mod tests {
     fn the_workspace_is_tidy() {
         let problems = check(&root());
         assert!(problems.is_empty(), "{} problems:\n{}", problems.len(), problems.join("\n"));
+    }
+
+    #[test]
+    fn a_tensor_library_under_an_engine_is_found() {
+        let cs = vec![
+            ("ironweave-sdp".to_string(), PathBuf::new(), vec!["candle-core".to_string(), "thiserror".to_string()]),
+            ("ironweave".to_string(), PathBuf::new(), vec!["candle-core".to_string()]),
+            ("ironweave-tcp".to_string(), PathBuf::new(), vec!["tokio".to_string()]),
+        ];
+        let v = forbidden_deps(&cs, FORBIDDEN_DEPS);
+        assert_eq!(v.len(), 2, "{v:?}");
+        assert!(
+            v[0].contains("`ironweave-sdp` depends on `candle-core`") && v[1].contains("`ironweave-tcp` depends on `tokio`"),
+            "{v:?}"
+        );
+    }
+
+    #[test]
+    fn io_or_a_clock_in_a_deterministic_core_is_found() {
+        let files = vec![(
+            PathBuf::from("crates/sim/src/engine.rs"),
+            "// Instant::now in a comment is fine\nfn f() -> u64 {\n    let t = std::time::Instant::now();\n    let s = \"std::fs\";\n    std::fs::read(\"x\").map_or(0, |v| v.len() as u64)\n}\n"
+                .to_string(),
+        )];
+        let v = impure(&files);
+        assert_eq!(v.len(), 2, "{v:?}");
+        assert!(v[0].contains("engine.rs:3: `Instant::now`") && v[1].contains("engine.rs:5: `std::fs`"), "{v:?}");
+        assert!(pure_sources(&root()).len() > 10, "the deterministic cores' sources are found");
     }
 
     #[test]

@@ -231,6 +231,17 @@ pub fn local_world(n: usize, cfg: &TcpConfig, opts: CommOptions) -> Result<Vec<C
     ironweave_transport::rendezvous::local_job(n, "tcp", move |env| connect(&env, &cfg, opts.clone()))
 }
 
+/// [`local_world`] over one unshaped loopback link per name, every wait bounded by `timeout`:
+/// a job with several links inside this process (tests, examples).
+pub fn local_world_on_links(n: usize, names: &[&str], timeout: Duration) -> Result<Vec<Communicator>> {
+    let links = names
+        .iter()
+        .map(|name| LinkSpec { name: (*name).into(), bind: IpAddr::V4(Ipv4Addr::LOCALHOST), rate_bytes_per_s: None })
+        .collect();
+    let cfg = TcpConfig { links, timeout, linger: Duration::from_secs(2), ..TcpConfig::default() };
+    local_world(n, &cfg, CommOptions { timeout, ..CommOptions::default() })
+}
+
 /// Joins the job: rendezvous, one link per [`LinkSpec`], the world communicator. When every
 /// rank is on one host, the first link also gets the intra-host shared-memory path
 /// ([`ironweave_transport::shm`]), which the world communicator's collectives then take.

@@ -282,14 +282,12 @@ impl Link for VerbsLink {
     }
 
     fn irecv(&self, peer: usize, tag: Tag) -> Result<RecvHandle> {
-        self.shared.mailbox.check_rank(peer)?;
-        Ok(self.shared.mailbox.post(peer, tag))
+        self.shared.mailbox.irecv(peer, tag)
     }
 
     unsafe fn irecv_into(&self, peer: usize, tag: Tag, dst: *mut u8, len: usize) -> Result<RecvHandle> {
-        self.shared.mailbox.check_rank(peer)?;
         // SAFETY: forwarded from the caller (Link::irecv_into's contract).
-        Ok(unsafe { self.shared.mailbox.post_into(peer, tag, dst, len) })
+        unsafe { self.shared.mailbox.irecv_into(peer, tag, dst, len) }
     }
 
     fn abort(&self, reason: &str) {

@@ -5,9 +5,8 @@
 
 mod common;
 
-use common::{launch, train_args};
-use ironweave_testkit::final_states;
-use std::process::Command;
+use common::{job, launch, train_args};
+use ironweave_testkit::{assert_restored_from_memory, final_states};
 
 #[test]
 fn airq_survives_kill_9_of_a_rank_bit_identical_on_4_ranks() {
@@ -18,25 +17,8 @@ fn airq_survives_kill_9_of_a_rank_bit_identical_on_4_ranks() {
     let clean_state = final_states(&clean);
     assert_eq!(clean_state.len(), 4, "{clean:?}");
 
-    let mut pid: Option<String> = None;
-    let mut killed = false;
-    let run = launch(&train_args(4, 2, &base.join("killed"), iters), 300, |l| {
-        if let Some(rest) = l.strip_prefix("rank 1 pid ") {
-            pid = rest.split_whitespace().next().map(String::from);
-        }
-        if !killed && l.starts_with("rank 1: iteration 10 ") {
-            let p = pid.clone().expect("rank 1 printed its pid first");
-            assert!(Command::new("kill").args(["-9", &p]).status().unwrap().success(), "kill -9 {p}");
-            killed = true;
-        }
-    });
-    assert!(killed, "rank 1 never reached iteration 10: {run:?}");
-    let restored: Vec<&String> = run.iter().filter(|l| l.contains(": restored iteration ")).collect();
-    assert_eq!(restored.len(), 4, "every rank restores once: {run:?}");
-    for l in &restored {
-        assert!(l.ends_with("from own memory") || l.ends_with("from peer"), "restored from memory, not {l}");
-    }
-    assert!(restored.iter().any(|l| l.starts_with("rank 1:") && l.ends_with("from peer")), "{restored:?}");
+    let run = job(&train_args(4, 2, &base.join("killed"), iters)).run_killing(1, 10);
+    assert_restored_from_memory(&run, 4, 1);
     assert!(run.iter().any(|l| l.contains("1 recoveries")), "{run:?}");
     assert_eq!(final_states(&run), clean_state, "{run:?}");
 

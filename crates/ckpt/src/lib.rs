@@ -25,6 +25,7 @@
 //! assert_eq!(snap.tensor("step"), Some(&step[..]));
 //! # Ok::<(), ironweave_ckpt::CkptError>(())
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod engine;
 mod error;

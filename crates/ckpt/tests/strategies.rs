@@ -137,16 +137,7 @@ fn capricorn_replicates_in_windows_and_reprofiles_only_on_drift() {
 fn capricorn_routes_chunks_over_an_idle_second_link() {
     // two loopback links; training all-reduces on the first only, so the second is one long
     // window and takes chunks from the start of every iteration
-    let spec =
-        |name: &str| ironweave_tcp::LinkSpec { name: name.into(), bind: "127.0.0.1".parse().unwrap(), rate_bytes_per_s: None };
-    let cfg = ironweave_tcp::TcpConfig {
-        links: vec![spec("a"), spec("b")],
-        timeout: Duration::from_secs(60),
-        linger: Duration::from_secs(2),
-        ..ironweave_tcp::TcpConfig::default()
-    };
-    let opts = ironweave_transport::CommOptions { timeout: Duration::from_secs(60), ..Default::default() };
-    let worlds = ironweave_tcp::local_world(2, &cfg, opts).unwrap();
+    let worlds = ironweave_tcp::local_world_on_links(2, &["a", "b"], Duration::from_secs(60)).unwrap();
     let out = train_on(worlds, Strategy::Capricorn, 6, 100, None, vec![1], None);
     for (rank, o) in out.iter().enumerate() {
         assert_eq!(o.committed, Some(6));

@@ -23,20 +23,15 @@ fn cluster_lock() -> std::sync::MutexGuard<'static, ()> {
 fn campaign(name: &str, runs: usize, args: &[&str]) -> (Vec<serde_json::Value>, String) {
     let base = std::env::temp_dir().join(format!("ironweave-{name}-{}", std::process::id()));
     let json = base.join("chaos.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-        .args(["chaos", "--config", "configs/moe-tiny.toml", "--ranks", "4", "--iters", "12", "--persist-every", "4"])
-        .args(["--runs", &runs.to_string()])
-        .args(args)
-        .arg("--out")
-        .arg(base.join("runs"))
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{text}");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let (v, text) = ironweave_testkit::json_of(
+        ironweave_testkit::ironweave()
+            .args(["chaos", "--config", "configs/moe-tiny.toml", "--ranks", "4", "--iters", "12", "--persist-every", "4"])
+            .args(["--runs", &runs.to_string()])
+            .args(args)
+            .arg("--out")
+            .arg(base.join("runs")),
+        &json,
+    );
     let rs = v["runs"].as_array().unwrap().clone();
     assert_eq!(rs.len(), runs, "{text}");
     for r in &rs {

@@ -5,8 +5,6 @@
 //! mechanism — the link each row's traffic took, by the kernel's own counters, and the
 //! communication threads' CPU per byte.
 
-use std::process::Command;
-
 #[test]
 fn bench_sdp_rows_carry_their_links_and_predictions() {
     if !ironweave_testkit::can_run_emulated("bench_sdp_rows_carry_their_links_and_predictions") {
@@ -14,17 +12,12 @@ fn bench_sdp_rows_carry_their_links_and_predictions() {
     }
     let base = std::env::temp_dir().join(format!("ironweave-bench-sdp-{}", std::process::id()));
     let json = base.join("rows.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-        .args(["bench", "sdp", "--iters", "3", "--probe-seconds", "0.5", "--out"])
-        .arg(base.join("runs"))
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{text}");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let (v, text) = ironweave_testkit::json_of(
+        ironweave_testkit::ironweave()
+            .args(["bench", "sdp", "--iters", "3", "--probe-seconds", "0.5", "--out"])
+            .arg(base.join("runs")),
+        &json,
+    );
     let rows = v["rows"].as_array().unwrap();
     let names: Vec<&str> = rows.iter().map(|r| r["strategy"].as_str().unwrap()).collect();
     assert_eq!(names, ["replicated", "full (a)", "full (b)", "full (striped a+b)", "hybrid", "hybrid (a)", "hsdp"]);

@@ -70,7 +70,7 @@ fn main() -> Result<(), BoxError> {
     let iters: u64 = args.next().unwrap_or_else(|| "60".into()).parse()?;
     let layout = match args.next().as_deref() {
         None | Some("dp") => Layout::DataParallel,
-        Some(s) => Layout::sharded(ironweave::shard::Strategy::parse(s)?, 2), // hosts of 2 ranks
+        Some(s) => Layout::sharded(ironweave::sdp::Strategy::parse(s)?, 2), // hosts of 2 ranks
     };
     let engine = EngineConfig { strategy: Strategy::Capricorn, ..Default::default() };
     let job = Job::from_env(Config::new(iters, engine))?; // rank, world, generation from the launcher

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use candle_nn::VarMap;
 use ironweave::candle::{Layout, Trainer, TrainerConfig};
-use ironweave::shard::{Adam, Strategy};
+use ironweave::sdp::{Adam, Strategy};
 
 #[path = "common/mlp.rs"]
 mod mlp;

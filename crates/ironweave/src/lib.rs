@@ -36,9 +36,11 @@
 //! ```
 
 #![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod backend;
 #[cfg(feature = "candle")]
+#[cfg_attr(docsrs, doc(cfg(feature = "candle")))]
 pub mod candle;
 mod doctor;
 pub mod elastic;
@@ -48,7 +50,7 @@ pub use doctor::{doctor, BackendReport};
 pub use ironweave_ckpt as ckpt;
 pub use ironweave_plan as plan;
 pub use ironweave_profile as profile;
-pub use ironweave_shard as shard;
+pub use ironweave_sdp as sdp;
 pub use ironweave_transport as transport;
 pub use ironweave_transport::rendezvous::JobEnv;
 pub use ironweave_transport::{CommOptions, Communicator, Error, ReduceOp, Result};

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use ironweave_testkit::{example, final_states, launch, target_bin};
+use ironweave_testkit::{assert_restored_from_memory, example, final_states, launch, target_bin, Launch};
 
 /// Runs `data_parallel ITERS DIR` on two ranks; returns each rank's stdout.
 fn job(iters: u64, dir: &Path) -> Vec<String> {
@@ -83,27 +83,9 @@ fn elastic_kill_9(layout: &str) {
     let clean = launch(&args("0"), 300, |_| {});
     let clean_state = final_states(&clean);
     assert_eq!(clean_state.len(), 4, "{clean:?}");
-    let mut pid: Option<String> = None;
-    let mut killed = false;
-    let run = launch(&args("2"), 300, |l| {
-        if let Some(rest) = l.strip_prefix("rank 1 pid ") {
-            pid = rest.split_whitespace().next().map(String::from);
-        }
-        if !killed && l.starts_with("rank 1: iteration 10 ") {
-            let p = pid.clone().expect("rank 1 printed its pid first");
-            let st = Command::new("kill").args(["-9", &p]).status().unwrap();
-            assert!(st.success(), "kill -9 {p}");
-            killed = true;
-        }
-    });
-    assert!(killed, "rank 1 never reached iteration 10: {run:?}");
-    let restored: Vec<&String> = run.iter().filter(|l| l.contains(": restored iteration ")).collect();
-    assert_eq!(restored.len(), 4, "every rank restores once: {run:?}");
-    for l in &restored {
-        assert!(l.ends_with("from own memory") || l.ends_with("from peer"), "restored from memory, not {l}");
-    }
-    // the restarted rank restored from its replica holder's memory
-    assert!(restored.iter().any(|l| l.starts_with("rank 1:") && l.ends_with("from peer")), "{restored:?}");
+    let run = Launch::new(&args("2")).run_killing(1, 10);
+    // every rank restored from memory, the restarted one from its replica holder's
+    assert_restored_from_memory(&run, 4, 1);
     // and the job ends where the uninterrupted one does, to the last bit
     assert_eq!(final_states(&run), clean_state, "{run:?}");
 }

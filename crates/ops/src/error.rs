@@ -48,7 +48,7 @@ pub enum Error {
     Train(#[from] ironweave_train::TrainError),
     /// The sharded engine.
     #[error(transparent)]
-    Shard(#[from] ironweave_shard::ShardError),
+    Sdp(#[from] ironweave_sdp::SdpError),
     /// The planners.
     #[error(transparent)]
     Plan(#[from] ironweave_plan::PlanError),

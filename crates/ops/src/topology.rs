@@ -139,4 +139,44 @@ mod tests {
             assert!(e.contains(why), "{text:?}: {e}");
         }
     }
+
+    /// The emulated beds are described twice, once for `cluster up` (a topology) and once for
+    /// the planners (a cluster description): the planner's inter-node links must be the
+    /// topology's links at the topology's rates, or plans are made for a bed that is not there.
+    #[test]
+    fn emulated_cluster_descriptions_match_their_topologies() {
+        use ironweave_plan::{ClusterDesc, Scope};
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        // every configs/clusters/emulated-*.toml and the topology it describes
+        let beds = [("emulated-2host.toml", "2host-2link.toml"), ("emulated-2host-2link.toml", "2host-2link.toml")];
+        let mut found: Vec<String> = std::fs::read_dir(root.join("configs/clusters"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("emulated-"))
+            .collect();
+        found.sort();
+        let mut listed: Vec<String> = beds.iter().map(|(c, _)| c.to_string()).collect();
+        listed.sort();
+        assert_eq!(found, listed, "a new emulated cluster description: name its topology in this test");
+        for (cluster, topology) in beds {
+            let c = ClusterDesc::from_toml_str(&std::fs::read_to_string(root.join("configs/clusters").join(cluster)).unwrap())
+                .unwrap();
+            let t = Topology::load(&root.join("topologies").join(topology)).unwrap();
+            assert_eq!(c.nodes as usize, t.hosts, "{cluster} vs {topology}: hosts");
+            let inter: Vec<_> = c.links.iter().filter(|l| l.scope == Scope::InterNode).collect();
+            assert!(!inter.is_empty(), "{cluster}: no inter-node link");
+            for l in inter {
+                let def = t.links.iter().find(|d| d.name == l.name);
+                let def = def.unwrap_or_else(|| panic!("{cluster}: link {} is not in {topology}", l.name));
+                let rate = ironweave_units::parse_rate(&def.rate).unwrap() as f64;
+                assert!(
+                    (l.bytes_per_s() - rate).abs() <= 1e-9 * rate,
+                    "{cluster}: link {} at {} B/s, {topology} says {} ({rate} B/s)",
+                    l.name,
+                    l.bytes_per_s(),
+                    def.rate
+                );
+            }
+        }
+    }
 }

@@ -142,6 +142,61 @@ impl Launch {
     }
 }
 
+impl Launch {
+    /// [`Launch::run`], killing rank `rank` with SIGKILL as soon as it prints `rank R:
+    /// iteration N ` (it dies inside iteration N + 1). The rank must print `rank R pid P`
+    /// before. Panics when it never reached iteration N.
+    pub fn run_killing(&self, rank: usize, after_iter: u64) -> Vec<String> {
+        let (pid_line, iter_line) = (format!("rank {rank} pid "), format!("rank {rank}: iteration {after_iter} "));
+        let mut pid: Option<String> = None;
+        let mut killed = false;
+        let run = self.run(|l| {
+            if let Some(rest) = l.strip_prefix(&pid_line) {
+                pid = rest.split_whitespace().next().map(String::from);
+            }
+            if !killed && l.starts_with(&iter_line) {
+                let p = pid.clone().unwrap_or_else(|| panic!("rank {rank} printed its pid first"));
+                let st = Command::new("kill").args(["-9", &p]).status().expect("running kill");
+                assert!(st.success(), "kill -9 {p}");
+                killed = true;
+            }
+        });
+        assert!(killed, "rank {rank} never reached iteration {after_iter}: {run:?}");
+        run
+    }
+}
+
+/// The lines of an elastic job after one rank was killed once: every one of `world` ranks
+/// restored once, from memory (its own or a peer's), and the killed rank from a peer.
+pub fn assert_restored_from_memory(run: &[String], world: usize, killed: usize) {
+    let restored: Vec<&String> = run.iter().filter(|l| l.contains(": restored iteration ")).collect();
+    assert_eq!(restored.len(), world, "every rank restores once: {run:?}");
+    for l in &restored {
+        assert!(l.ends_with("from own memory") || l.ends_with("from peer"), "restored from memory, not {l}");
+    }
+    let from_peer = format!("rank {killed}:");
+    assert!(restored.iter().any(|l| l.starts_with(&from_peer) && l.ends_with("from peer")), "{restored:?}");
+}
+
+/// The built `ironweave` binary, to run from the repository's root (where `configs/` and
+/// `topologies/` are).
+pub fn ironweave() -> Command {
+    let mut c = Command::new(target_bin("ironweave"));
+    c.current_dir(repo_root());
+    c
+}
+
+/// Runs `cmd` with `--json PATH` appended, to its end: panics with its output unless it
+/// succeeds; returns the JSON document it wrote and its output (standard output, then errors).
+pub fn json_of(cmd: &mut Command, json: &Path) -> (serde_json::Value, String) {
+    let out = cmd.arg("--json").arg(json).output().expect("starting the command");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{cmd:?}: {}\n{text}", out.status);
+    let bytes = std::fs::read(json).unwrap_or_else(|e| panic!("{cmd:?} wrote no {}: {e}\n{text}", json.display()));
+    let v = serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{}: not JSON: {e}\n{text}", json.display()));
+    (v, text)
+}
+
 /// [`Launch::run`] of `ironweave launch ARGS` with a deadline of `secs`.
 pub fn launch<S: AsRef<str>>(args: &[S], secs: u64, on_line: impl FnMut(&str)) -> Vec<String> {
     Launch::new(args).deadline(Duration::from_secs(secs)).run(on_line)

@@ -1,5 +1,5 @@
 //! The GPT's backward stages for the bucketed data-parallel averaging of
-//! [`ironweave_shard::ddp`] (one implementation, shared with the candle adapter): dense
+//! [`ironweave_sdp::ddp`] (one implementation, shared with the candle adapter): dense
 //! gradients are grouped into buckets in the order backward finishes them (head, last layer,
 //! ..., first layer, embeddings); a bucket's average starts on a communication thread as soon
 //! as its last gradient is final and travels while the remaining layers compute. Bucketed and
@@ -9,9 +9,9 @@ use crate::error::{Result, TrainError};
 
 /// Default bucket size. DDP's 25 MB is a few percent of a BERT-scale gradient; ours are a few
 /// MB (moe-small's dense gradients: ~2.4 MB), so 512 KiB gives the backward several buckets.
-pub const DEFAULT_BUCKET_KB: usize = ironweave_shard::ddp::DEFAULT_BUCKET_BYTES >> 10;
+pub const DEFAULT_BUCKET_KB: usize = ironweave_sdp::ddp::DEFAULT_BUCKET_BYTES >> 10;
 
-pub use ironweave_shard::ddp::{ordered_avg, Bucket, GradSyncStats};
+pub use ironweave_sdp::ddp::{ordered_avg, Bucket, GradSyncStats};
 
 /// Position in the backward pass after which a parameter's gradient is final:
 /// 0 = the head (`lnf.*`, `head`), 1 + (L - 1 - l) = layer `l`, L + 1 = the embeddings.
@@ -32,14 +32,14 @@ pub fn backward_stage(name: &str, layers: usize) -> Result<usize> {
 }
 
 /// Groups the GPT's parameters `(index, name, floats)` into buckets of at most `bucket_bytes`
-/// in backward order ([`ironweave_shard::ddp::plan_buckets`] with the stages of
+/// in backward order ([`ironweave_sdp::ddp::plan_buckets`] with the stages of
 /// [`backward_stage`]); `None`: one bucket, ready after the whole backward.
 pub fn plan_buckets(params: &[(usize, &str, usize)], layers: usize, bucket_bytes: Option<usize>) -> Result<Vec<Bucket>> {
     let mut staged = Vec::with_capacity(params.len());
     for &(i, name, n) in params {
         staged.push((i, backward_stage(name, layers)?, n));
     }
-    Ok(ironweave_shard::ddp::plan_buckets(&staged, bucket_bytes, layers + 1))
+    Ok(ironweave_sdp::ddp::plan_buckets(&staged, bucket_bytes, layers + 1))
 }
 
 /// Seconds of `a` covered by `b` (the overlap scheduler's measure, shared).
@@ -73,7 +73,7 @@ mod tests {
 
     #[test]
     fn the_gpt_s_buckets_follow_its_backward_stages() {
-        // the coverage and size rules are ironweave_shard::ddp's (tested there); here: the
+        // the coverage and size rules are ironweave_sdp::ddp's (tested there); here: the
         // GPT's names give the stages, the head's bucket leaves first, None is one bucket
         let p = params(3);
         let refs: Vec<(usize, &str, usize)> = p.iter().map(|(i, n, k)| (*i, n.as_str(), *k)).collect();

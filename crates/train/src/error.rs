@@ -24,7 +24,7 @@ pub enum TrainError {
     Ckpt(#[from] ironweave_ckpt::CkptError),
     /// Sharding failed.
     #[error(transparent)]
-    Shard(#[from] ironweave_shard::ShardError),
+    Sdp(#[from] ironweave_sdp::SdpError),
 }
 
 /// Result alias.

@@ -566,11 +566,11 @@ impl<'a> Model<'a> {
 pub fn adamw(params: &mut Params, grads: &[Vec<f32>], lr: f64, wd: f64) {
     params.step += 1;
     // the one AdamW of the workspace: the sharded engine's and the candle adapter's too
-    let a = ironweave_shard::Adam { lr, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: wd };
+    let a = ironweave_sdp::Adam { lr, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: wd };
     let t = params.step;
     for (p, g) in params.list.iter_mut().zip(grads) {
         // matrices decay, norms and biases do not
         let decay = p.shape.len() == 2;
-        ironweave_shard::adam_update(&a, t, decay, &mut p.w, &mut p.m, &mut p.v, g);
+        ironweave_sdp::adam_update(&a, t, decay, &mut p.w, &mut p.m, &mut p.v, g);
     }
 }

@@ -1,4 +1,4 @@
-//! Sharded data parallelism of the dense GPT on `ironweave-shard`: each parameter tensor is a
+//! Sharded data parallelism of the dense GPT on `ironweave-sdp`: each parameter tensor is a
 //! unit of sharding. A step gathers every tensor (all gathers issued at once, each on its
 //! group's collective thread), computes the loss and gradients of this rank's batch with the
 //! full parameters, reduce-scatters every gradient (issued at once), and steps AdamW on the
@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use ironweave_overlap::{Lane, Span};
-use ironweave_shard::{Adam, Gather, Groups, Reduce, ShardEngine, Strategy};
+use ironweave_sdp::{Adam, Gather, Groups, Reduce, ShardEngine, Strategy};
 use ironweave_transport::{Communicator, ReduceOp};
 
 use crate::data::Corpus;
@@ -22,7 +22,7 @@ use crate::{TrainConfig, Trainer};
 
 /// One iteration's result: the loss averaged over the ranks and this rank's lanes — compute
 /// (and waits, named `wait`) on [`Lane::Compute`], each group's collectives on
-/// `Lane::Comm(ironweave_shard::Lane::index())`.
+/// `Lane::Comm(ironweave_sdp::Lane::index())`.
 #[derive(Debug, Clone)]
 pub struct SdpStep {
     pub loss: f32,

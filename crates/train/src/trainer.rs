@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use ironweave_profile::{ExpertLoad, MonotonicClock, Phase, Profiler};
-use ironweave_shard::ddp::backward_with_buckets;
+use ironweave_sdp::ddp::backward_with_buckets;
 use ironweave_transport::Communicator;
 
 use crate::buckets::{plan_buckets, Bucket, GradSyncStats};

@@ -4,7 +4,7 @@
 //! its final parameters within fp tolerance, while each rank holds ~1/4 (`full`) or ~1/2
 //! (`hybrid`) of the replicated state.
 
-use ironweave_shard::{Groups, Strategy};
+use ironweave_sdp::{Groups, Strategy};
 use ironweave_train::data::Corpus;
 use ironweave_train::dist::Dist;
 use ironweave_train::sdp::SdpTrainer;

@@ -43,33 +43,46 @@ pub trait Element: bytemuck::Pod + PartialEq + std::fmt::Debug + Send + Sync + '
     fn from_i64(v: i64) -> Self;
 }
 
-macro_rules! float_element {
-    ($t:ty, $d:expr) => {
+/// The smaller of two values; `a` when they are equal or unordered (NaN stays where it was).
+#[inline(always)]
+fn smaller<T: PartialOrd>(a: T, b: T) -> T {
+    if b < a {
+        b
+    } else {
+        a
+    }
+}
+
+/// The larger of two values; `a` when they are equal or unordered.
+#[inline(always)]
+fn larger<T: PartialOrd>(a: T, b: T) -> T {
+    if b > a {
+        b
+    } else {
+        a
+    }
+}
+
+/// f32, f64 and the integers: arithmetic on the type itself (integers wrap on overflow).
+macro_rules! plain_element {
+    ($t:ty, $d:expr, $add:path, $mul:path) => {
         impl Element for $t {
             const DTYPE: DType = $d;
             #[inline(always)]
             fn add(a: Self, b: Self) -> Self {
-                a + b
+                $add(a, b)
             }
             #[inline(always)]
             fn mul(a: Self, b: Self) -> Self {
-                a * b
+                $mul(a, b)
             }
             #[inline(always)]
             fn min(a: Self, b: Self) -> Self {
-                if b < a {
-                    b
-                } else {
-                    a
-                }
+                smaller(a, b)
             }
             #[inline(always)]
             fn max(a: Self, b: Self) -> Self {
-                if b > a {
-                    b
-                } else {
-                    a
-                }
+                larger(a, b)
             }
             fn div_count(a: Self, n: usize) -> Self {
                 a / (n as $t)
@@ -80,8 +93,11 @@ macro_rules! float_element {
         }
     };
 }
-float_element!(f32, DType::F32);
-float_element!(f64, DType::F64);
+plain_element!(f32, DType::F32, std::ops::Add::add, std::ops::Mul::mul);
+plain_element!(f64, DType::F64, std::ops::Add::add, std::ops::Mul::mul);
+plain_element!(i32, DType::I32, i32::wrapping_add, i32::wrapping_mul);
+plain_element!(i64, DType::I64, i64::wrapping_add, i64::wrapping_mul);
+plain_element!(u8, DType::U8, u8::wrapping_add, u8::wrapping_mul);
 
 macro_rules! half_element {
     ($t:ty, $d:expr) => {
@@ -97,19 +113,11 @@ macro_rules! half_element {
             }
             #[inline(always)]
             fn min(a: Self, b: Self) -> Self {
-                if b < a {
-                    b
-                } else {
-                    a
-                }
+                smaller(a, b)
             }
             #[inline(always)]
             fn max(a: Self, b: Self) -> Self {
-                if b > a {
-                    b
-                } else {
-                    a
-                }
+                larger(a, b)
             }
             fn div_count(a: Self, n: usize) -> Self {
                 <$t>::from_f32(a.to_f32() / n as f32)
@@ -122,39 +130,6 @@ macro_rules! half_element {
 }
 half_element!(f16, DType::F16);
 half_element!(bf16, DType::BF16);
-
-macro_rules! int_element {
-    ($t:ty, $d:expr) => {
-        impl Element for $t {
-            const DTYPE: DType = $d;
-            #[inline(always)]
-            fn add(a: Self, b: Self) -> Self {
-                a.wrapping_add(b)
-            }
-            #[inline(always)]
-            fn mul(a: Self, b: Self) -> Self {
-                a.wrapping_mul(b)
-            }
-            #[inline(always)]
-            fn min(a: Self, b: Self) -> Self {
-                Ord::min(a, b)
-            }
-            #[inline(always)]
-            fn max(a: Self, b: Self) -> Self {
-                Ord::max(a, b)
-            }
-            fn div_count(a: Self, n: usize) -> Self {
-                a / (n as $t)
-            }
-            fn from_i64(v: i64) -> Self {
-                v as $t
-            }
-        }
-    };
-}
-int_element!(i32, DType::I32);
-int_element!(i64, DType::I64);
-int_element!(u8, DType::U8);
 
 #[inline(always)]
 fn zip_apply<T: Element>(dst: &mut [T], src: &[u8], f: impl Fn(T, T) -> T) {

@@ -22,5 +22,10 @@ pub fn train_args(ranks: usize, restarts: u32, out: &Path, iters: u64) -> Vec<St
 /// `ironweave launch ARGS` to the end (at most `secs`), the ranks verbose (`AIRQ_VERBOSE`),
 /// calling `on_line` with each line they print; returns every line.
 pub fn launch(args: &[String], secs: u64, on_line: impl FnMut(&str)) -> Vec<String> {
-    ironweave_testkit::Launch::new(args).env("AIRQ_VERBOSE", "1").deadline(std::time::Duration::from_secs(secs)).run(on_line)
+    job(args).deadline(std::time::Duration::from_secs(secs)).run(on_line)
+}
+
+/// `ironweave launch ARGS` with the ranks verbose, not run yet (300 s).
+pub fn job(args: &[String]) -> ironweave_testkit::Launch {
+    ironweave_testkit::Launch::new(args).env("AIRQ_VERBOSE", "1")
 }

@@ -1,6 +1,6 @@
 //! The candle adapter (feature `candle`): train any candle model's [`VarMap`](candle_nn::VarMap) data parallel —
 //! gradients averaged in buckets while the backward pass runs — or sharded (`full`, `hybrid`,
-//! `hsdp` through [`ironweave_shard`]), with the whole state (parameters, both Adam moments,
+//! `hsdp` through [`ironweave_sdp`]), with the whole state (parameters, both Adam moments,
 //! the step) registered with the checkpoint engine in one call ([`Trainer::state_specs`],
 //! [`Trainer::state`], [`Trainer::restore`]), so [`crate::elastic`] can recover it from peers'
 //! memory.
@@ -16,7 +16,7 @@
 //! alike, a restarted one too. A model that is one [`Whole`] stage gets the same results without
 //! the overlap.
 //!
-//! **The optimizer is ours**: AdamW ([`ironweave_shard::Adam`]) on host copies of the
+//! **The optimizer is ours**: AdamW ([`ironweave_sdp::Adam`]) on host copies of the
 //! parameters, the same update element by element as the sharded engine's, so replicated and
 //! sharded runs agree and the moments can be checkpointed (candle-nn's `AdamW` keeps its
 //! moments private). Parameters must be `f32` (on the CPU device; other devices are not
@@ -51,8 +51,8 @@ mod trainer;
 pub use staged::{init_uniform, Staged, Whole};
 pub use trainer::Trainer;
 
-use ironweave_shard::ddp::{self, GradSyncStats};
-use ironweave_shard::{Adam, Strategy};
+use ironweave_sdp::ddp::{self, GradSyncStats};
+use ironweave_sdp::{Adam, Strategy};
 
 /// Errors of the adapter.
 #[derive(Debug, thiserror::Error)]
@@ -65,7 +65,7 @@ pub enum Error {
     Transport(#[from] ironweave_transport::Error),
     /// The sharded engine refused.
     #[error(transparent)]
-    Shard(#[from] ironweave_shard::ShardError),
+    Sdp(#[from] ironweave_sdp::SdpError),
     /// A model the adapter cannot train, or a checkpoint that does not fit it.
     #[error("{0}")]
     Invalid(String),
@@ -79,7 +79,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Layout {
     /// Every rank holds everything; gradients averaged in buckets during backward.
     DataParallel,
-    /// Sharded through [`ShardEngine`](ironweave_shard::ShardEngine): `full` (over all ranks), `hybrid` (within the host,
+    /// Sharded through [`ShardEngine`](ironweave_sdp::ShardEngine): `full` (over all ranks), `hybrid` (within the host,
     /// shard gradients all-reduced across hosts) or `hsdp` (each unit split by `fractions`
     /// between an all-rank part and a host part on different links). `replicated` runs the
     /// engine's all-reduce instead of the buckets.

@@ -8,8 +8,8 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use ironweave_ckpt::{Snapshot, TensorSpec};
-use ironweave_shard::ddp::{self, Bucket, GradSyncStats};
-use ironweave_shard::{adam_update, Groups, ShardEngine};
+use ironweave_sdp::ddp::{self, Bucket, GradSyncStats};
+use ironweave_sdp::{adam_update, Groups, ShardEngine};
 use ironweave_transport::{Communicator, ReduceOp};
 
 use super::staged::{staged_backward, to_host, Param, Staged};

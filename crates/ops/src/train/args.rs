@@ -320,6 +320,43 @@ impl CkptChoice {
     }
 }
 
+/// What every rank of an elastic training run is told, whatever the run: flattened into
+/// `train-worker`'s [`WorkerArgs`](super::moe::WorkerArgs) and `sdp-worker`'s
+/// [`SdpWorkerArgs`](super::sdp::SdpWorkerArgs), which each write it first.
+#[derive(Debug, Clone, PartialEq, clap::Args)]
+pub struct ElasticRankArgs {
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Checkpoint strategy (as `train --ckpt`).
+    #[arg(long, default_value = "none")]
+    pub ckpt: String,
+    #[arg(long)]
+    pub iters: Option<u64>,
+    #[arg(long)]
+    pub report_dir: PathBuf,
+    /// Fault injection (as `train --fail`).
+    #[arg(long)]
+    pub fail: Option<String>,
+    #[arg(long, default_value_t = 10)]
+    pub persist_every: u64,
+    /// Start from the newest complete checkpoint in this persistent tier (any layout).
+    #[arg(long)]
+    pub resume_from: Option<PathBuf>,
+}
+
+impl ElasticRankArgs {
+    /// These options on a rank's command line, as clap parses them back.
+    pub(crate) fn write(&self, argv: crate::Argv) -> crate::Argv {
+        argv.opt("config", self.config.display())
+            .opt("ckpt", &self.ckpt)
+            .some("iters", self.iters)
+            .opt("report-dir", self.report_dir.display())
+            .some("fail", self.fail.as_ref())
+            .opt("persist-every", self.persist_every)
+            .some("resume-from", self.resume_from.as_ref().map(|p| p.display()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

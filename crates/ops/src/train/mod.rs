@@ -39,41 +39,47 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
 mod tests {
     use std::path::PathBuf;
 
+    use super::args::ElasticRankArgs;
     use super::moe::WorkerArgs;
     use super::sdp::SdpWorkerArgs;
     use super::tp::TpWorkerArgs;
 
     #[test]
     fn every_rank_parses_back_what_its_parent_wrote() {
-        let moe = WorkerArgs {
+        let run = ElasticRankArgs {
             config: PathBuf::from("configs/moe small.toml"),
             ckpt: "gemini-fill0.8-chunk1M".into(),
             iters: Some(30),
             report_dir: PathBuf::from("/tmp/r"),
             fail: Some("rank=1+2,iter=5".into()),
             persist_every: 0,
-            replicas: 3,
-            bucket_kb: Some(512),
-            storage_bytes_per_s: Some(1.0 / 3.0 * 1e8),
             resume_from: Some(PathBuf::from("-odd/persist")),
         };
+        let moe = WorkerArgs { run: run.clone(), replicas: 3, bucket_kb: Some(512), storage_bytes_per_s: Some(1.0 / 3.0 * 1e8) };
         assert_eq!(crate::parse_back::<WorkerArgs>(&moe.to_argv()), moe);
-        let bare = WorkerArgs { iters: None, fail: None, bucket_kb: None, storage_bytes_per_s: None, resume_from: None, ..moe };
+        let bare = WorkerArgs {
+            run: ElasticRankArgs { iters: None, fail: None, resume_from: None, ..run.clone() },
+            bucket_kb: None,
+            storage_bytes_per_s: None,
+            ..moe
+        };
         assert_eq!(crate::parse_back::<WorkerArgs>(&bare.to_argv()), bare);
 
         let sdp = SdpWorkerArgs {
-            config: PathBuf::from("configs/moe-tiny.toml"),
+            run: ElasticRankArgs {
+                config: PathBuf::from("configs/moe-tiny.toml"),
+                ckpt: "capricorn".into(),
+                iters: Some(4),
+                report_dir: PathBuf::from("target/x"),
+                fail: Some("rank=1,iter=2".into()),
+                persist_every: 10,
+                resume_from: None,
+            },
             strategy: "hsdp".into(),
             fractions: vec![0.25, 1.0 / 3.0, 0.0],
             ranks_per_host: 2,
             full_link: String::new(),
             inter_link: "b".into(),
-            iters: Some(4),
-            report_dir: PathBuf::from("target/x"),
-            ckpt: "capricorn".into(),
-            fail: Some("rank=1,iter=2".into()),
-            persist_every: 10,
-            resume_from: None,
         };
         assert_eq!(crate::parse_back::<SdpWorkerArgs>(&sdp.to_argv()), sdp);
         let unplanned = SdpWorkerArgs { fractions: Vec::new(), strategy: "full".into(), ..sdp };

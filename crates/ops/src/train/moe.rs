@@ -4,7 +4,7 @@
 //! iteration as `expert_load.json`, the trace format `ironweave simulate ckpt --load-trace` reads.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use ironweave::ckpt::engine::Strategy;
@@ -18,25 +18,15 @@ use ironweave_train::{StepReport, TrainConfig, Trainer};
 
 use crate::error::{bail, Context, Result};
 use crate::rundir::{process_footprint, Report};
-use crate::train::args::{host_fail_to_ranks, load_config, parse_fail, parse_strategy, TrainArgs};
+use crate::train::args::{host_fail_to_ranks, load_config, parse_fail, parse_strategy, ElasticRankArgs, TrainArgs};
 use crate::train::elastic::RankLog;
 
 /// The hidden `train-worker`'s options: `ironweave train` writes them with
 /// [`WorkerArgs::to_argv`], each rank parses them back and runs [`worker`].
 #[derive(Debug, Clone, PartialEq, clap::Args)]
 pub struct WorkerArgs {
-    #[arg(long)]
-    pub config: PathBuf,
-    #[arg(long)]
-    pub ckpt: String,
-    #[arg(long)]
-    pub iters: Option<u64>,
-    #[arg(long)]
-    pub report_dir: PathBuf,
-    #[arg(long)]
-    pub fail: Option<String>,
-    #[arg(long, default_value_t = 10)]
-    pub persist_every: u64,
+    #[command(flatten)]
+    pub run: ElasticRankArgs,
     #[arg(long, default_value_t = 2)]
     pub replicas: u32,
     #[arg(long)]
@@ -44,9 +34,6 @@ pub struct WorkerArgs {
     /// This rank's share of the emulated storage bandwidth, bytes/s.
     #[arg(long)]
     pub storage_bytes_per_s: Option<f64>,
-    /// Start from the newest complete checkpoint in this persistent tier.
-    #[arg(long)]
-    pub resume_from: Option<PathBuf>,
 }
 
 impl WorkerArgs {
@@ -55,17 +42,11 @@ impl WorkerArgs {
 
     /// The rank's command line: the subcommand, then these options as clap parses them.
     pub fn to_argv(&self) -> Vec<String> {
-        crate::Argv::new(Self::SUBCOMMAND)
-            .opt("config", self.config.display())
-            .opt("ckpt", &self.ckpt)
-            .some("iters", self.iters)
-            .opt("report-dir", self.report_dir.display())
-            .some("fail", self.fail.as_ref())
-            .opt("persist-every", self.persist_every)
+        self.run
+            .write(crate::Argv::new(Self::SUBCOMMAND))
             .opt("replicas", self.replicas)
             .some("bucket-kb", self.bucket_kb)
             .some("storage-bytes-per-s", self.storage_bytes_per_s)
-            .some("resume-from", self.resume_from.as_ref().map(|p| p.display()))
             .done()
     }
 }
@@ -187,29 +168,29 @@ impl Worker for MoeWorker {
 
 /// The hidden `train-worker`: one rank of `ironweave train`, on the elastic runtime.
 pub fn worker(a: &WorkerArgs) -> Result<()> {
-    let (mut cfg, corpus) = load_config(&a.config)?;
+    let (mut cfg, corpus) = load_config(&a.run.config)?;
     if let Some(k) = a.bucket_kb {
         cfg.train.bucket_kb = k;
     }
-    let iters = a.iters.unwrap_or(cfg.train.iters);
-    let choice = parse_strategy(&a.ckpt)?;
+    let iters = a.run.iters.unwrap_or(cfg.train.iters);
+    let choice = parse_strategy(&a.run.ckpt)?;
     let strategy = choice.strategy;
-    let fail = a.fail.as_deref().map(parse_fail).transpose()?;
-    std::fs::create_dir_all(&a.report_dir)?;
+    let fail = a.run.fail.as_deref().map(parse_fail).transpose()?;
+    std::fs::create_dir_all(&a.run.report_dir)?;
     let ecfg = EngineConfig {
         storage_bytes_per_s: a.storage_bytes_per_s,
         replicas: a.replicas,
-        ..choice.engine_config(&a.report_dir, a.persist_every)
+        ..choice.engine_config(&a.run.report_dir, a.run.persist_every)
     };
     let links = if choice.multilink { elastic::CheckpointLinks::All } else { elastic::CheckpointLinks::Training };
-    let job = crate::train::elastic::join_job(iters, ecfg.clone(), links, a.resume_from.as_deref())?;
+    let job = crate::train::elastic::join_job(iters, ecfg.clone(), links, a.run.resume_from.as_deref())?;
     let rank = job.rank();
     let mut w = MoeWorker {
         seed: (cfg.train.seed as i64).to_le_bytes(),
         cfg: cfg.clone(),
         corpus,
         rank,
-        log: RankLog::new(rank, iters, &a.report_dir),
+        log: RankLog::new(rank, iters, &a.run.report_dir),
         fail,
         trainer: None,
         initial: None,
@@ -221,7 +202,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
     let comm = done.comm().clone();
     let mut rep = Report {
         config: cfg.name.clone(),
-        strategy: a.ckpt.clone(),
+        strategy: a.run.ckpt.clone(),
         iterations: iters,
         recoveries: done.recoveries(),
         last_committed_iter: done.last_committed(),
@@ -286,7 +267,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
     rep.ranks = comm.size();
     rep.tokens_per_iter = (cfg.train.batch * cfg.model.seq * comm.size()) as u64;
     if rank == 0 {
-        write_rank0_files(&mut rep, &cfg, &a.report_dir, iters, &tr, e)?;
+        write_rank0_files(&mut rep, &cfg, &a.run.report_dir, iters, &tr, e)?;
     }
     done.shutdown()?;
     Ok(())
@@ -407,16 +388,18 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     let _ = std::fs::remove_file(report_dir.join("report.json"));
     let _ = std::fs::remove_file(report_dir.join("iterations.jsonl"));
     let args = WorkerArgs {
-        config: config.to_path_buf(),
-        ckpt: strategy.to_string(),
-        iters,
-        report_dir: report_dir.to_path_buf(),
-        fail: fail.map(str::to_string),
-        persist_every,
+        run: ElasticRankArgs {
+            config: config.to_path_buf(),
+            ckpt: strategy.to_string(),
+            iters,
+            report_dir: report_dir.to_path_buf(),
+            fail: fail.map(str::to_string),
+            persist_every,
+            resume_from: a.resume_from.clone(),
+        },
         replicas: a.replicas,
         bucket_kb: a.bucket_kb,
         storage_bytes_per_s: storage_per_rank,
-        resume_from: a.resume_from.clone(),
     }
     .to_argv();
     let topology = match &a.topology {

@@ -4,7 +4,6 @@
 //! fractions. The all-rank part runs on one link and the cross-host all-reduce on another
 //! (`--sdp-links full=a,inter=b`; default: the first and the last link of the job).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use ironweave::ckpt::engine::Strategy as CkptStrategy;
@@ -12,22 +11,22 @@ use ironweave::ckpt::{Snapshot, TensorSpec};
 use ironweave::elastic::{self, BoxError, Generation, Iteration, Recovery, Step, StepContext, Worker};
 use ironweave::Communicator;
 use ironweave_overlap::trace::{chrome_trace, svg_lanes, to_records, SpanRec};
-use ironweave_shard::{Groups, Strategy};
+use ironweave_sdp::{Groups, Strategy};
 use ironweave_train::data::Corpus;
 use ironweave_train::sdp::{SdpStep, SdpTrainer};
 use ironweave_train::TrainConfig;
 
 use crate::error::{bail, Context, Result};
 use crate::rundir::SdpReport;
-use crate::train::args::{load_config, TrainArgs};
+use crate::train::args::{load_config, ElasticRankArgs, TrainArgs};
 use crate::train::elastic::RankLog;
 
 /// The per-rank options `train --sdp` hands to `sdp-worker`: written with
 /// [`SdpWorkerArgs::to_argv`], parsed back by each rank, which runs [`worker`].
 #[derive(Debug, Clone, PartialEq, clap::Args)]
 pub struct SdpWorkerArgs {
-    #[arg(long)]
-    pub config: PathBuf,
+    #[command(flatten)]
+    pub run: ElasticRankArgs,
     #[arg(long)]
     pub strategy: String,
     /// Share of each transformer layer sharded over all ranks (hsdp).
@@ -40,42 +39,21 @@ pub struct SdpWorkerArgs {
     pub full_link: String,
     #[arg(long, default_value = "")]
     pub inter_link: String,
-    #[arg(long)]
-    pub iters: Option<u64>,
-    #[arg(long)]
-    pub report_dir: PathBuf,
-    /// Checkpoint strategy of the shards (as `train --ckpt`).
-    #[arg(long, default_value = "none")]
-    pub ckpt: String,
-    #[arg(long)]
-    pub fail: Option<String>,
-    #[arg(long, default_value_t = 10)]
-    pub persist_every: u64,
-    /// Start from the newest complete checkpoint in this persistent tier (any sharding).
-    #[arg(long)]
-    pub resume_from: Option<PathBuf>,
 }
 
-/// Lanes of the trace: compute, then one per group (each on its own link).
 impl SdpWorkerArgs {
     /// The hidden subcommand that runs it.
     pub const SUBCOMMAND: &'static str = "sdp-worker";
 
     /// The rank's command line: the subcommand, then these options as clap parses them.
     pub fn to_argv(&self) -> Vec<String> {
-        crate::Argv::new(Self::SUBCOMMAND)
-            .opt("config", self.config.display())
+        self.run
+            .write(crate::Argv::new(Self::SUBCOMMAND))
             .opt("strategy", &self.strategy)
             .list("fractions", &self.fractions)
             .opt("ranks-per-host", self.ranks_per_host)
             .opt("full-link", &self.full_link)
             .opt("inter-link", &self.inter_link)
-            .some("iters", self.iters)
-            .opt("report-dir", self.report_dir.display())
-            .opt("ckpt", &self.ckpt)
-            .some("fail", self.fail.as_ref())
-            .opt("persist-every", self.persist_every)
-            .some("resume-from", self.resume_from.as_ref().map(|p| p.display()))
             .done()
     }
 }
@@ -242,18 +220,18 @@ impl Worker for SdpWorker<'_> {
 /// The per-rank program of `train --sdp`, on the elastic runtime (a failed collective re-forms
 /// the job; the shards come back from the checkpoint engine).
 pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
-    let (cfg, corpus) = load_config(&a.config)?;
-    let iters = a.iters.unwrap_or(cfg.train.iters);
+    let (cfg, corpus) = load_config(&a.run.config)?;
+    let iters = a.run.iters.unwrap_or(cfg.train.iters);
     let strategy = Strategy::parse(&a.strategy)?;
-    let choice = crate::train::args::parse_strategy(&a.ckpt)?;
+    let choice = crate::train::args::parse_strategy(&a.run.ckpt)?;
     if choice.multilink {
         bail!("sharded runs checkpoint over the first link (their groups keep the others busy): use --ckpt capricorn");
     }
-    let fail = a.fail.as_deref().map(crate::train::args::parse_fail).transpose()?;
-    let dir = &a.report_dir;
+    let fail = a.run.fail.as_deref().map(crate::train::args::parse_fail).transpose()?;
+    let dir = &a.run.report_dir;
     std::fs::create_dir_all(dir)?;
-    let ecfg = choice.engine_config(dir, a.persist_every);
-    let job = crate::train::elastic::join_job(iters, ecfg, elastic::CheckpointLinks::Training, a.resume_from.as_deref())?;
+    let ecfg = choice.engine_config(dir, a.run.persist_every);
+    let job = crate::train::elastic::join_job(iters, ecfg, elastic::CheckpointLinks::Training, a.run.resume_from.as_deref())?;
     let rank = job.rank();
     let mut w = SdpWorker {
         a,
@@ -266,7 +244,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         fail,
         links: Default::default(),
         tr: None,
-        log: RankLog::new(rank, iters, &a.report_dir),
+        log: RankLog::new(rank, iters, &a.run.report_dir),
         step: [0; 8],
         last_spans: Vec::new(),
     };
@@ -279,7 +257,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         ranks_per_host: a.ranks_per_host,
         iterations: iters,
         fractions: a.fractions.clone(),
-        ckpt: a.ckpt.clone(),
+        ckpt: a.run.ckpt.clone(),
         recoveries: done.recoveries(),
         last_committed_iter: done.last_committed(),
         links: w.links.clone(),
@@ -390,18 +368,20 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     let _ = std::fs::remove_dir_all(a.report_dir.join("persist"));
     let args = SdpWorkerArgs {
-        config: a.config.clone(),
+        run: ElasticRankArgs {
+            config: a.config.clone(),
+            ckpt: a.ckpt.clone(),
+            iters: a.iters,
+            report_dir: a.report_dir.clone(),
+            fail: a.fail.clone(),
+            persist_every: a.persist_every,
+            resume_from: a.resume_from.clone(),
+        },
         strategy: strategy.name().into(),
         fractions,
         ranks_per_host: rph,
         full_link,
         inter_link,
-        iters: a.iters,
-        report_dir: a.report_dir.clone(),
-        ckpt: a.ckpt.clone(),
-        fail: a.fail.clone(),
-        persist_every: a.persist_every,
-        resume_from: a.resume_from.clone(),
     }
     .to_argv();
     let topology = match &a.topology {

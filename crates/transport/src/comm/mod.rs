@@ -190,19 +190,28 @@ impl Communicator {
         if i >= self.links.len() {
             return Err(Error::InvalidArgument(format!("link index {i} but the communicator has {} links", self.links.len())));
         }
-        Ok(Communicator {
+        let mut c = self.derived(i, self.members.clone(), self.me, mix(self.ctx, salt + i as u64));
+        c.stripe = None;
+        Ok(c)
+    }
+
+    /// A communicator over this one's links and options with its own tag space `ctx`: no
+    /// collective thread or shared-memory channel yet (each view starts its own), the
+    /// striping and the intra-host group kept.
+    fn derived(&self, link: usize, members: Arc<[usize]>, me: usize, ctx: u32) -> Communicator {
+        Communicator {
             links: self.links.clone(),
-            link: i,
-            members: self.members.clone(),
-            me: self.me,
-            ctx: mix(self.ctx, salt + i as u64),
+            link,
+            members,
+            me,
+            ctx,
             splits: AtomicU32::new(0),
             opts: self.opts.clone(),
-            stripe: None,
+            stripe: self.stripe.clone(),
             nb: std::sync::OnceLock::new(),
             shm_chan: std::sync::OnceLock::new(),
             intra: self.intra.clone(),
-        })
+        }
     }
 
     pub(crate) fn l(&self) -> &dyn Link {
@@ -989,19 +998,7 @@ impl Communicator {
         let me =
             group.iter().position(|&(_, i)| i == self.me).ok_or_else(|| Error::InvalidArgument("split lost this rank".into()))?;
         let nth = self.splits.fetch_add(1, Ordering::Relaxed);
-        Ok(Communicator {
-            links: self.links.clone(),
-            link: self.link,
-            members: members.into(),
-            me,
-            ctx: mix(mix(self.ctx, u64::from(nth)), u64::from(color)),
-            splits: AtomicU32::new(0),
-            opts: self.opts.clone(),
-            stripe: self.stripe.clone(),
-            nb: std::sync::OnceLock::new(),
-            shm_chan: std::sync::OnceLock::new(),
-            intra: self.intra.clone(),
-        })
+        Ok(self.derived(self.link, members.into(), me, mix(mix(self.ctx, u64::from(nth)), u64::from(color))))
     }
 
     /// The same group on the same link in a fresh tag space (MPI's `MPI_Comm_dup`): its
@@ -1010,19 +1007,7 @@ impl Communicator {
     /// communication; every member must call it in the same order relative to `split`.
     pub fn dup(&self) -> Communicator {
         let nth = self.splits.fetch_add(1, Ordering::Relaxed);
-        Communicator {
-            links: self.links.clone(),
-            link: self.link,
-            members: self.members.clone(),
-            me: self.me,
-            ctx: mix(mix(self.ctx, u64::from(nth)), 0xd0d0_0000_0000),
-            splits: AtomicU32::new(0),
-            opts: self.opts.clone(),
-            stripe: self.stripe.clone(),
-            nb: std::sync::OnceLock::new(),
-            shm_chan: std::sync::OnceLock::new(),
-            intra: self.intra.clone(),
-        }
+        self.derived(self.link, self.members.clone(), self.me, mix(mix(self.ctx, u64::from(nth)), 0xd0d0_0000_0000))
     }
 
     /// Aborts the active link: every pending and future operation fails, here and at peers.

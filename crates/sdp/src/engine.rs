@@ -1,236 +1,11 @@
-//! ironweave-shard: sharded data parallelism, framework-light (like the checkpoint engine, it
-//! owns flat per-layer buffers and their shards; the model supplies the compute).
-//!
-//! Per layer, the parameters, their gradients and both Adam moments are held as shards. Before
-//! a layer's forward (and again before its backward) its parameters are all-gathered —
-//! [`ShardEngine::start_gather`] returns a handle, so the next layer's gather can be in flight
-//! while the current one computes; after its backward its gradients are reduce-scattered
-//! ([`ShardEngine::start_reduce`]); [`ShardEngine::step`] runs Adam on the local shards only.
-//! Gathered parameters belong to the caller and are dropped after use.
-//!
-//! Strategies ([`Strategy`]):
-//! - `replicated`: plain data parallelism (every rank holds everything; gradients all-reduced);
-//! - `full` (FSDP FULL_SHARD): one group of all ranks;
-//! - `hybrid` (HYBRID_SHARD): sharded within the host, each shard's gradients all-reduced
-//!   across hosts;
-//! - `hsdp`: each layer's parameters split by a fraction into a part sharded over all ranks
-//!   and a part sharded within the host (its shard gradients all-reduced across hosts); the
-//!   groups' collectives run **at the same time on different links** — each group is a
-//!   communicator on its own link (`on_link` + `split`), with its own collective thread.
-//!
-//! [`ddp`] is the `replicated` strategy's other form, for models that compute whole gradients:
-//! gradients averaged in buckets while the backward pass runs (PyTorch DDP's design).
-//!
-//! Where it sits: above `ironweave-transport` (groups, non-blocking collectives), below the
-//! trainer, the candle adapter of the `ironweave` facade and the CLI. No IO besides the
-//! collectives; no clock.
-//!
-//! ```
-//! use ironweave_shard::{Adam, Groups, ShardEngine, Strategy};
-//! // two ranks (threads of this process) shard one layer of 6 parameters: 3 each
-//! let worlds = ironweave_transport::inproc::communicators(2)?;
-//! let held: Vec<u64> = std::thread::scope(|s| {
-//!     let hs: Vec<_> = worlds
-//!         .iter()
-//!         .map(|w| {
-//!             s.spawn(move || {
-//!                 let groups = Groups::new(w, 2, 0, 0).unwrap();
-//!                 let mut e = ShardEngine::new(groups, Strategy::Full, &[vec![0.5; 6]], &[], Adam::default()).unwrap();
-//!                 let full = e.start_gather(0).unwrap().wait().unwrap();
-//!                 assert_eq!(full, vec![0.5; 6]);
-//!                 let r = e.start_reduce(0, &[1.0; 6]).unwrap();
-//!                 e.finish_reduce(r).unwrap();
-//!                 e.step().unwrap();
-//!                 e.state_bytes()
-//!             })
-//!         })
-//!         .collect();
-//!     hs.into_iter().map(|h| h.join().unwrap()).collect()
-//! });
-//! assert_eq!(held, vec![3 * 4 * 4, 3 * 4 * 4]); // parameters, gradients and moments of 3
-//! # Ok::<(), ironweave_transport::Error>(())
-//! ```
-
-pub mod ddp;
-
-use ironweave_units::Locked;
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+//! [`ShardEngine`]: a model's layers held as shards, their gathers and reductions as handles, and
+//! Adam on the local shards.
 
 use ironweave_transport::{CollHandle, Communicator, ReduceOp};
-use serde::{Deserialize, Serialize};
+use ironweave_units::Locked;
 
-/// Errors of the sharded engine.
-#[derive(Debug, thiserror::Error)]
-pub enum ShardError {
-    /// A collective failed.
-    #[error(transparent)]
-    Transport(#[from] ironweave_transport::Error),
-    /// Arguments that cannot work.
-    #[error("invalid: {0}")]
-    Invalid(String),
-}
-
-/// Result of this crate.
-pub type Result<T> = std::result::Result<T, ShardError>;
-
-/// How model states are held.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Strategy {
-    /// Every rank holds everything; gradients all-reduced over all ranks.
-    Replicated,
-    /// FSDP FULL_SHARD: sharded over all ranks.
-    Full,
-    /// HYBRID_SHARD: sharded within the host, shard gradients all-reduced across hosts.
-    Hybrid,
-    /// Each layer split between a `full` part and a `hybrid` part by the plan's fraction.
-    Hsdp,
-}
-
-impl Strategy {
-    /// Name on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Strategy::Replicated => "replicated",
-            Strategy::Full => "full",
-            Strategy::Hybrid => "hybrid",
-            Strategy::Hsdp => "hsdp",
-        }
-    }
-    /// Parse a name.
-    pub fn parse(s: &str) -> Result<Self> {
-        [Strategy::Replicated, Strategy::Full, Strategy::Hybrid, Strategy::Hsdp]
-            .into_iter()
-            .find(|x| x.name() == s)
-            .ok_or_else(|| ShardError::Invalid(format!("unknown sharding strategy `{s}` (replicated, full, hybrid, hsdp)")))
-    }
-}
-
-/// The communicators a rank's shards travel over.
-#[derive(Debug, Clone)]
-pub struct Groups {
-    /// All ranks (the `full` part; `replicated`'s all-reduce), on its link.
-    pub world: Arc<Communicator>,
-    /// The ranks of this rank's host (the `hybrid` part's shards).
-    pub intra: Arc<Communicator>,
-    /// The ranks with this rank's place on every host (the `hybrid` part's all-reduce of shard
-    /// gradients), on its link.
-    pub inter: Arc<Communicator>,
-}
-
-impl Groups {
-    /// `full_link` value that stripes the all-rank group over every link of the world (the
-    /// transport's striping: FSDP's FULL_SHARD on all links at once).
-    pub const STRIPED: usize = usize::MAX;
-
-    /// Groups of `world` with `ranks_per_host` consecutive ranks per host: the all-rank group
-    /// on link `full_link` ([`Groups::STRIPED`]: over every link), the cross-host group on
-    /// link `inter_link` (different links: their collectives run at once), the host group on
-    /// the world's first link. Collective: every rank calls it.
-    pub fn new(world: &Communicator, ranks_per_host: usize, full_link: usize, inter_link: usize) -> Result<Self> {
-        let (n, r) = (world.size(), world.rank());
-        let k = ranks_per_host.max(1);
-        if n % k != 0 {
-            return Err(ShardError::Invalid(format!("{n} ranks do not make hosts of {k}")));
-        }
-        // one view per link, every split made on it: two views of one link share a tag space,
-        // so splits of different views would too
-        let mut views: Vec<(usize, Communicator)> = Vec::new();
-        let mut split_on = |link: usize, color: u32| -> Result<Communicator> {
-            if !views.iter().any(|(l, _)| *l == link) {
-                views.push((link, world.on_link(link)?));
-            }
-            let (_, v) = views.iter().find(|(l, _)| *l == link).expect("just added");
-            Ok(v.split(color, r as u32)?)
-        };
-        let full = if full_link == Self::STRIPED { world.striped(None)?.split(0, r as u32)? } else { split_on(full_link, 0)? };
-        let intra = split_on(0, (r / k) as u32)?;
-        let inter = split_on(inter_link, (r % k) as u32)?;
-        Ok(Groups { world: Arc::new(full), intra: Arc::new(intra), inter: Arc::new(inter) })
-    }
-}
-
-/// AdamW's settings — the one update of the workspace (`ironweave-train`'s `adamw` and the candle
-/// adapter call [`adam_update`] too), element by element and
-/// in the same precision, so a sharded step equals a replicated one.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
-pub struct Adam {
-    pub lr: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    /// Decoupled weight decay (on the layers marked to decay).
-    pub weight_decay: f64,
-}
-
-impl Default for Adam {
-    fn default() -> Self {
-        Adam { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 }
-    }
-}
-
-/// AdamW on one block: parameters, moments and the averaged gradient, step `t` (from 1);
-/// `decay`: whether weight decay applies (matrices, not norms or biases).
-pub fn adam_update(a: &Adam, t: u64, decay: bool, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
-    let t = t.min(i32::MAX as u64) as i32;
-    let (c1, c2) = (1.0 - a.beta1.powi(t), 1.0 - a.beta2.powi(t));
-    let wd = if decay { a.weight_decay } else { 0.0 };
-    for i in 0..p.len() {
-        let gi = g[i] as f64;
-        let mn = a.beta1 * m[i] as f64 + (1.0 - a.beta1) * gi;
-        let vn = a.beta2 * v[i] as f64 + (1.0 - a.beta2) * gi * gi;
-        m[i] = mn as f32;
-        v[i] = vn as f32;
-        let upd = (mn / c1) / ((vn / c2).sqrt() + a.eps);
-        p[i] = (p[i] as f64 * (1.0 - a.lr * wd) - a.lr * upd) as f32;
-    }
-}
-
-/// The lane a collective ran on: each group has its own collective thread and link.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Lane {
-    /// The all-rank group (the `full` part; `replicated`'s all-reduce).
-    World,
-    /// The host group (the `hybrid` part's gathers and reduce-scatters).
-    Intra,
-    /// The cross-host group (the `hybrid` part's all-reduce of shard gradients).
-    Inter,
-}
-
-impl Lane {
-    /// Every lane, in trace order.
-    pub const ALL: [Lane; 3] = [Lane::World, Lane::Intra, Lane::Inter];
-    /// Index in [`Lane::ALL`].
-    pub fn index(self) -> usize {
-        match self {
-            Lane::World => 0,
-            Lane::Intra => 1,
-            Lane::Inter => 2,
-        }
-    }
-}
-
-/// One collective's time on its group's collective thread (when it started and ended there,
-/// not when the caller waited).
-#[derive(Debug, Clone)]
-pub struct CollSpan {
-    pub lane: Lane,
-    /// `gather 3`, `reduce-scatter 3`, `all-reduce 3` (the layer).
-    pub name: String,
-    pub start: Instant,
-    pub end: Instant,
-    /// Elements of the buffer handed to the collective.
-    pub elems: usize,
-}
-
-/// Where finished collectives are logged; shared by the engine and its handles.
-type SpanLog = Arc<Mutex<Vec<CollSpan>>>;
-
-fn log_span(log: &SpanLog, span: CollSpan) {
-    log.locked().push(span);
-}
+use crate::trace::{log_span, SpanLog};
+use crate::{adam_update, Adam, CollSpan, Groups, Lane, Result, SdpError, Strategy};
 
 /// One part of a layer: a contiguous range of its parameters, sharded over a group of `n`
 /// (padded to a multiple of `n`); this rank holds block `me`.
@@ -398,14 +173,14 @@ impl ShardEngine {
     /// (ignored otherwise; the plan's `x`).
     pub fn new(groups: Groups, strategy: Strategy, layers: &[Vec<f32>], fractions: &[f64], adam: Adam) -> Result<Self> {
         if strategy == Strategy::Hsdp && fractions.len() != layers.len() {
-            return Err(ShardError::Invalid(format!(
+            return Err(SdpError::Invalid(format!(
                 "hsdp needs one fraction per layer: {} layers, {} fractions",
                 layers.len(),
                 fractions.len()
             )));
         }
         if let Some(f) = fractions.iter().find(|f| !(0.0..=1.0).contains(*f)) {
-            return Err(ShardError::Invalid(format!("fraction {f} is outside [0, 1]")));
+            return Err(SdpError::Invalid(format!("fraction {f} is outside [0, 1]")));
         }
         let (wn, wr) = (groups.world.size(), groups.world.rank());
         let (hn, hr) = (groups.intra.size(), groups.intra.rank());
@@ -444,7 +219,7 @@ impl ShardEngine {
             .map(|(l, &d)| if d { std::iter::once(0..l.len()).collect() } else { Vec::new() })
             .collect();
         if mask.len() != self.layers.len() {
-            return Err(ShardError::Invalid(format!("{} decay flags for {} layers", mask.len(), self.layers.len())));
+            return Err(SdpError::Invalid(format!("{} decay flags for {} layers", mask.len(), self.layers.len())));
         }
         self.with_decay_ranges(&ranges)
     }
@@ -453,7 +228,7 @@ impl ShardEngine {
     /// layer's flat order, e.g. its matrices but not its norms.
     pub fn with_decay_ranges(mut self, ranges: &[Vec<std::ops::Range<usize>>]) -> Result<Self> {
         if ranges.len() != self.layers.len() {
-            return Err(ShardError::Invalid(format!(
+            return Err(SdpError::Invalid(format!(
                 "decay ranges for {} layers, the engine has {}",
                 ranges.len(),
                 self.layers.len()
@@ -461,7 +236,7 @@ impl ShardEngine {
         }
         for (l, r) in self.layers.iter_mut().zip(ranges) {
             if let Some(bad) = r.iter().find(|x| x.start > x.end || x.end > l.len()) {
-                return Err(ShardError::Invalid(format!("decay range {bad:?} is outside a layer of {} elements", l.len())));
+                return Err(SdpError::Invalid(format!("decay range {bad:?} is outside a layer of {} elements", l.len())));
             }
             l.decay = r.clone();
         }
@@ -504,7 +279,7 @@ impl ShardEngine {
 
     /// Starts gathering layer `l`'s parameters (each part on its group, at once).
     pub fn start_gather(&self, l: usize) -> Result<Gather> {
-        let layer = self.layers.get(l).ok_or_else(|| ShardError::Invalid(format!("no layer {l}")))?;
+        let layer = self.layers.get(l).ok_or_else(|| SdpError::Invalid(format!("no layer {l}")))?;
         let mut parts = Vec::new();
         for (over, part) in &layer.parts {
             parts.push(match over {
@@ -523,10 +298,10 @@ impl ShardEngine {
     /// over its group (the host part then all-reduced across hosts when the reduce-scatter
     /// ends, in [`Self::finish_reduce`]); `replicated` all-reduces the whole.
     pub fn start_reduce(&self, l: usize, grad: &[f32]) -> Result<Reduce> {
-        let layer = self.layers.get(l).ok_or_else(|| ShardError::Invalid(format!("no layer {l}")))?;
+        let layer = self.layers.get(l).ok_or_else(|| SdpError::Invalid(format!("no layer {l}")))?;
         let total: usize = layer.parts.iter().map(|p| p.1.len).sum();
         if grad.len() != total {
-            return Err(ShardError::Invalid(format!("layer {l} has {total} parameters, the gradient {}", grad.len())));
+            return Err(SdpError::Invalid(format!("layer {l} has {total} parameters, the gradient {}", grad.len())));
         }
         let mut handles = Vec::new();
         let mut at = 0;
@@ -606,7 +381,7 @@ impl ShardEngine {
         // every layer's gradients first: a step never applies to some layers only
         if let Some(l) = self.layers.iter().position(|l| l.parts.iter().any(|(_, p)| p.g.is_none())) {
             self.t -= 1;
-            return Err(ShardError::Invalid(format!("layer {l}: step before its gradients were reduced")));
+            return Err(SdpError::Invalid(format!("layer {l}: step before its gradients were reduced")));
         }
         for layer in self.layers.iter_mut() {
             for (_, part) in layer.parts.iter_mut() {
@@ -696,12 +471,11 @@ impl ShardEngine {
                 let held = part.held().len();
                 for (what, dst) in [("p", &mut part.p), ("m", &mut part.m), ("v", &mut part.v)] {
                     let name = format!("{l}.{k}.{what}");
-                    let b =
-                        tensor(&name).ok_or_else(|| ShardError::Invalid(format!("the restored state lacks shard `{name}`")))?;
+                    let b = tensor(&name).ok_or_else(|| SdpError::Invalid(format!("the restored state lacks shard `{name}`")))?;
                     // the whole block, or its held elements alone ([`Self::checkpoint_tensors`]:
                     // the padding is zero)
                     if b.len() != dst.len() * 4 && b.len() != held * 4 {
-                        return Err(ShardError::Invalid(format!(
+                        return Err(SdpError::Invalid(format!(
                             "shard `{name}`: {} bytes restored for {} floats (a checkpoint of another layout)",
                             b.len(),
                             dst.len()

@@ -7,8 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ironweave_shard::{Adam, Groups, ShardEngine, Strategy};
-use ironweave_transport::{CommOptions, Communicator, ReduceOp};
+use ironweave_sdp::{Adam, Groups, ShardEngine, Strategy};
+use ironweave_transport::{Communicator, ReduceOp};
 
 const D: usize = 13; // 169 parameters per layer: padding on 2 and 4 ranks
 const LAYERS: usize = 3;
@@ -16,15 +16,7 @@ const BATCH: usize = 3;
 const ITERS: usize = 10;
 
 fn worlds(n: usize) -> Vec<Communicator> {
-    let spec =
-        |name: &str| ironweave_tcp::LinkSpec { name: name.into(), bind: "127.0.0.1".parse().unwrap(), rate_bytes_per_s: None };
-    let cfg = ironweave_tcp::TcpConfig {
-        links: vec![spec("a"), spec("b")],
-        timeout: Duration::from_secs(60),
-        linger: Duration::from_secs(2),
-        ..ironweave_tcp::TcpConfig::default()
-    };
-    ironweave_tcp::local_world(n, &cfg, CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() }).unwrap()
+    ironweave_tcp::local_world_on_links(n, &["a", "b"], Duration::from_secs(60)).unwrap()
 }
 
 /// Deterministic pseudo-random numbers in [-0.5, 0.5).

@@ -16,7 +16,7 @@ use std::time::Instant;
 use ironweave_profile::{CommKind, MonotonicClock, Profiler};
 use ironweave_transport::Communicator;
 
-use crate::{Result, ShardError};
+use crate::{Result, SdpError};
 
 /// Default bucket size. DDP's 25 MB is a few percent of a BERT-scale gradient; ours are a few
 /// MB, so 512 KiB gives the backward several buckets.
@@ -122,14 +122,14 @@ impl Handoff<'_> {
             for &i in &bk.params {
                 let g = grads
                     .get(i)
-                    .ok_or_else(|| ShardError::Invalid(format!("bucket parameter {i} is not among {} gradients", grads.len())))?;
+                    .ok_or_else(|| SdpError::Invalid(format!("bucket parameter {i} is not among {} gradients", grads.len())))?;
                 flat.extend_from_slice(g);
             }
             if tx.send((self.next, flat)).is_err() {
                 // the thread stops only after a failed average: report that failure
                 return Err(match self.from_comm.try_iter().find_map(|r| r.err()) {
                     Some(e) => e.into(),
-                    None => ShardError::Invalid("the gradient communication thread stopped early".into()),
+                    None => SdpError::Invalid("the gradient communication thread stopped early".into()),
                 });
             }
             self.next += 1;
@@ -148,7 +148,7 @@ impl Handoff<'_> {
 /// `comm` on a communication thread as soon as its stage is done. Afterwards every bucketed
 /// parameter's gradient in `grads` is the group's average. `comm: None` (alone) averages
 /// nothing. `prof` records each average as training communication on link 0.
-pub fn backward_with_buckets<R, E: From<ShardError>>(
+pub fn backward_with_buckets<R, E: From<SdpError>>(
     comm: Option<&Communicator>,
     buckets: &[Bucket],
     prof: Option<&Arc<Profiler<MonotonicClock>>>,
@@ -178,9 +178,8 @@ pub fn backward_with_buckets<R, E: From<ShardError>>(
                 ironweave_transport::threads::count_this_thread();
             })
         });
-        let worker = worker
-            .transpose()
-            .map_err(|e| ShardError::Invalid(format!("cannot start the gradient communication thread: {e}")))?;
+        let worker =
+            worker.transpose().map_err(|e| SdpError::Invalid(format!("cannot start the gradient communication thread: {e}")))?;
         let mut h = Handoff {
             buckets,
             next: 0,
@@ -199,8 +198,8 @@ pub fn backward_with_buckets<R, E: From<ShardError>>(
             for _ in 0..handed {
                 let (k, flat, c0, c1) = from_comm
                     .recv()
-                    .map_err(|_| ShardError::Invalid("the gradient communication thread ended without answering".into()))?
-                    .map_err(ShardError::from)?;
+                    .map_err(|_| SdpError::Invalid("the gradient communication thread ended without answering".into()))?
+                    .map_err(SdpError::from)?;
                 let mut off = 0;
                 for &i in &buckets[k].params {
                     let n = grads[i].len();
@@ -251,7 +250,7 @@ mod tests {
     fn alone_the_backward_runs_and_nothing_is_averaged() {
         let buckets = plan_buckets(&[(0, 0, 2), (1, 1, 3)], Some(8), 1);
         let mut grads = vec![vec![0.0; 2], vec![0.0; 3]];
-        let (r, stats) = backward_with_buckets::<u32, ShardError>(None, &buckets, None, &mut grads, |g, h| {
+        let (r, stats) = backward_with_buckets::<u32, SdpError>(None, &buckets, None, &mut grads, |g, h| {
             g[0] = vec![1.0, 2.0];
             h.stage_done(0, g)?;
             g[1] = vec![3.0, 4.0, 5.0];
