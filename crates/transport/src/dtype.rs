@@ -26,17 +26,23 @@ impl ReduceOp {
 }
 
 /// A Rust type that collectives can carry.
-pub trait Element: bytemuck::Pod + PartialEq + std::fmt::Debug + Send + Sync + 'static {
+pub trait Element: bytemuck::Pod + PartialOrd + std::fmt::Debug + Send + Sync + 'static {
     /// The run-time name of this type.
     const DTYPE: DType;
     /// `a + b` (wrapping for integers).
     fn add(a: Self, b: Self) -> Self;
     /// `a * b` (wrapping for integers).
     fn mul(a: Self, b: Self) -> Self;
-    /// The smaller of the two.
-    fn min(a: Self, b: Self) -> Self;
-    /// The larger of the two.
-    fn max(a: Self, b: Self) -> Self;
+    /// The smaller of the two (`a` when they are equal or unordered).
+    #[inline(always)]
+    fn min(a: Self, b: Self) -> Self {
+        smaller(a, b)
+    }
+    /// The larger of the two (`a` when they are equal or unordered).
+    #[inline(always)]
+    fn max(a: Self, b: Self) -> Self {
+        larger(a, b)
+    }
     /// `a / n`, used by [`ReduceOp::Avg`].
     fn div_count(a: Self, n: usize) -> Self;
     /// Converts a small integer (tests and benchmarks build data from these).
@@ -76,14 +82,6 @@ macro_rules! plain_element {
             fn mul(a: Self, b: Self) -> Self {
                 $mul(a, b)
             }
-            #[inline(always)]
-            fn min(a: Self, b: Self) -> Self {
-                smaller(a, b)
-            }
-            #[inline(always)]
-            fn max(a: Self, b: Self) -> Self {
-                larger(a, b)
-            }
             fn div_count(a: Self, n: usize) -> Self {
                 a / (n as $t)
             }
@@ -110,14 +108,6 @@ macro_rules! half_element {
             #[inline(always)]
             fn mul(a: Self, b: Self) -> Self {
                 <$t>::from_f32(a.to_f32() * b.to_f32())
-            }
-            #[inline(always)]
-            fn min(a: Self, b: Self) -> Self {
-                smaller(a, b)
-            }
-            #[inline(always)]
-            fn max(a: Self, b: Self) -> Self {
-                larger(a, b)
             }
             fn div_count(a: Self, n: usize) -> Self {
                 <$t>::from_f32(a.to_f32() / n as f32)
