@@ -95,11 +95,11 @@ pub fn ckpt_files(data: &[u8]) {
 }
 
 /// Every TOML the CLI reads; the first byte picks the parser: 0 a training config, 1 a model
-/// description, 2 a cluster description, 3 an emulated-cluster topology.
+/// description, 2 a cluster description, 3 an emulated-cluster topology, 4 a device profile.
 pub fn configs(data: &[u8]) {
     let Some((&which, rest)) = data.split_first() else { return };
     let Ok(text) = std::str::from_utf8(rest) else { return };
-    match which % 4 {
+    match which % 5 {
         0 => {
             if let Ok(c) = ironweave_train::config::TrainConfig::from_toml_str(text) {
                 assert!(c.model.layers >= 1 && c.model.hidden % c.model.heads == 0);
@@ -113,6 +113,12 @@ pub fn configs(data: &[u8]) {
         2 => {
             if let Ok(c) = ironweave_plan::desc::ClusterDesc::from_toml_str(text) {
                 assert!(c.devices() >= 1);
+            }
+        }
+        4 => {
+            if let Ok(d) = ironweave_plan::desc::DeviceDesc::from_toml_str(text) {
+                let s = d.roofline().seconds(1e12, 1e9);
+                assert!(s.is_finite() && s > 0.0, "{d:?}: {s}");
             }
         }
         _ => {
@@ -129,7 +135,7 @@ pub fn configs(data: &[u8]) {
 /// recorded expert-load trace, 3 link probe results.
 pub fn plans(data: &[u8]) {
     let Some((&which, rest)) = data.split_first() else { return };
-    match which % 4 {
+    match which % 5 {
         0 => {
             let _ = ironweave_plan::tp::TpPlan::from_json(rest);
         }

@@ -1,6 +1,6 @@
-//! Cluster and model descriptions: plain serde structs read from TOML (`configs/clusters`,
-//! `configs/models`). Parsing takes a string; reading the file is the caller's job, so this
-//! crate does no IO.
+//! Cluster, device and model descriptions: plain serde structs read from TOML
+//! (`configs/clusters`, `configs/devices`, `configs/models`). Parsing takes a string; reading
+//! the file is the caller's job, so this crate does no IO.
 
 use serde::{Deserialize, Serialize};
 
@@ -63,6 +63,55 @@ pub struct DeviceDesc {
     pub efficiency: f64,
     /// Device memory, GiB.
     pub memory_gib: f64,
+    /// Device memory bandwidth, GB/s (10^9 bytes/s): the rate of memory-bound operations.
+    /// Optional in a cluster description (the planners cost matmuls only); required in a
+    /// device profile (`configs/devices/*.toml`), which emulated compute runs on.
+    #[serde(default)]
+    pub memory_gbyte_s: Option<f64>,
+}
+
+impl DeviceDesc {
+    /// Parses and validates a device profile (`configs/devices/*.toml`: the fields of this
+    /// struct at the top level, `memory_gbyte_s` required).
+    pub fn from_toml_str(text: &str) -> Result<Self> {
+        let d: DeviceDesc = toml::from_str(text).map_err(|source| PlanError::Parse { what: "device profile".into(), source })?;
+        let what = format!("device profile `{}`", d.name);
+        d.validate(&what, "")?;
+        if d.memory_gbyte_s.is_none() {
+            return Err(PlanError::invalid(what, "memory_gbyte_s is missing: a device profile needs its memory bandwidth"));
+        }
+        Ok(d)
+    }
+
+    /// Checks the values no real device has; `what` names the file or cluster in the error,
+    /// `at` is where the fields sit (`device.` in a cluster description, nothing in a profile).
+    pub fn validate(&self, what: &str, at: &str) -> Result<()> {
+        if !(self.peak_tflops > 0.0 && self.peak_tflops.is_finite()) {
+            return Err(PlanError::invalid(what, format!("{at}peak_tflops = {} must be a positive number", self.peak_tflops)));
+        }
+        if !(self.efficiency > 0.0 && self.efficiency <= 1.0) {
+            return Err(PlanError::invalid(what, format!("{at}efficiency = {} must be in (0, 1]", self.efficiency)));
+        }
+        if !(self.memory_gib.is_finite() && self.memory_gib > 0.0) {
+            return Err(PlanError::invalid(what, format!("{at}memory_gib = {} must be positive", self.memory_gib)));
+        }
+        if let Some(bw) = self.memory_gbyte_s {
+            if !(bw.is_finite() && bw > 0.0) {
+                return Err(PlanError::invalid(what, format!("{at}memory_gbyte_s = {bw} must be a positive number")));
+            }
+        }
+        Ok(())
+    }
+
+    /// FLOP/s a large kernel reaches: peak × efficiency.
+    pub fn flops_per_s(&self) -> f64 {
+        self.peak_tflops * 1e12 * self.efficiency
+    }
+
+    /// The device as the roofline model sees it (FLOP/s and memory bytes/s).
+    pub fn roofline(&self) -> ironweave_units::Roofline {
+        ironweave_units::Roofline { flops_per_s: self.flops_per_s(), bytes_per_s: self.memory_gbyte_s.map(|g| g * 1e9) }
+    }
 }
 
 /// The host side of a node.
@@ -117,7 +166,7 @@ impl ClusterDesc {
 
     /// Sustained device FLOP/s.
     pub fn flops(&self) -> f64 {
-        self.device.peak_tflops * 1e12 * self.device.efficiency
+        self.device.flops_per_s()
     }
 
     /// Intra-node links joining blocks of at least `n` devices, fastest first.
@@ -150,16 +199,7 @@ impl ClusterDesc {
         if self.nodes == 0 || self.devices_per_node == 0 {
             return Err(PlanError::invalid(what, "`nodes` and `devices_per_node` must be at least 1"));
         }
-        let d = &self.device;
-        if !(d.peak_tflops > 0.0 && d.peak_tflops.is_finite()) {
-            return Err(PlanError::invalid(what, "device.peak_tflops must be a positive number"));
-        }
-        if !(d.efficiency > 0.0 && d.efficiency <= 1.0) {
-            return Err(PlanError::invalid(what, format!("device.efficiency = {} must be in (0, 1]", d.efficiency)));
-        }
-        if !(d.memory_gib.is_finite() && d.memory_gib > 0.0) {
-            return Err(PlanError::invalid(what, "device.memory_gib must be positive"));
-        }
+        self.device.validate(&what, "device.")?;
         let h = &self.host;
         if !(h.memory_gib > 0.0 && h.pcie_gbyte_s > 0.0 && h.storage_gbyte_s > 0.0) {
             return Err(PlanError::invalid(what, "host.memory_gib, host.pcie_gbyte_s and host.storage_gbyte_s must be positive"));

@@ -33,5 +33,5 @@ pub mod sdp;
 pub mod tp;
 
 pub use cost::{Coll, CostModel, GroupPath, MeasuredOp, ProfileTable};
-pub use desc::{ClusterDesc, DType, LinkDesc, ModelDesc, MoeDesc, Scope};
+pub use desc::{ClusterDesc, DType, DeviceDesc, LinkDesc, ModelDesc, MoeDesc, Scope};
 pub use error::{PlanError, Result};

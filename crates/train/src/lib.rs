@@ -19,6 +19,7 @@
 pub mod buckets;
 pub mod config;
 pub mod data;
+pub mod device;
 pub mod dist;
 mod error;
 mod gelu;

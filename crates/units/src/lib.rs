@@ -15,6 +15,29 @@
 use std::fmt;
 use std::str::FromStr;
 
+/// A device's speed as the roofline model sees it: an operation takes as long as its FLOPs at
+/// the device's rate or its bytes through device memory, whichever is longer. What the planner
+/// costs a layer with (`ironweave_plan::DeviceDesc::roofline`) and what emulated compute
+/// occupies the device for (`ironweave_train::device`): one formula for both.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Roofline {
+    /// Floating-point operations per second a large kernel reaches.
+    pub flops_per_s: f64,
+    /// Device memory bytes per second; `None`: only the FLOPs count.
+    pub bytes_per_s: Option<f64>,
+}
+
+impl Roofline {
+    /// Seconds an operation of `flops` that moves `bytes` through device memory takes.
+    pub fn seconds(&self, flops: f64, bytes: f64) -> f64 {
+        let compute = flops / self.flops_per_s;
+        match self.bytes_per_s {
+            Some(bw) => compute.max(bytes / bw),
+            None => compute,
+        }
+    }
+}
+
 /// A size or collective name that could not be read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParseError(pub String);
