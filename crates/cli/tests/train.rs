@@ -20,6 +20,8 @@ fn train(dir: &std::path::Path, fail: Option<&str>) -> serde_json::Value {
             "--report-dir",
         ])
         .arg(dir)
+        .arg("--record-routing")
+        .arg(dir.join("routing.json"))
         .env("IRONWEAVE_TIMEOUT_S", "60");
     if let Some(f) = fail {
         c.args(["--fail", f]);
@@ -43,6 +45,22 @@ fn kill_9_mid_backward_recovers_to_the_same_final_state() {
     assert_eq!(clean["recoveries"], 0);
     assert!(failed["recoveries"].as_u64().unwrap() >= 1, "{failed}");
     assert_eq!(clean["final_state_sha256"], failed["final_state_sha256"], "the recovered run must end in the same state");
+    // the router's choices were recorded by every rank, and a recovered run, which repeats the
+    // iterations after its checkpoint, records the same routing as the clean run
+    let routing = |d: &str| {
+        let p = base.join(d).join("routing.json");
+        ironweave_train::routing::RoutingTrace::from_json_str(&std::fs::read_to_string(&p).unwrap(), &p.display().to_string())
+            .unwrap()
+    };
+    let (r_clean, r_failed) = (routing("clean"), routing("failed"));
+    let cfg = ironweave_train::TrainConfig::from_toml_str(
+        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/moe-tiny.toml")).unwrap(),
+    )
+    .unwrap();
+    r_clean.check_for(&ironweave_train::routing::RoutingShape::of(&cfg, 4), 30).unwrap();
+    assert_eq!(r_clean.iterations.len(), 30);
+    assert_ne!(r_clean.iterations[0], r_clean.iterations[29], "the router's choices move as the model trains");
+    assert_eq!(r_clean, r_failed);
     // a rank and its replica peer (0 and 1 hold each other's state) killed together: only the
     // persistent tier (every 10 iterations) has their state; the run still ends the same
     let both = train(&base.join("both"), Some("rank=0+1,iter=14"));

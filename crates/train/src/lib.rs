@@ -24,6 +24,7 @@ pub mod dist;
 mod error;
 mod gelu;
 pub mod model;
+pub mod routing;
 pub mod sdp;
 pub mod tp;
 pub mod trainer;

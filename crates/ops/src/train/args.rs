@@ -102,6 +102,11 @@ pub struct TrainArgs {
     /// (0: one bucket after the whole backward; default: the config's `bucket_kb`, 512).
     #[arg(long)]
     pub bucket_kb: Option<usize>,
+    /// Record which experts the router sent every rank's tokens to, per iteration and MoE layer,
+    /// into this JSON file (`ironweave_train::routing::RoutingTrace`): the routing emulated
+    /// compute replays. MoE runs (not `--tp`, `--sdp`) only.
+    #[arg(long, value_name = "FILE")]
+    pub record_routing: Option<PathBuf>,
     /// No progress bar or per-iteration lines (the summary is still printed).
     #[arg(long)]
     pub quiet: bool,
@@ -166,6 +171,7 @@ impl TrainArgs {
             replicas: 2,
             threads_per_rank: None,
             bucket_kb: None,
+            record_routing: None,
             quiet: false,
             tp: None,
             schedule: None,

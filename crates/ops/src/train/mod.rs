@@ -23,6 +23,10 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
             "--resume-from loads onto another layout for the data- and expert-parallel and the --sdp runs so far; --tp runs resume from their own in-memory and persistent checkpoints"
         );
     }
+    let dense = a.sdp.is_some() || a.sdp_plan.is_some() || a.tp.is_some() || a.tp_plan.is_some();
+    if a.record_routing.is_some() && dense {
+        bail!("--record-routing records a MoE run's router: leave out --sdp and --tp");
+    }
     if a.sdp.is_some() || a.sdp_plan.is_some() {
         if a.tp.is_some() || a.tp_plan.is_some() {
             bail!("--sdp and --tp do not combine yet: choose one");
@@ -55,12 +59,19 @@ mod tests {
             persist_every: 0,
             resume_from: Some(PathBuf::from("-odd/persist")),
         };
-        let moe = WorkerArgs { run: run.clone(), replicas: 3, bucket_kb: Some(512), storage_bytes_per_s: Some(1.0 / 3.0 * 1e8) };
+        let moe = WorkerArgs {
+            run: run.clone(),
+            replicas: 3,
+            bucket_kb: Some(512),
+            storage_bytes_per_s: Some(1.0 / 3.0 * 1e8),
+            routing_dir: Some(PathBuf::from("/tmp/r/routing")),
+        };
         assert_eq!(crate::parse_back::<WorkerArgs>(&moe.to_argv()), moe);
         let bare = WorkerArgs {
             run: ElasticRankArgs { iters: None, fail: None, resume_from: None, ..run.clone() },
             bucket_kb: None,
             storage_bytes_per_s: None,
+            routing_dir: None,
             ..moe
         };
         assert_eq!(crate::parse_back::<WorkerArgs>(&bare.to_argv()), bare);

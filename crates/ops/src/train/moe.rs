@@ -4,7 +4,7 @@
 //! iteration as `expert_load.json`, the trace format `ironweave simulate ckpt --load-trace` reads.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ironweave::ckpt::engine::Strategy;
@@ -34,6 +34,9 @@ pub struct WorkerArgs {
     /// This rank's share of the emulated storage bandwidth, bytes/s.
     #[arg(long)]
     pub storage_bytes_per_s: Option<f64>,
+    /// Append this rank's routing to `rank<R>.jsonl` here, one line per iteration.
+    #[arg(long)]
+    pub routing_dir: Option<PathBuf>,
 }
 
 impl WorkerArgs {
@@ -47,6 +50,7 @@ impl WorkerArgs {
             .opt("replicas", self.replicas)
             .some("bucket-kb", self.bucket_kb)
             .some("storage-bytes-per-s", self.storage_bytes_per_s)
+            .some("routing-dir", self.routing_dir.as_ref().map(|p| p.display()))
             .done()
     }
 }
@@ -65,6 +69,8 @@ struct MoeWorker {
     log: RankLog,
     step: [u8; 8],
     seed: [u8; 8],
+    /// `--record-routing`: this rank's routing file, a line per iteration.
+    routing: Option<std::fs::File>,
 }
 
 impl Worker for MoeWorker {
@@ -115,12 +121,17 @@ impl Worker for MoeWorker {
         Ok(())
     }
 
-    fn step(&mut self, _iter: u64, cx: &StepContext<'_>) -> Result<Step<StepReport>, BoxError> {
+    fn step(&mut self, iter: u64, cx: &StepContext<'_>) -> Result<Step<StepReport>, BoxError> {
         let tr = self.trainer.as_mut().ok_or("the trainer joins no generation yet")?;
         // training communication goes into the engine's profiler: its idle windows
         tr.set_profiler(cx.profiler.clone());
         let s = tr.step(Some(cx.profiler))?;
         self.step = (tr.params.step as i64).to_le_bytes();
+        if let Some(f) = &mut self.routing {
+            // the router's choices before capacity; a repeated iteration's line replaces this one
+            let row = RoutingRow { iter, tokens: s.load.tokens.clone() };
+            writeln!(f, "{}", serde_json::to_string(&row)?)?;
+        }
         Ok(Step { expert_load: Some(s.load.clone()), output: s })
     }
 
@@ -195,6 +206,14 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         trainer: None,
         initial: None,
         step: [0; 8],
+        routing: match &a.routing_dir {
+            Some(d) => {
+                let p = d.join(format!("rank{rank}.jsonl"));
+                let f = std::fs::OpenOptions::new().create(true).append(true).open(&p);
+                Some(f.with_context(|| format!("opening {}", p.display()))?)
+            }
+            None => None,
+        },
     };
     let done = crate::train::elastic::run_elastic(job, &mut w)?;
     let tr = w.trainer.take().context("the job ran no generation")?;
@@ -387,6 +406,11 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     let _ = std::fs::remove_dir_all(report_dir.join("persist"));
     let _ = std::fs::remove_file(report_dir.join("report.json"));
     let _ = std::fs::remove_file(report_dir.join("iterations.jsonl"));
+    let routing_dir = a.record_routing.as_ref().map(|_| report_dir.join("routing"));
+    if let Some(d) = &routing_dir {
+        let _ = std::fs::remove_dir_all(d);
+        std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+    }
     let args = WorkerArgs {
         run: ElasticRankArgs {
             config: config.to_path_buf(),
@@ -400,6 +424,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         replicas: a.replicas,
         bucket_kb: a.bucket_kb,
         storage_bytes_per_s: storage_per_rank,
+        routing_dir: routing_dir.clone(),
     }
     .to_argv();
     let topology = match &a.topology {
@@ -428,6 +453,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     rep.topology = a.topology.clone();
     rep.ranks_per_host = per_host;
     std::fs::write(report_dir.join("report.json"), serde_json::to_vec_pretty(&rep)?)?;
+    if let (Some(file), Some(dir)) = (&a.record_routing, &routing_dir) {
+        write_routing_trace(&cfg, ranks, dir, file)?;
+    }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let committed = match rep.last_committed_iter {
         Some(i) => format!("iteration {i}"),
@@ -464,4 +492,42 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         Err(e) => eprintln!("ironweave train: could not write the HTML report: {e:#}"),
     }
     Ok(0)
+}
+
+/// One line of a rank's routing file.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct RoutingRow {
+    iter: u64,
+    tokens: Vec<Vec<u64>>,
+}
+
+/// Gathers the ranks' routing files into one trace at `file`.
+fn write_routing_trace(cfg: &TrainConfig, ranks: usize, dir: &Path, file: &Path) -> Result<()> {
+    let mut rows = Vec::new();
+    for r in 0..ranks {
+        let p = dir.join(format!("rank{r}.jsonl"));
+        let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+        for (n, line) in text.lines().enumerate() {
+            let row: RoutingRow =
+                serde_json::from_str(line).with_context(|| format!("{} line {}: not a routing row", p.display(), n + 1))?;
+            rows.push((row.iter, r, row.tokens));
+        }
+    }
+    let shape = ironweave_train::routing::RoutingShape::of(cfg, ranks);
+    let trace = ironweave_train::routing::RoutingTrace::assemble(shape, rows)?;
+    if let Some(parent) = file.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    }
+    std::fs::write(file, serde_json::to_vec(&trace)?).with_context(|| format!("writing {}", file.display()))?;
+    let s = &trace.shape;
+    println!(
+        "routing trace: {} ({} iterations x {} MoE layers x {} ranks x {} experts, top-{})",
+        file.display(),
+        trace.iterations.len(),
+        s.moe_layers,
+        s.ranks,
+        s.experts,
+        s.top_k
+    );
+    Ok(())
 }

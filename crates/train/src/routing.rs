@@ -1,0 +1,225 @@
+//! Routing traces: which experts a real router sent each rank's tokens to, per iteration and MoE
+//! layer — recorded by `ironweave train --record-routing FILE`, replayed by emulated compute
+//! (issue 38) so that the expert load an emulated bed sees, and that Capricorn's profiler and
+//! speculative activation react to, is a router's and not an invented pattern.
+//!
+//! A trace holds the router's choices *before* capacity (`Routing::wanted`): every rank's row of
+//! one layer sums to its tokens × `top_k`. The emulator applies the capacity of the model it
+//! runs. Pure: reading and writing files is the caller's.
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::TrainConfig;
+use crate::error::{Result, TrainError};
+
+/// What a trace was recorded on: a replay must run the same shape.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoutingShape {
+    /// The configuration's name.
+    pub model: String,
+    /// MoE layers (the model's layers that route).
+    pub moe_layers: usize,
+    /// Experts per MoE layer.
+    pub experts: usize,
+    /// Experts each token goes to.
+    pub top_k: usize,
+    /// Ranks of the recording job.
+    pub ranks: usize,
+    /// Tokens each rank routes per layer and iteration.
+    pub tokens_per_rank: u64,
+}
+
+impl RoutingShape {
+    /// The shape of a job training `cfg` on `ranks` ranks.
+    pub fn of(cfg: &TrainConfig, ranks: usize) -> RoutingShape {
+        let m = &cfg.model;
+        RoutingShape {
+            model: cfg.name.clone(),
+            moe_layers: (0..m.layers).filter(|&l| cfg.is_moe(l)).count(),
+            experts: m.experts,
+            top_k: m.top_k,
+            ranks,
+            tokens_per_rank: (cfg.train.batch * m.seq) as u64,
+        }
+    }
+}
+
+/// A recorded routing trace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoutingTrace {
+    /// What it was recorded on.
+    pub shape: RoutingShape,
+    /// The first iteration recorded.
+    pub first_iter: u64,
+    /// `iterations[i][m][r][e]`: iteration `first_iter + i`, MoE layer `m`, rank `r`, expert `e`:
+    /// tokens rank `r` routed to expert `e`.
+    pub iterations: Vec<Vec<Vec<Vec<u64>>>>,
+}
+
+fn bad(what: &str, why: impl std::fmt::Display) -> TrainError {
+    TrainError::Config(format!("routing trace {what}: {why}"))
+}
+
+impl RoutingTrace {
+    /// Assembles a trace from rows `(iteration, rank, tokens[m][e])` in any order (a row
+    /// recorded again, by a rank that repeated an iteration after a recovery, replaces the
+    /// earlier one: the job's state went back, so did its routing). Every iteration from the
+    /// first to the last must have every rank's row.
+    pub fn assemble(shape: RoutingShape, rows: impl IntoIterator<Item = (u64, usize, Vec<Vec<u64>>)>) -> Result<RoutingTrace> {
+        let mut by_iter: std::collections::BTreeMap<u64, Vec<Option<Vec<Vec<u64>>>>> = Default::default();
+        for (iter, rank, tokens) in rows {
+            if rank >= shape.ranks {
+                return Err(bad("row", format!("rank {rank} in a job of {} ranks", shape.ranks)));
+            }
+            by_iter.entry(iter).or_insert_with(|| vec![None; shape.ranks])[rank] = Some(tokens);
+        }
+        let first_iter = by_iter.keys().next().copied().ok_or_else(|| bad("rows", "none recorded"))?;
+        let mut iterations = Vec::with_capacity(by_iter.len());
+        for (i, (iter, ranks)) in by_iter.into_iter().enumerate() {
+            if iter != first_iter + i as u64 {
+                return Err(bad("rows", format!("iteration {} is missing", first_iter + i as u64)));
+            }
+            let mut layers = vec![Vec::with_capacity(shape.ranks); shape.moe_layers];
+            for (r, row) in ranks.into_iter().enumerate() {
+                let row = row.ok_or_else(|| bad("rows", format!("iteration {iter} has no row of rank {r}")))?;
+                if row.len() != shape.moe_layers {
+                    return Err(bad(
+                        "rows",
+                        format!("iteration {iter}, rank {r}: {} layers, not {}", row.len(), shape.moe_layers),
+                    ));
+                }
+                for (m, tokens) in row.into_iter().enumerate() {
+                    layers[m].push(tokens);
+                }
+            }
+            iterations.push(layers);
+        }
+        let t = RoutingTrace { shape, first_iter, iterations };
+        t.validate()?;
+        Ok(t)
+    }
+
+    /// Parses and validates a trace (`what` names the file in errors).
+    pub fn from_json_str(text: &str, what: &str) -> Result<RoutingTrace> {
+        let t: RoutingTrace = serde_json::from_str(text).map_err(|e| bad(what, e))?;
+        t.validate().map_err(|e| TrainError::Config(format!("{what}: {e}")))?;
+        Ok(t)
+    }
+
+    /// Every count in place: the shape's layers, ranks and experts, and each rank's row of a
+    /// layer summing to its tokens × `top_k`.
+    pub fn validate(&self) -> Result<()> {
+        let s = &self.shape;
+        if s.moe_layers == 0 || s.experts == 0 || s.ranks == 0 || s.top_k == 0 || s.top_k > s.experts {
+            return Err(bad("shape", format!("{s:?}: layers, experts, ranks ≥ 1 and 1 ≤ top_k ≤ experts")));
+        }
+        let per_row = s.tokens_per_rank * s.top_k as u64;
+        for (i, layers) in self.iterations.iter().enumerate() {
+            let iter = self.first_iter + i as u64;
+            if layers.len() != s.moe_layers {
+                return Err(bad("iterations", format!("iteration {iter}: {} layers, not {}", layers.len(), s.moe_layers)));
+            }
+            for (m, ranks) in layers.iter().enumerate() {
+                if ranks.len() != s.ranks {
+                    return Err(bad(
+                        "iterations",
+                        format!("iteration {iter}, layer {m}: {} ranks, not {}", ranks.len(), s.ranks),
+                    ));
+                }
+                for (r, row) in ranks.iter().enumerate() {
+                    let sum: u64 = row.iter().sum();
+                    if row.len() != s.experts || sum != per_row {
+                        return Err(bad(
+                            "iterations",
+                            format!(
+                                "iteration {iter}, layer {m}, rank {r}: {} experts routing {sum} tokens, not {} routing {per_row}",
+                                row.len(),
+                                s.experts
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that this trace can drive a run of `shape` for `iters` iterations: the same model
+    /// shape and at least as many iterations.
+    pub fn check_for(&self, shape: &RoutingShape, iters: u64) -> Result<()> {
+        let s = &self.shape;
+        if (s.moe_layers, s.experts, s.top_k, s.ranks, s.tokens_per_rank)
+            != (shape.moe_layers, shape.experts, shape.top_k, shape.ranks, shape.tokens_per_rank)
+        {
+            return Err(bad("shape", format!("recorded on {s:?}, the run is {shape:?}: record one on this model and job")));
+        }
+        if (self.iterations.len() as u64) < iters {
+            return Err(bad("length", format!("{} iterations recorded, the run needs {iters}", self.iterations.len())));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> RoutingShape {
+        RoutingShape { model: "t".into(), moe_layers: 2, experts: 4, top_k: 2, ranks: 2, tokens_per_rank: 3 }
+    }
+
+    /// rank r's row at iteration i: 6 choices over 4 experts
+    fn row(i: u64, r: usize) -> Vec<Vec<u64>> {
+        let e = (i as usize + r) % 4;
+        (0..2)
+            .map(|m| {
+                (0..4)
+                    .map(|x| {
+                        if x == e {
+                            4
+                        } else if x == (e + m + 1) % 4 {
+                            2
+                        } else {
+                            0
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rows_in_any_order_assemble_and_a_repeated_iteration_replaces_the_first() {
+        let mut rows = vec![(6, 1, row(6, 1)), (5, 0, row(5, 0)), (6, 0, vec![vec![6, 0, 0, 0]; 2]), (5, 1, row(5, 1))];
+        rows.push((6, 0, row(6, 0))); // rank 0 repeated iteration 6 after a recovery
+        let t = RoutingTrace::assemble(shape(), rows).unwrap();
+        assert_eq!(t.first_iter, 5);
+        assert_eq!(t.iterations.len(), 2);
+        assert_eq!(t.iterations[1][1][0], row(6, 0)[1]);
+        let back = RoutingTrace::from_json_str(&serde_json::to_string(&t).unwrap(), "t.json").unwrap();
+        assert_eq!(back, t);
+        t.check_for(&shape(), 2).unwrap();
+    }
+
+    #[test]
+    fn a_trace_that_cannot_drive_the_run_says_why() {
+        let t = RoutingTrace::assemble(shape(), (0..3).flat_map(|i| (0..2).map(move |r| (i, r, row(i, r))))).unwrap();
+        let e = t.check_for(&shape(), 4).unwrap_err().to_string();
+        assert!(e.contains("3 iterations recorded, the run needs 4"), "{e}");
+        let other = RoutingShape { experts: 8, ..shape() };
+        assert!(t.check_for(&other, 2).unwrap_err().to_string().contains("record one on this model"));
+        // a hole, a missing rank, a row that routes the wrong number of tokens
+        let e = RoutingTrace::assemble(shape(), [(0, 0, row(0, 0)), (0, 1, row(0, 1)), (2, 0, row(2, 0)), (2, 1, row(2, 1))])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("iteration 1 is missing"), "{e}");
+        let e = RoutingTrace::assemble(shape(), [(0, 0, row(0, 0))]).unwrap_err().to_string();
+        assert!(e.contains("no row of rank 1"), "{e}");
+        let e = RoutingTrace::assemble(shape(), [(0, 0, row(0, 0)), (0, 1, vec![vec![1, 0, 0, 0]; 2])]).unwrap_err().to_string();
+        assert!(e.contains("routing 1 tokens, not 4 routing 6"), "{e}");
+        let e = RoutingTrace::from_json_str("{\"shape\": 3}", "x.json").unwrap_err().to_string();
+        assert!(e.contains("x.json"), "{e}");
+    }
+}
