@@ -162,6 +162,65 @@ impl RoutingTrace {
     }
 }
 
+/// How one MoE layer's expert load behaves over a trace: what Capricorn's layer-level and
+/// iteration-level dynamicity are about.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerStats {
+    /// Busiest expert's tokens over the mean expert's, averaged over iterations (1: balanced).
+    pub imbalance_mean: f64,
+    /// The same, the worst iteration.
+    pub imbalance_max: f64,
+    /// Total-variation distance between the load distributions of consecutive iterations,
+    /// averaged (0: the same load every iteration; 1: disjoint experts).
+    pub drift_1: f64,
+    /// The same between iterations 10 apart (temporal locality: `drift_1` below `drift_10`).
+    pub drift_10: Option<f64>,
+}
+
+impl RoutingTrace {
+    /// Every expert's tokens in MoE layer `m` at iteration index `i`, summed over ranks.
+    pub fn expert_totals(&self, i: usize, m: usize) -> Vec<u64> {
+        let mut t = vec![0u64; self.shape.experts];
+        for row in &self.iterations[i][m] {
+            for (x, &c) in t.iter_mut().zip(row) {
+                *x += c;
+            }
+        }
+        t
+    }
+
+    /// Per MoE layer: imbalance and drift over the trace.
+    pub fn stats(&self) -> Vec<LayerStats> {
+        let n = self.iterations.len();
+        let tv = |a: &[u64], b: &[u64]| -> f64 {
+            let (sa, sb) = (a.iter().sum::<u64>().max(1) as f64, b.iter().sum::<u64>().max(1) as f64);
+            a.iter().zip(b).map(|(&x, &y)| (x as f64 / sa - y as f64 / sb).abs()).sum::<f64>() / 2.0
+        };
+        let drift = |m: usize, k: usize| -> Option<f64> {
+            (n > k).then(|| {
+                (k..n).map(|i| tv(&self.expert_totals(i - k, m), &self.expert_totals(i, m))).sum::<f64>() / (n - k) as f64
+            })
+        };
+        (0..self.shape.moe_layers)
+            .map(|m| {
+                let imb: Vec<f64> = (0..n)
+                    .map(|i| {
+                        let t = self.expert_totals(i, m);
+                        let mean = t.iter().sum::<u64>() as f64 / t.len() as f64;
+                        t.iter().copied().max().unwrap_or(0) as f64 / mean.max(f64::MIN_POSITIVE)
+                    })
+                    .collect();
+                LayerStats {
+                    imbalance_mean: imb.iter().sum::<f64>() / n.max(1) as f64,
+                    imbalance_max: imb.iter().copied().fold(0.0, f64::max),
+                    drift_1: drift(m, 1).unwrap_or(0.0),
+                    drift_10: drift(m, 10),
+                }
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -201,6 +260,26 @@ mod tests {
         let back = RoutingTrace::from_json_str(&serde_json::to_string(&t).unwrap(), "t.json").unwrap();
         assert_eq!(back, t);
         t.check_for(&shape(), 2).unwrap();
+    }
+
+    #[test]
+    fn stats_see_imbalance_and_drift() {
+        // layer 0: the same load every iteration (rank 0 all on expert 0, rank 1 spread);
+        // layer 1: the busy expert moves every iteration
+        let row = |i: u64, r: usize| -> Vec<Vec<u64>> {
+            let l0 = if r == 0 { vec![6, 0, 0, 0] } else { vec![0, 2, 2, 2] };
+            let mut l1 = vec![0; 4];
+            l1[i as usize % 4] = 6;
+            vec![l0, l1]
+        };
+        let t = RoutingTrace::assemble(shape(), (0..12).flat_map(|i| (0..2).map(move |r| (i, r, row(i, r))))).unwrap();
+        assert_eq!(t.expert_totals(0, 0), [6, 2, 2, 2]);
+        let s = t.stats();
+        assert_eq!(s[0].imbalance_mean, 2.0); // 6 over a mean of 3
+        assert_eq!((s[0].drift_1, s[0].drift_10), (0.0, Some(0.0)));
+        assert_eq!(s[1].imbalance_max, 4.0); // 12 tokens on one expert of four
+        assert_eq!(s[1].drift_1, 1.0); // a different expert each iteration
+        assert_eq!(s[1].drift_10, Some(1.0)); // 10 apart: 10 mod 4 = 2, another expert
     }
 
     #[test]

@@ -529,5 +529,14 @@ fn write_routing_trace(cfg: &TrainConfig, ranks: usize, dir: &Path, file: &Path)
         s.experts,
         s.top_k
     );
+    for (m, l) in trace.stats().iter().enumerate() {
+        println!(
+            "  MoE layer {m}: busiest expert {:.2}x the mean (worst iteration {:.2}x); load drift {:.3} between consecutive iterations{}",
+            l.imbalance_mean,
+            l.imbalance_max,
+            l.drift_1,
+            l.drift_10.map(|d| format!(", {d:.3} between iterations 10 apart")).unwrap_or_default()
+        );
+    }
     Ok(())
 }
