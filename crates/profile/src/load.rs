@@ -30,23 +30,7 @@ impl ExpertLoad {
                 other.tokens.iter().map(Vec::len).collect::<Vec<_>>()
             )));
         }
-        let share = |l: &[u64]| -> Vec<f64> {
-            let s: u64 = l.iter().sum();
-            if s == 0 {
-                vec![1.0 / l.len().max(1) as f64; l.len()]
-            } else {
-                l.iter().map(|&v| v as f64 / s as f64).collect()
-            }
-        };
-        Ok(self
-            .tokens
-            .iter()
-            .zip(&other.tokens)
-            .map(|(a, b)| {
-                let (a, b) = (share(a), share(b));
-                0.5 * a.iter().zip(&b).map(|(x, y)| (x - y).abs()).sum::<f64>()
-            })
-            .fold(0.0, f64::max))
+        Ok(tv(&shares(self), &shares(other)))
     }
 }
 

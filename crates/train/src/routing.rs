@@ -7,6 +7,7 @@
 //! one layer sums to its tokens × `top_k`. The emulator applies the capacity of the model it
 //! runs. Pure: reading and writing files is the caller's.
 
+use ironweave_profile::ExpertLoad;
 use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
@@ -189,23 +190,24 @@ impl RoutingTrace {
         t
     }
 
-    /// Per MoE layer: imbalance and drift over the trace.
+    /// Per MoE layer: imbalance and drift over the trace. Drift is the profiler's own measure
+    /// ([`ExpertLoad::drift`], what speculative activation compares), one layer at a time.
     pub fn stats(&self) -> Vec<LayerStats> {
         let n = self.iterations.len();
-        let tv = |a: &[u64], b: &[u64]| -> f64 {
-            let (sa, sb) = (a.iter().sum::<u64>().max(1) as f64, b.iter().sum::<u64>().max(1) as f64);
-            a.iter().zip(b).map(|(&x, &y)| (x as f64 / sa - y as f64 / sb).abs()).sum::<f64>() / 2.0
-        };
-        let drift = |m: usize, k: usize| -> Option<f64> {
-            (n > k).then(|| {
-                (k..n).map(|i| tv(&self.expert_totals(i - k, m), &self.expert_totals(i, m))).sum::<f64>() / (n - k) as f64
-            })
-        };
         (0..self.shape.moe_layers)
             .map(|m| {
-                let imb: Vec<f64> = (0..n)
-                    .map(|i| {
-                        let t = self.expert_totals(i, m);
+                let loads: Vec<ExpertLoad> = (0..n).map(|i| ExpertLoad { tokens: vec![self.expert_totals(i, m)] }).collect();
+                let drift = |k: usize| -> Option<f64> {
+                    (n > k).then(|| {
+                        let sum: f64 =
+                            (k..n).map(|i| loads[i - k].drift(&loads[i]).expect("one layer of the same experts")).sum();
+                        sum / (n - k) as f64
+                    })
+                };
+                let imb: Vec<f64> = loads
+                    .iter()
+                    .map(|l| {
+                        let t = &l.tokens[0];
                         let mean = t.iter().sum::<u64>() as f64 / t.len() as f64;
                         t.iter().copied().max().unwrap_or(0) as f64 / mean.max(f64::MIN_POSITIVE)
                     })
@@ -213,8 +215,8 @@ impl RoutingTrace {
                 LayerStats {
                     imbalance_mean: imb.iter().sum::<f64>() / n.max(1) as f64,
                     imbalance_max: imb.iter().copied().fold(0.0, f64::max),
-                    drift_1: drift(m, 1).unwrap_or(0.0),
-                    drift_10: drift(m, 10),
+                    drift_1: drift(1).unwrap_or(0.0),
+                    drift_10: drift(10),
                 }
             })
             .collect()
