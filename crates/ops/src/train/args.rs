@@ -350,6 +350,22 @@ pub struct ElasticRankArgs {
     pub resume_from: Option<PathBuf>,
 }
 
+impl TrainArgs {
+    /// What each rank of an elastic run of these options is told (the runs change what they
+    /// must: `train` writes its ranks' `--fail`).
+    pub fn rank_args(&self) -> ElasticRankArgs {
+        ElasticRankArgs {
+            config: self.config.clone(),
+            ckpt: self.ckpt.clone(),
+            iters: self.iters,
+            report_dir: self.report_dir.clone(),
+            fail: self.fail.clone(),
+            persist_every: self.persist_every,
+            resume_from: self.resume_from.clone(),
+        }
+    }
+}
+
 impl ElasticRankArgs {
     /// These options on a rank's command line, as clap parses them back.
     pub(crate) fn write(&self, argv: crate::Argv) -> crate::Argv {

@@ -128,9 +128,12 @@ impl Worker for MoeWorker {
         let s = tr.step(Some(cx.profiler))?;
         self.step = (tr.params.step as i64).to_le_bytes();
         if let Some(f) = &mut self.routing {
-            // the router's choices before capacity; a repeated iteration's line replaces this one
-            let row = RoutingRow { iter, tokens: s.load.tokens.clone() };
-            writeln!(f, "{}", serde_json::to_string(&row)?)?;
+            // the router's choices before capacity; a repeated iteration's line replaces this
+            // one. One write per line: a rank killed between two writes would leave half a line
+            // that its restarted self appends to.
+            let mut line = serde_json::to_string(&RoutingRow { iter, tokens: s.load.tokens.clone() })?;
+            line.push('\n');
+            f.write_all(line.as_bytes())?;
         }
         Ok(Step { expert_load: Some(s.load.clone()), output: s })
     }
@@ -360,7 +363,7 @@ fn write_rank0_files(rep: &mut Report, cfg: &TrainConfig, report_dir: &Path, ite
 /// returns the exit status. ([`crate::train::run`] picks this, `--tp` or `--sdp`.)
 pub fn run(a: &TrainArgs) -> Result<i32> {
     let (config, ranks, strategy, backend) = (a.config.as_path(), a.ranks, a.ckpt.as_str(), a.backend.as_str());
-    let (iters, report_dir, persist_every) = (a.iters, a.report_dir.as_path(), a.persist_every);
+    let (iters, report_dir) = (a.iters, a.report_dir.as_path());
     // --fail host=H: every rank of emulated host H (the launcher puts rank r on host
     // r / ranks-per-host), killed together
     let fail_ranks =
@@ -412,15 +415,8 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
     }
     let args = WorkerArgs {
-        run: ElasticRankArgs {
-            config: config.to_path_buf(),
-            ckpt: strategy.to_string(),
-            iters,
-            report_dir: report_dir.to_path_buf(),
-            fail: fail.map(str::to_string),
-            persist_every,
-            resume_from: a.resume_from.clone(),
-        },
+        // the ranks' --fail: hosts turned into their ranks
+        run: ElasticRankArgs { fail: fail.map(str::to_string), ..a.rank_args() },
         replicas: a.replicas,
         bucket_kb: a.bucket_kb,
         storage_bytes_per_s: storage_per_rank,

@@ -368,15 +368,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     let _ = std::fs::remove_dir_all(a.report_dir.join("persist"));
     let args = SdpWorkerArgs {
-        run: ElasticRankArgs {
-            config: a.config.clone(),
-            ckpt: a.ckpt.clone(),
-            iters: a.iters,
-            report_dir: a.report_dir.clone(),
-            fail: a.fail.clone(),
-            persist_every: a.persist_every,
-            resume_from: a.resume_from.clone(),
-        },
+        run: a.rank_args(),
         strategy: strategy.name().into(),
         fractions,
         ranks_per_host: rph,
