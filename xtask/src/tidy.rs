@@ -668,16 +668,34 @@ pub fn cli_violations(sources: &[(PathBuf, String)]) -> Vec<String> {
     let found = |line: &str, pat: &str| {
         line.match_indices(pat).any(|(i, _)| line[..i].chars().next_back().is_none_or(|c| !(c.is_alphanumeric() || c == '_')))
     };
+    // string literals are kept here: a table's row is one; comment lines are not code
+    let code = |text: &str| {
+        let cut = cut_test_modules(text);
+        cut.lines().map(|l| if l.trim_start().starts_with("//") { "" } else { l }).collect::<Vec<_>>().join("\n")
+    };
+    let pats: Vec<&str> = FORBIDDEN.iter().map(|(p, _)| *p).collect();
+    first_hit_per_line(sources, code, &pats, found)
+        .into_iter()
+        .map(|(f, ln, k)| {
+            let (pat, what) = FORBIDDEN[k];
+            format!("{}:{ln}: {what} (`{pat}`): move it into ironweave-ops", f.display())
+        })
+        .collect()
+}
+
+/// Each line of each file, as `prepare` leaves the text, on which `hit` finds one of `pats`:
+/// (file, 1-based line number, index of the first such pattern). One finding per line.
+fn first_hit_per_line<'a>(
+    files: &'a [(PathBuf, String)],
+    prepare: impl Fn(&str) -> String,
+    pats: &[&str],
+    hit: impl Fn(&str, &str) -> bool,
+) -> Vec<(&'a Path, usize, usize)> {
     let mut out = Vec::new();
-    for (f, text) in sources {
-        // string literals are kept here: a table's row is one
-        let code = cut_test_modules(text);
-        for (ln, line) in code.lines().enumerate() {
-            if line.trim_start().starts_with("//") {
-                continue;
-            }
-            if let Some((pat, what)) = FORBIDDEN.iter().find(|(pat, _)| found(line, pat)) {
-                out.push(format!("{}:{}: {what} (`{pat}`): move it into ironweave-ops", f.display(), ln + 1));
+    for (f, text) in files {
+        for (ln, line) in prepare(text).lines().enumerate() {
+            if let Some(k) = pats.iter().position(|p| hit(line, p)) {
+                out.push((f.as_path(), ln + 1, k));
             }
         }
     }
@@ -795,19 +813,12 @@ const IMPURE: [&str; 12] = [
 /// Where the sources of `files` (path, text) do IO or read a clock, comments, strings and tests
 /// left out.
 pub fn impure(files: &[(PathBuf, String)]) -> Vec<String> {
-    let mut out = Vec::new();
-    for (f, text) in files {
-        for (ln, line) in strip(text).lines().enumerate() {
-            if let Some(pat) = IMPURE.iter().find(|p| line.contains(*p)) {
-                out.push(format!(
-                    "{}:{}: `{pat}` in a deterministic core (take a Clock or the bytes instead)",
-                    f.display(),
-                    ln + 1
-                ));
-            }
-        }
-    }
-    out
+    first_hit_per_line(files, strip, &IMPURE, |line, pat| line.contains(pat))
+        .into_iter()
+        .map(|(f, ln, k)| {
+            format!("{}:{ln}: `{}` in a deterministic core (take a Clock or the bytes instead)", f.display(), IMPURE[k])
+        })
+        .collect()
 }
 
 /// The [`PURE`] sources under `root`, read.
