@@ -119,7 +119,7 @@ impl Shared {
         }
     }
 
-    fn issue(&self, op: Box<SendOp>) -> Result<()> {
+    fn issue(&self, op: SendOp) -> Result<()> {
         // Without an engine the op is dropped here, which fails the caller's handle.
         self.with_engine(|e| e.issue_send(AM_DATA, op))
     }
@@ -294,7 +294,7 @@ impl Link for UcxLink {
         }
         // SAFETY: we block below until the send completes or the link let go of `data`.
         let (send, h) = unsafe { PendingSend::borrowed(data) };
-        sh.issue(Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send, mailbox: sh.mailbox.clone() }))?;
+        sh.issue(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send, mailbox: sh.mailbox.clone() })?;
         // Drive the engine while the send is in flight (MPI-style), then sleep on the handle.
         // A rendezvous send completes only once the peer has pulled the data, during which
         // nothing happens here: keep polling about as long as the copy takes (4 GB/s).
@@ -328,7 +328,7 @@ impl Link for UcxLink {
             return Ok(SendHandle::ready(Ok(data)));
         }
         let (send, h) = PendingSend::owned(data);
-        sh.issue(Box::new(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send, mailbox: sh.mailbox.clone() }))?;
+        sh.issue(SendOp { peer, header: header(sh.rank, tag, seq), hlen: HDR, send, mailbox: sh.mailbox.clone() })?;
         Ok(h)
     }
 
@@ -425,6 +425,8 @@ struct CbState {
     rndv: RefCell<Vec<Rndv>>,
     byes: RefCell<Vec<bool>>,
     in_flight: Cell<usize>,
+    /// Sends whose completion callback has not run yet (UCX holds their requests).
+    sends_in_flight: Cell<usize>,
     failed: Cell<bool>,
     /// Every endpoint reports peer failures (false when a transport cannot).
     peer_errors: Cell<bool>,
@@ -482,10 +484,20 @@ fn free_request(req: *mut c_void) {
     }
 }
 
+/// A send UCX holds: the op and the state that counts it (see [`Engine::issue_send`]).
+struct IssuedSend {
+    op: SendOp,
+    cb: *const CbState,
+}
+
 unsafe extern "C" fn send_done(req: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
-    // SAFETY: `user` is the SendOp leaked by `issue_send` for this request, reclaimed once.
-    let op = unsafe { Box::from_raw(user.cast::<SendOp>()) };
-    finish_send(*op, status);
+    // SAFETY: `user` is the IssuedSend leaked by `issue_send` for this request, reclaimed once.
+    let issued = unsafe { Box::from_raw(user.cast::<IssuedSend>()) };
+    // SAFETY: the CbState outlives every request (the worker is destroyed, or leaked with
+    // it, before the CbState is dropped).
+    let cb = unsafe { &*issued.cb };
+    cb.sends_in_flight.set(cb.sends_in_flight.get() - 1);
+    finish_send(issued.op, status);
     free_request(req);
 }
 
@@ -662,14 +674,14 @@ impl Engine {
         }
     }
 
-    fn issue_send(&self, id: u32, op: Box<SendOp>) {
+    fn issue_send(&self, id: u32, op: SendOp) {
         let Some(ep) = self.eps.get(op.peer).and_then(Option::as_ref) else {
             let e = self.cb.mailbox.failure().unwrap_or(Error::Aborted { reason: "the UCX endpoint is closed".into() });
             op.send.finish(Err(e));
             return;
         };
         let (ptr, len) = (op.send.bytes().as_ptr(), op.send.bytes().len());
-        let raw = Box::into_raw(op);
+        let raw = Box::into_raw(Box::new(IssuedSend { op, cb: &*self.cb }));
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
             cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(send_done) },
@@ -679,12 +691,22 @@ impl Engine {
         // SAFETY: live endpoint; the header and data live in the leaked SendOp (or the blocked
         // caller's buffer) until the completion callback reclaims it.
         let req = unsafe {
-            self.worker.lib().ucp_am_send_nbx(ep.raw(), id, (*raw).header.as_ptr().cast(), (*raw).hlen, ptr.cast(), len, &param)
+            self.worker.lib().ucp_am_send_nbx(
+                ep.raw(),
+                id,
+                (*raw).op.header.as_ptr().cast(),
+                (*raw).op.hlen,
+                ptr.cast(),
+                len,
+                &param,
+            )
         };
-        if !sys::ucs_ptr_is_ptr(req) {
+        if sys::ucs_ptr_is_ptr(req) {
+            self.cb.sends_in_flight.set(self.cb.sends_in_flight.get() + 1);
+        } else {
             // Completed (or failed) at once: the callback will not run.
-            // SAFETY: reclaim the SendOp leaked above; UCX holds no reference to it.
-            finish_send(*unsafe { Box::from_raw(raw) }, sys::ucs_ptr_status(req));
+            // SAFETY: reclaim the IssuedSend leaked above; UCX holds no reference to it.
+            finish_send(unsafe { Box::from_raw(raw) }.op, sys::ucs_ptr_status(req));
         }
     }
 
@@ -755,8 +777,7 @@ impl Engine {
     fn control(&self, id: u32, peer: usize, payload: Vec<u8>) {
         let mut header = [0u8; HDR];
         header[..4].copy_from_slice(&(self.me as u32).to_le_bytes());
-        let op =
-            Box::new(SendOp { peer, header, hlen: 4, send: PendingSend::detached(payload), mailbox: self.cb.mailbox.clone() });
+        let op = SendOp { peer, header, hlen: 4, send: PendingSend::detached(payload), mailbox: self.cb.mailbox.clone() };
         self.issue_send(id, op);
     }
 
@@ -772,10 +793,27 @@ impl Engine {
         self.close_all(false);
     }
 
-    fn close_all(&mut self, force: bool) {
+    /// Closes every endpoint; whether every close completed.
+    fn close_all(&mut self, force: bool) -> bool {
         let until = Instant::now() + Duration::from_secs(2);
+        let mut closed = true;
         for ep in self.eps.iter_mut().filter_map(Option::take) {
-            self.worker.close(ep, force, until);
+            closed &= self.worker.close(ep, force, until);
+        }
+        closed
+    }
+
+    /// Drives the worker until UCX has completed every request we gave it (their callbacks
+    /// ran), or `until` passes. Whether none is left.
+    fn drain(&self, until: Instant) -> bool {
+        loop {
+            let idle = self.cb.in_flight.get() == 0 && self.cb.sends_in_flight.get() == 0;
+            if idle || Instant::now() >= until {
+                return idle;
+            }
+            if !self.worker.progress() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
     }
 }
@@ -797,6 +835,7 @@ fn progress_thread(
         rndv: RefCell::new(Vec::new()),
         byes: RefCell::new(vec![false; size]),
         in_flight: Cell::new(0),
+        sends_in_flight: Cell::new(0),
         failed: Cell::new(false),
         // UCX 1.13's shared-memory transports have no peer-failure handler: asking for one
         // only makes endpoint creation fail (and log an error) before the fallback.
@@ -888,10 +927,25 @@ fn progress_thread(
     *shared.signal.locked() = None;
     shared.mailbox.fail(Error::Aborted { reason: "link closed".into() });
     if let Some(Core(mut eng)) = taken {
-        eng.close_all(eng.cb.failed.get() || !ok);
+        let closed = eng.close_all(eng.cb.failed.get() || !ok);
+        let drained = eng.drain(Instant::now() + Duration::from_secs(2));
+        let failed = eng.cb.failed.get();
         let Engine { worker, cb, .. } = eng;
-        drop(worker);
-        drop(cb);
+        if closed && drained && !failed {
+            drop(worker);
+            drop(cb);
+        } else {
+            // UCX 1.13 aborts the process (an assertion in ucp_ep_destroy_base) when a worker
+            // is destroyed while an endpoint still holds requests, its own included: seen in CI
+            // after a peer died with a rendezvous in flight (the survivor had already reported
+            // PeerLost, then died of SIGABRT instead of returning it). A typed error must reach
+            // the caller: after a failure, or with a close or a request still pending, leave the
+            // worker and the callback state it points to alive (never progressed again, so no
+            // callback runs). One worker per failed link stays allocated until the process
+            // exits (docs/INTERNALS.md, UCX backend).
+            worker.leak();
+            std::mem::forget(cb);
+        }
     }
 }
 

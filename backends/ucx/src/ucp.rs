@@ -314,8 +314,9 @@ impl Worker {
     }
 
     /// Closes an endpoint: flushes it (or cancels everything on it when `force`), bounded by
-    /// `until`, after which it is closed by force.
-    pub fn close(&self, ep: Endpoint, force: bool, until: Instant) {
+    /// `until`, after which it is closed by force. Whether the close completed (if not, UCX
+    /// still holds the endpoint: see [`Worker::leak`]).
+    pub fn close(&self, ep: Endpoint, force: bool, until: Instant) -> bool {
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
             flags: if force { sys::UCP_EP_CLOSE_FLAG_FORCE } else { 0 },
@@ -323,7 +324,7 @@ impl Worker {
         };
         // SAFETY: live endpoint of this worker, closed once (Endpoint is consumed).
         let req = unsafe { self.lib().ucp_ep_close_nbx(ep.h, &param) };
-        let st = self.wait_request(req, until);
+        let mut st = self.wait_request(req, until);
         if st == sys::UCS_ERR_TIMED_OUT && !force {
             // A flush that cannot finish (a dead peer): nothing more to deliver; drop by force.
             let param = sys::ucp_request_param_t {
@@ -333,8 +334,16 @@ impl Worker {
             };
             // SAFETY: the endpoint is still being closed; a forced close of it completes that.
             let req = unsafe { self.lib().ucp_ep_close_nbx(ep.h, &param) };
-            let _ = self.wait_request(req, Instant::now() + std::time::Duration::from_secs(5));
+            st = self.wait_request(req, Instant::now() + std::time::Duration::from_secs(5));
         }
+        st != sys::UCS_ERR_TIMED_OUT
+    }
+
+    /// Gives up the worker without destroying it: for a worker whose endpoints still hold
+    /// requests, which `ucp_worker_destroy` would abort the process on (UCX 1.13). The worker
+    /// and its context stay allocated until the process exits.
+    pub fn leak(self) {
+        std::mem::forget(self);
     }
 }
 
