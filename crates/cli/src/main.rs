@@ -30,7 +30,7 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Train the MoE workload across local ranks (expert and data parallel) with a checkpoint
     /// every iteration; prints loss and tokens/s, writes report.json, trace.json, timeline.svg.
-    Train(train::TrainArgs),
+    Train(Box<train::TrainArgs>),
     /// Per-rank body of `train` (started by it).
     #[command(hide = true)]
     TrainWorker(train::moe::WorkerArgs),

@@ -1,7 +1,7 @@
 //! Replicas on other hosts: on the emulated cluster (2 hosts x 2 ranks) every replica holder
 //! of a rank is on the other host, and a whole host killed (all its ranks SIGKILLed together,
 //! `--fail host=1,iter=I`) restores from the other host's memory — not the persistent tier —
-//! to exactly the clean run's final state. Needs root and iproute2 (CI runs as root); without
+//! to exactly the clean run's final state, on real and on emulated compute. Needs root and iproute2 (CI runs as root); without
 //! them the test says why it is skipped.
 
 use std::process::Command;
@@ -14,6 +14,10 @@ fn iw(args: &[&str]) -> std::process::Output {
 }
 
 fn train(topo: &str, dir: &std::path::Path, fail: Option<&str>) -> serde_json::Value {
+    train_with(topo, dir, fail, &[])
+}
+
+fn train_with(topo: &str, dir: &std::path::Path, fail: Option<&str>, extra: &[&str]) -> serde_json::Value {
     let mut args = vec![
         "train",
         "--config",
@@ -37,6 +41,7 @@ fn train(topo: &str, dir: &std::path::Path, fail: Option<&str>) -> serde_json::V
     if let Some(f) = fail {
         args.extend(["--fail", f]);
     }
+    args.extend(extra);
     let out = iw(&args);
     assert!(
         out.status.success(),
@@ -81,6 +86,20 @@ fn a_whole_host_killed_restores_from_the_other_host_s_memory() {
         assert_eq!(&sources[2..], ["peer", "peer"], "the killed host's ranks restored from {sources:?}");
         assert!(sources[..2].iter().all(|s| *s == "own memory"), "{sources:?}");
         assert_eq!(failed["final_state_sha256"], clean["final_state_sha256"], "the recovered run ended elsewhere");
+
+        // the same on emulated compute (issue 38): a router recorded on this job drives it
+        let trace = dir.join("routing.json");
+        let t = trace.to_str().unwrap();
+        let rec = dir.join("rec");
+        train_with(topo, &rec, None, &["--record-routing", t]);
+        let emu = ["--compute", "emulated", "--device", "a100", "--routing", t, "--dilation", "20000"];
+        let clean = train_with(topo, &dir.join("emu-clean"), None, &emu);
+        assert!(clean["compute"].as_str().unwrap().starts_with("emulated A100"), "{clean}");
+        let failed = train_with(topo, &dir.join("emu-fail"), Some("host=1,iter=10"), &emu);
+        assert_eq!(failed["recoveries"].as_u64(), Some(1), "{failed}");
+        let sources: Vec<&str> = failed["restore_sources"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
+        assert_eq!(&sources[2..], ["peer", "peer"], "emulated: the killed host's ranks restored from {sources:?}");
+        assert_eq!(failed["final_state_sha256"], clean["final_state_sha256"], "the recovered emulated run ended elsewhere");
     });
     let down = iw(&["cluster", "down", "--topology", topo]);
     let _ = std::fs::remove_dir_all(&dir);

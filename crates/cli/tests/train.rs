@@ -104,6 +104,142 @@ fn kill_9_mid_backward_recovers_to_the_same_final_state() {
     std::fs::remove_dir_all(&base).ok();
 }
 
+/// `ironweave` in the repository root; the output whatever the status.
+fn iw(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ironweave"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .args(args)
+        .env("IRONWEAVE_TIMEOUT_S", "60")
+        .output()
+        .unwrap()
+}
+
+fn report(out: &std::process::Output, dir: &std::path::Path) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "train failed: {}\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap()
+}
+
+/// Emulated compute (issue 38) on one machine: a recorded router drives the steps, the state is
+/// real — a rank killed mid-backward restores from a peer's memory to exactly the clean run's
+/// final state — and each rank's device-busy share and the machine's CPU share are reported.
+/// Bad input (no device, an unknown device, a profile with a zero rate, a trace of another
+/// routing architecture or too short, a bed that cannot fit in memory) is refused with the file
+/// and the field named, before any rank starts.
+#[test]
+fn emulated_compute_recovers_from_kill_9_to_the_same_state() {
+    let base = std::env::temp_dir().join(format!("ironweave-emulated-{}", std::process::id()));
+    let trace = base.join("routing.json");
+    let t = trace.to_str().unwrap();
+    let rec = base.join("rec");
+    let out = iw(&[
+        "train",
+        "--config",
+        "configs/moe-tiny.toml",
+        "--ranks",
+        "4",
+        "--iters",
+        "12",
+        "--ckpt",
+        "none",
+        "--quiet",
+        "--report-dir",
+        rec.to_str().unwrap(),
+        "--record-routing",
+        t,
+    ]);
+    report(&out, &rec);
+    let emulated = |name: &str, fail: Option<&str>| {
+        let dir = base.join(name);
+        let mut args = vec![
+            "train",
+            "--config",
+            "configs/moe-tiny.toml",
+            "--ranks",
+            "4",
+            "--iters",
+            "12",
+            "--ckpt",
+            "capricorn",
+            "--quiet",
+            "--compute",
+            "emulated",
+            "--device",
+            "h100",
+            "--routing",
+            t,
+            "--dilation",
+            "20000",
+            "--report-dir",
+            dir.to_str().unwrap(),
+        ];
+        if let Some(f) = fail {
+            args.extend(["--fail", f]);
+        }
+        let out = iw(&args);
+        (report(&out, &dir), String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let (clean, said) = emulated("clean", None);
+    assert!(said.contains("compute emulated H100 SXM5 80GB (dilation 20000)"), "{said}");
+    assert_eq!(clean["compute"], "emulated H100 SXM5 80GB (dilation 20000)");
+    let busy: Vec<f64> = clean["device_busy_share"].as_array().unwrap().iter().map(|b| b.as_f64().unwrap()).collect();
+    assert_eq!(busy.len(), 4, "{clean}");
+    assert!(busy.iter().all(|&b| b > 0.0 && b <= 1.0), "device-busy shares {busy:?}");
+    let cpu = clean["cpu_busy_share"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&cpu), "{cpu}");
+    assert!(clean["loss"].as_array().unwrap().iter().all(|l| l.is_null()), "emulated compute reports no loss");
+    let (failed, _) = emulated("failed", Some("rank=1,iter=7"));
+    assert!(failed["recoveries"].as_u64().unwrap() >= 1, "{failed}");
+    assert_eq!(clean["final_state_sha256"], failed["final_state_sha256"], "the recovered emulated run ended elsewhere");
+    let (again, _) = emulated("again", None);
+    assert_eq!(clean["final_state_sha256"], again["final_state_sha256"], "emulated compute is deterministic");
+
+    // bad input, refused before any rank starts
+    let refused = |extra: &[&str]| {
+        let mut args = vec!["train"];
+        args.extend(extra);
+        for (flag, default) in [("--config", "configs/moe-tiny.toml"), ("--ranks", "4"), ("--iters", "12")] {
+            if !extra.contains(&flag) {
+                args.extend([flag, default]);
+            }
+        }
+        let out = iw(&args);
+        assert!(!out.status.success(), "{extra:?} was accepted");
+        let e = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!e.contains("ironweave launch"), "{extra:?}: ranks were started:\n{e}");
+        e
+    };
+    let e = refused(&["--compute", "emulated", "--routing", t]);
+    assert!(e.contains("needs --device"), "{e}");
+    let e = refused(&["--compute", "emulated", "--device", "tpu9", "--routing", t]);
+    assert!(e.contains("tpu9") && e.contains("h100"), "{e}");
+    let zero = base.join("zero.toml");
+    std::fs::write(&zero, "name = \"z\"\npeak_tflops = 0\nefficiency = 0.5\nmemory_gib = 80\nmemory_gbyte_s = 3350\n").unwrap();
+    let e = refused(&["--compute", "emulated", "--device", zero.to_str().unwrap(), "--routing", t]);
+    assert!(e.contains("zero.toml") && e.contains("peak_tflops"), "{e}");
+    let e = refused(&["--compute", "emulated", "--device", "h100", "--routing", t, "--ranks", "2"]);
+    assert!(e.contains("routing.json") && e.contains("on 4 ranks") && e.contains("on 2 ranks"), "{e}");
+    let e = refused(&["--compute", "emulated", "--device", "h100", "--routing", t, "--iters", "13"]);
+    assert!(e.contains("12 iterations recorded, the run needs 13"), "{e}");
+    let e = refused(&["--device", "h100"]);
+    assert!(e.contains("--compute emulated"), "{e}");
+    let huge = base.join("huge.toml");
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let text = std::fs::read_to_string(format!("{root}/configs/moe-tiny.toml"))
+        .unwrap()
+        .replace("hidden = 64", "hidden = 65536")
+        .replace("path = \"data/", &format!("path = \"{root}/data/"));
+    std::fs::write(&huge, text).unwrap();
+    let e = refused(&["--config", huge.to_str().unwrap(), "--compute", "emulated", "--device", "h100", "--routing", t]);
+    assert!(e.contains("huge.toml") && e.contains("GiB of host memory"), "{e}");
+    std::fs::remove_dir_all(&base).ok();
+}
+
 #[test]
 fn bad_train_arguments_fail_with_a_message() {
     let run = |args: &[&str]| {

@@ -11,6 +11,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
 
+/// A list of floats where null (how JSON writes NaN) reads back as NaN.
+fn floats_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Vec<f32>, D::Error> {
+    let v: Vec<Option<f32>> = Deserialize::deserialize(d)?;
+    Ok(v.into_iter().map(|x| x.unwrap_or(f32::NAN)).collect())
+}
+
 /// What `report.json` holds.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Report {
@@ -19,6 +25,8 @@ pub struct Report {
     pub ranks: usize,
     pub iterations: u64,
     pub iter_time_s: Vec<f64>,
+    /// Per iteration (NaN, written as null: emulated compute, which learns nothing).
+    #[serde(deserialize_with = "floats_or_null")]
     pub loss: Vec<f32>,
     pub ckpt_exposed_s: Vec<f64>,
     /// Rank 0's chunk transfers as its sender threads timed them (`send` calls: bytes into
@@ -109,6 +117,17 @@ pub struct Report {
     /// Rank 0's open file descriptors after each iteration.
     #[serde(default)]
     pub open_fds: Vec<u64>,
+    /// How the ranks computed: `cpu` (the real math) or `emulated DEVICE (dilation D)`.
+    #[serde(default)]
+    pub compute: String,
+    /// Emulated compute: each rank's device-busy share of the steady iterations (after two
+    /// warm-up iterations): modelled device time over wall time.
+    #[serde(default)]
+    pub device_busy_share: Vec<f64>,
+    /// The whole machine's CPU busy share during the steady iterations (/proc/stat, every
+    /// core, every process): a bed whose links are the bottleneck keeps it low.
+    #[serde(default)]
+    pub cpu_busy_share: Option<f64>,
 }
 
 impl Report {
@@ -152,6 +171,19 @@ pub fn process_footprint() -> (u64, u64) {
         .map_or(0, |pages| pages * (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as u64));
     let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
     (rss, fds)
+}
+
+/// The whole machine's CPU time so far, in clock ticks: (busy, total) from /proc/stat's first
+/// line (busy: everything but idle and iowait). Two readings give the machine's busy share
+/// between them; None where /proc/stat cannot be read.
+pub fn machine_cpu_ticks() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = text.lines().next()?.strip_prefix("cpu ")?;
+    let v: Vec<u64> = line.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal (guest time is inside user)
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    Some((total.saturating_sub(idle), total))
 }
 
 /// Appends a recovery marker to rank 0's per-iteration lines: where the job went back to (0:

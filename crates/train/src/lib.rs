@@ -21,6 +21,7 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod dist;
+pub mod emulated;
 mod error;
 mod gelu;
 pub mod model;

@@ -150,11 +150,29 @@ impl RoutingTrace {
     /// Checks that this trace can drive a run of `shape` for `iters` iterations: the same model
     /// shape and at least as many iterations.
     pub fn check_for(&self, shape: &RoutingShape, iters: u64) -> Result<()> {
+        self.check_routes_for(shape, iters)?;
+        if self.shape.tokens_per_rank != shape.tokens_per_rank {
+            return Err(bad(
+                "shape",
+                format!("recorded on {:?}, the run is {shape:?}: record one on this model and job", self.shape),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks that this trace's router can drive a run of `shape` for `iters` iterations: the
+    /// same routing architecture (MoE layers, experts, top-k, ranks) and at least as many
+    /// iterations; the tokens per rank may differ (emulated compute scales the counts).
+    pub fn check_routes_for(&self, shape: &RoutingShape, iters: u64) -> Result<()> {
         let s = &self.shape;
-        if (s.moe_layers, s.experts, s.top_k, s.ranks, s.tokens_per_rank)
-            != (shape.moe_layers, shape.experts, shape.top_k, shape.ranks, shape.tokens_per_rank)
-        {
-            return Err(bad("shape", format!("recorded on {s:?}, the run is {shape:?}: record one on this model and job")));
+        if (s.moe_layers, s.experts, s.top_k, s.ranks) != (shape.moe_layers, shape.experts, shape.top_k, shape.ranks) {
+            return Err(bad(
+                "shape",
+                format!(
+                    "recorded with {} MoE layers of {} experts, top-{}, on {} ranks; the run has {} MoE layers of {} experts, top-{}, on {} ranks: record one with this routing architecture (ironweave train --record-routing)",
+                    s.moe_layers, s.experts, s.top_k, s.ranks, shape.moe_layers, shape.experts, shape.top_k, shape.ranks
+                ),
+            ));
         }
         if (self.iterations.len() as u64) < iters {
             return Err(bad("length", format!("{} iterations recorded, the run needs {iters}", self.iterations.len())));
@@ -290,7 +308,12 @@ mod tests {
         let e = t.check_for(&shape(), 4).unwrap_err().to_string();
         assert!(e.contains("3 iterations recorded, the run needs 4"), "{e}");
         let other = RoutingShape { experts: 8, ..shape() };
-        assert!(t.check_for(&other, 2).unwrap_err().to_string().contains("record one on this model"));
+        let e = t.check_for(&other, 2).unwrap_err().to_string();
+        assert!(e.contains("of 4 experts") && e.contains("of 8 experts") && e.contains("routing architecture"), "{e}");
+        // another token count: the router's shares still drive emulated compute, not a CPU run
+        let more = RoutingShape { tokens_per_rank: shape().tokens_per_rank * 2, ..shape() };
+        t.check_routes_for(&more, 3).unwrap();
+        assert!(t.check_for(&more, 3).unwrap_err().to_string().contains("record one on this model"));
         // a hole, a missing rank, a row that routes the wrong number of tokens
         let e = RoutingTrace::assemble(shape(), [(0, 0, row(0, 0)), (0, 1, row(0, 1)), (2, 0, row(2, 0)), (2, 1, row(2, 1))])
             .unwrap_err()

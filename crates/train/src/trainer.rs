@@ -11,6 +11,7 @@ use crate::buckets::{plan_buckets, Bucket, GradSyncStats};
 use crate::config::TrainConfig;
 use crate::data::Corpus;
 use crate::dist::Dist;
+use crate::emulated::Emulated;
 use crate::error::{Result, TrainError};
 use crate::model::{adamw, init, Model, Params};
 
@@ -25,6 +26,19 @@ pub struct StepReport {
     pub load: ExpertLoad,
     /// The data-parallel gradient averaging (zero when alone).
     pub sync: GradSyncStats,
+}
+
+/// Deterministic stand-in gradients of emulated compute: small values that differ by
+/// iteration, rank and parameter, so the averaged gradients and the updated state are real
+/// arithmetic that a recovered run must reproduce bit for bit.
+fn pseudo_gradient(g: &mut [f32], iter: u64, rank: usize, param: usize) {
+    let base = (iter as u32).wrapping_mul(0x9e37_79b9)
+        ^ (rank as u32).wrapping_mul(0x85eb_ca6b)
+        ^ (param as u32).wrapping_mul(0xc2b2_ae35);
+    for (k, x) in g.iter_mut().enumerate() {
+        let h = (k as u32).wrapping_mul(0x2545_f491) ^ base;
+        *x = ((h >> 16) as f32 - 32768.0) * (1e-3 / 32768.0);
+    }
 }
 
 fn is_expert(name: &str) -> bool {
@@ -109,6 +123,141 @@ impl Trainer {
             adamw(&mut self.params, &grads, self.cfg.train.lr, self.cfg.train.weight_decay);
         }
         Ok(StepReport { iter, loss, load, sync })
+    }
+
+    /// Runs one iteration with emulated compute ([`crate::emulated`]): every layer's math is a
+    /// wait on `emu`'s device, in the order of [`Emulated::ops`]; the expert exchanges carry
+    /// this iteration's routed tokens (`hidden` bf16 values each) over the real communicator,
+    /// the dense gradients are averaged in buckets during the backward as in [`Trainer::step`],
+    /// and the real AdamW updates the state with deterministic pseudo-gradients. The loss is
+    /// NaN: nothing is learned.
+    pub fn step_emulated(&mut self, emu: &Emulated, prof: Option<&Profiler<MonotonicClock>>) -> Result<StepReport> {
+        let iter = self.params.step + 1;
+        let layers = self.cfg.model.layers;
+        let rank = self.rank;
+        let dev = &emu.device;
+        let n_params: usize = self.params.list.iter().map(|p| p.w.len()).sum();
+        let ops = emu.ops(iter, rank, n_params);
+        let mut ops = ops.iter();
+        let mut run = |what: &str| -> Result<()> {
+            let op =
+                ops.next().ok_or_else(|| TrainError::Config(format!("emulated step: no device operation left for {what}")))?;
+            dev.run(op.flops, op.bytes);
+            Ok(())
+        };
+        // activations travel as bf16: `hidden` values of 2 bytes = hidden / 2 floats a row
+        let width = (self.cfg.model.hidden * crate::emulated::ACTIVATION_DTYPE.size()).div_ceil(4);
+        let world = self.dist.as_ref().map_or(1, Dist::world);
+        let experts = self.cfg.model.experts;
+        // per MoE layer: rows this rank sends to each rank, rows it receives from each
+        let mut exchanges: Vec<Option<(Vec<usize>, Vec<usize>)>> = Vec::with_capacity(layers);
+        let mut load = ExpertLoad { tokens: Vec::new() };
+        for l in 0..layers {
+            let _t = prof.map(|p| p.layer(l as u32, Phase::Forward));
+            run("attention forward")?;
+            let Some(m) = emu.moe_index(l) else {
+                run("feed-forward forward")?;
+                exchanges.push(None);
+                continue;
+            };
+            load.tokens.push(emu.wanted(iter, m)[rank].clone());
+            let d = emu.dispatched(iter, m);
+            let rows =
+                |src: usize, dst: usize| (0..experts).filter(|e| e % world == dst).map(|e| d[src][e] as usize).sum::<usize>();
+            let send: Vec<usize> = (0..world).map(|dst| rows(rank, dst)).collect();
+            let recv: Vec<usize> = (0..world).map(|src| rows(src, rank)).collect();
+            if let Some(dist) = &self.dist {
+                // the counts travel as in the real trainer, and must agree with the trace's
+                let got = dist.exchange_counts(&send.iter().map(|&c| c as i64).collect::<Vec<_>>())?;
+                if got.iter().zip(&recv).any(|(&g, &r)| g != r as i64) {
+                    return Err(TrainError::Config(format!(
+                        "emulated step {iter}, layer {l}: peers send {got:?} rows, the routing trace says {recv:?} (ranks run different traces?)"
+                    )));
+                }
+                let out = dist.exchange(&vec![0f32; send.iter().sum::<usize>() * width], &send, &recv, width)?;
+                for _ in (0..experts).filter(|e| e % world == rank) {
+                    run("expert forward")?;
+                }
+                dist.exchange(&out, &recv, &send, width)?;
+            } else {
+                for _ in 0..experts {
+                    run("expert forward")?;
+                }
+            }
+            exchanges.push(Some((send, recv)));
+        }
+        let mut grads: Vec<Vec<f32>> = self.params.list.iter().map(|p| vec![0.0; p.w.len()]).collect();
+        let stages: Vec<usize> =
+            self.params.list.iter().map(|p| crate::buckets::backward_stage(&p.name, layers)).collect::<Result<_>>()?;
+        let fill = |grads: &mut [Vec<f32>], stage: usize| {
+            for (i, g) in grads.iter_mut().enumerate().filter(|(i, _)| stages[*i] == stage) {
+                pseudo_gradient(g, iter, rank, i);
+            }
+        };
+        let no_buckets: &[Bucket] = &[];
+        let (buckets, grad_comm) = match &self.grad_sync {
+            Some((bk, c)) => (bk.as_slice(), Some(c)),
+            None => (no_buckets, None),
+        };
+        let dprof = self.dist.as_ref().and_then(|d| d.prof.clone());
+        let (hook, dist) = (&self.backward_hook, &self.dist);
+        let ((), sync) = backward_with_buckets(grad_comm, buckets, dprof.as_ref(), &mut grads, |grads, h| -> Result<()> {
+            let t0 = Instant::now();
+            run("head forward")?;
+            run("head backward")?;
+            fill(grads, 0);
+            h.computed(t0, Instant::now());
+            h.stage_done(0, grads)?;
+            for l in (0..layers).rev() {
+                if let Some(f) = hook {
+                    f(iter, l);
+                }
+                let t0 = Instant::now();
+                {
+                    let _t = prof.map(|p| p.layer(l as u32, Phase::Backward));
+                    match (&exchanges[l], dist) {
+                        (Some((send, recv)), Some(dist)) => {
+                            // the combine's gradient goes to the experts and theirs comes back
+                            let back = dist.exchange(&vec![0f32; send.iter().sum::<usize>() * width], send, recv, width)?;
+                            for _ in (0..experts).filter(|e| e % world == rank) {
+                                run("expert backward")?;
+                            }
+                            dist.exchange(&back, recv, send, width)?;
+                        }
+                        (Some(_), None) => {
+                            for _ in 0..experts {
+                                run("expert backward")?;
+                            }
+                        }
+                        (None, _) => run("feed-forward backward")?,
+                    }
+                    run("attention backward")?;
+                }
+                fill(grads, 1 + (layers - 1 - l));
+                h.computed(t0, Instant::now());
+                h.stage_done(1 + (layers - 1 - l), grads)?;
+            }
+            fill(grads, layers + 1);
+            h.stage_done(layers + 1, grads)?;
+            Ok(())
+        })?;
+        if let Some(d) = &self.dist {
+            let w = d.world() as f32;
+            for (i, g) in grads.iter_mut().enumerate() {
+                if is_expert(&self.params.list[i].name) {
+                    g.iter_mut().for_each(|x| *x /= w);
+                }
+            }
+        }
+        {
+            let _t = prof.map(|p| p.layer(0, Phase::Optimizer));
+            run("optimizer")?;
+            adamw(&mut self.params, &grads, self.cfg.train.lr, self.cfg.train.weight_decay);
+        }
+        if let Some(op) = ops.next() {
+            return Err(TrainError::Config(format!("emulated step {iter}: device operation {} was not run", op.what)));
+        }
+        Ok(StepReport { iter, loss: f32::NAN, load, sync })
     }
 
     /// Loss, expert load and gradients (averaged over ranks when distributed) of `b`

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::progress::{Mode, Progress};
 use crate::rundir::{median_after, Report};
-use crate::train::args::{parse_strategy, TrainArgs};
+use crate::train::args::{parse_strategy, ComputeArgs, TrainArgs};
 use crate::train::moe::run;
 
 /// The five strategies of the paper's comparison.
@@ -64,6 +64,8 @@ pub struct CkptBenchArgs {
     /// ...); rows pool the rounds' steady iterations.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// One strategy's row.
@@ -131,6 +133,17 @@ pub struct Row {
     pub iterations: u64,
     pub state_bytes_per_rank: u64,
     pub last_committed_iter: Option<u64>,
+    /// How the ranks computed: `cpu`, or `emulated DEVICE (dilation D)`.
+    #[serde(default)]
+    pub compute: String,
+    /// The machine's CPU busy share during the steady iterations, mean over the rounds: a bed
+    /// whose links are the bottleneck keeps it well below 1.
+    #[serde(default)]
+    pub cpu_busy_share: Option<f64>,
+    /// Emulated compute: each rank's device-busy share of the steady iterations, mean over the
+    /// rounds.
+    #[serde(default)]
+    pub device_busy_share: Vec<f64>,
 }
 
 /// The strategies to run, `none` first (the others' baseline and the storage rate's).
@@ -239,6 +252,7 @@ fn run_all(
                 persist_every: 0,
                 quiet: true,
                 storage_rate: storage_per_host.map(|r| format!("{}bit", (r * 8.0).round() as u64)),
+                compute: a.compute.clone(),
                 ..TrainArgs::new(&a.config)
             };
             let before = topo.map(crate::cluster::link_tx_bytes).transpose()?;
@@ -366,6 +380,17 @@ fn run_all(
                 iterations: r.iterations,
                 state_bytes_per_rank: r.state_bytes_per_rank,
                 last_committed_iter: r.last_committed_iter,
+                compute: r.compute.clone(),
+                cpu_busy_share: {
+                    let c: Vec<f64> = reps.iter().filter_map(|(r, _)| r.cpu_busy_share).collect();
+                    (!c.is_empty()).then(|| c.iter().sum::<f64>() / c.len() as f64)
+                },
+                device_busy_share: (0..r.device_busy_share.len())
+                    .map(|k| {
+                        reps.iter().map(|(r, _)| r.device_busy_share.get(k).copied().unwrap_or(0.0)).sum::<f64>()
+                            / reps.len() as f64
+                    })
+                    .collect(),
             }
         })
         .collect();
@@ -374,6 +399,7 @@ fn run_all(
     std::fs::write(a.out.join("ckpt.md"), &md)?;
     let json = serde_json::json!({
         "config": a.config.display().to_string(),
+        "compute": rows.first().map(|r| r.compute.clone()).unwrap_or_default(),
         "rounds": a.rounds,
         "topology": a.topology.as_ref().map(|t| t.display().to_string()),
         "ranks": a.ranks,
@@ -396,14 +422,16 @@ fn mb(b: u64) -> String {
 /// The Markdown table of the rows (pasteable into docs/BENCHMARKS.md). Ratios and overheads
 /// are on the mean iteration (what a run costs); the median is beside it.
 pub fn table(rows: &[Row], storage_note: &str) -> String {
-    let mut md = String::from(
-        "| strategy | mean iteration | median iteration | overhead vs none (mean / median) | capricorn's speedup over it (mean) | exposed checkpoint | replicated per iteration and rank | checkpoint CPU per byte (every thread, vs none) | replica threads only | ckpt bytes on inter-host links | sent to other hosts (engine) | written to storage (emulated remote) | partition accuracy (sent, rank 0) | on the wire (every holder) | profiling activations | committed |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    let mode = rows.first().map_or("cpu", |r| r.compute.as_str());
+    let mut md = format!("compute: {}\n\n", if mode.is_empty() { "cpu" } else { mode });
+    md.push_str(
+        "| strategy | mean iteration | median iteration | overhead vs none (mean / median) | capricorn's speedup over it (mean) | exposed checkpoint | replicated per iteration and rank | checkpoint CPU per byte (every thread, vs none) | replica threads only | ckpt bytes on inter-host links | sent to other hosts (engine) | written to storage (emulated remote) | partition accuracy (sent, rank 0) | on the wire (every holder) | profiling activations | committed | machine CPU busy | device busy (mean of ranks) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let cap = rows.iter().find(|r| r.strategy == "capricorn").map(|r| r.mean_iter_s);
     let pct = |o: Option<f64>| o.map(|o| format!("{:+.1}%", o * 100.0)).unwrap_or_else(|| "-".into());
     for r in rows {
         md.push_str(&format!(
-            "| {} | {:.1} ms | {:.1} ms | {} / {} | {} | {:.1} ms | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} | {} |\n",
+            "| {} | {:.1} ms | {:.1} ms | {} / {} | {} | {:.1} ms | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} | {} | {} | {} |\n",
             r.strategy,
             r.mean_iter_s * 1e3,
             r.iter_time_s * 1e3,
@@ -427,6 +455,12 @@ pub fn table(rows: &[Row], storage_note: &str) -> String {
             r.profiling_activations,
             r.iterations,
             r.last_committed_iter.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
+            r.cpu_busy_share.map(|c| format!("{:.0}%", c * 100.0)).unwrap_or_else(|| "-".into()),
+            if r.device_busy_share.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.0}%", 100.0 * r.device_busy_share.iter().sum::<f64>() / r.device_busy_share.len() as f64)
+            },
         ));
     }
     md.push_str(&best_gemini(rows));

@@ -51,6 +51,117 @@ pub fn parse_fail(s: &str) -> Result<(Vec<usize>, u64)> {
     }
 }
 
+/// How a run computes (`--compute`): the real math on this machine's cores, or emulated
+/// accelerators ([`ironweave_train::emulated`]; docs/EMULATION.md).
+#[derive(Debug, Clone, PartialEq, clap::Args)]
+pub struct ComputeArgs {
+    /// cpu: the real math (candle) on this machine's cores. emulated: every layer's forward
+    /// and backward waits the time --device takes for it while everything else stays real
+    /// (collectives with the model's byte counts, state of the model's size, checkpoints,
+    /// recovery). MoE runs only.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "emulated"])]
+    pub compute: String,
+    /// Device profile of emulated compute: a file (configs/devices/h100.toml) or a name
+    /// (h100: configs/devices/h100.toml).
+    #[arg(long)]
+    pub device: Option<PathBuf>,
+    /// Routing trace emulated compute replays (`ironweave train --record-routing FILE` of a
+    /// model with the same MoE layers, experts, top-k and ranks; its counts are scaled to this
+    /// model's tokens per rank).
+    #[arg(long, value_name = "FILE")]
+    pub routing: Option<PathBuf>,
+    /// Time dilation of emulated compute: every device operation lasts D times its published
+    /// duration (an emulated bed divides its link rates by the same D, keeping their ratio).
+    #[arg(long, default_value_t = 1.0)]
+    pub dilation: f64,
+}
+
+impl Default for ComputeArgs {
+    fn default() -> Self {
+        ComputeArgs { compute: "cpu".into(), device: None, routing: None, dilation: 1.0 }
+    }
+}
+
+impl ComputeArgs {
+    /// Whether the math is emulated; refuses emulated options without `--compute emulated`,
+    /// and `--compute emulated` without a device or a routing trace.
+    pub fn emulated(&self) -> Result<bool> {
+        match self.compute.as_str() {
+            "cpu" => {
+                if self.device.is_some() || self.routing.is_some() || self.dilation != 1.0 {
+                    bail!("--device, --routing and --dilation are emulated compute's: add --compute emulated");
+                }
+                Ok(false)
+            }
+            "emulated" => {
+                if self.device.is_none() || self.routing.is_none() {
+                    bail!(
+                        "--compute emulated needs --device (configs/devices/*.toml, or a name: a100, h100, h200) and --routing (a trace from `ironweave train --record-routing`)"
+                    );
+                }
+                Ok(true)
+            }
+            other => bail!("--compute {other}: cpu or emulated"),
+        }
+    }
+
+    /// The device profile's file: `--device` as given when it is a file, else
+    /// `configs/devices/NAME.toml`.
+    pub fn device_file(&self) -> Result<PathBuf> {
+        let d = self.device.as_deref().ok_or_else(|| err!("--compute emulated needs --device"))?;
+        if d.is_file() {
+            return Ok(d.to_path_buf());
+        }
+        let by_name = Path::new("configs/devices").join(d).with_extension("toml");
+        if d.components().count() == 1 && by_name.is_file() {
+            return Ok(by_name);
+        }
+        let known: Vec<String> = std::fs::read_dir("configs/devices")
+            .map(|rd| {
+                rd.filter_map(|e| e.ok()).filter_map(|e| e.path().file_stem().map(|s| s.to_string_lossy().into_owned())).collect()
+            })
+            .unwrap_or_default();
+        bail!(
+            "--device {}: no such file, and no device of that name in configs/devices (known: {})",
+            d.display(),
+            if known.is_empty() { "none found from this directory".to_string() } else { known.join(", ") }
+        )
+    }
+
+    /// Reads and checks the device profile and the routing trace for `cfg` on `world` ranks
+    /// over `iters` iterations (`None`: cpu compute). Every error names the file.
+    pub fn load(&self, cfg: &TrainConfig, world: usize, iters: u64) -> Result<Option<ironweave_train::emulated::Emulated>> {
+        if !self.emulated()? {
+            return Ok(None);
+        }
+        let file = self.device_file()?;
+        let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+        let device = ironweave_plan::DeviceDesc::from_toml_str(&text).with_context(|| format!("{}", file.display()))?;
+        let tf = self.routing.as_deref().ok_or_else(|| err!("--compute emulated needs --routing"))?;
+        let text = std::fs::read_to_string(tf).with_context(|| format!("reading the routing trace {}", tf.display()))?;
+        let trace = ironweave_train::routing::RoutingTrace::from_json_str(&text, &tf.display().to_string())?;
+        let emu = ironweave_train::emulated::Emulated::new(cfg, world, &device, self.dilation, trace, iters, None)
+            .with_context(|| format!("--routing {} on {}", tf.display(), cfg.name))?;
+        Ok(Some(emu))
+    }
+
+    /// These options on a rank's command line.
+    pub(crate) fn write(&self, argv: crate::Argv) -> crate::Argv {
+        argv.opt("compute", &self.compute)
+            .some("device", self.device.as_ref().map(|p| p.display()))
+            .some("routing", self.routing.as_ref().map(|p| p.display()))
+            .opt("dilation", self.dilation)
+    }
+
+    /// What a report and a table say of the mode: `cpu`, or `emulated NAME, dilation D`.
+    pub fn describe(&self, emu: Option<&ironweave_train::emulated::Emulated>) -> String {
+        match emu {
+            Some(e) => format!("emulated {} (dilation {})", e.device.name(), e.dilation()),
+            None => "cpu".into(),
+        }
+    }
+}
+
 /// `ironweave train`'s options.
 #[derive(Debug, Clone, clap::Args)]
 pub struct TrainArgs {
@@ -110,6 +221,8 @@ pub struct TrainArgs {
     /// No progress bar or per-iteration lines (the summary is still printed).
     #[arg(long)]
     pub quiet: bool,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
     /// Tensor parallelism: groups of this many consecutive ranks split every layer
     /// (Megatron-LM's layout; data parallel across groups). Dense configs only
     /// (configs/gpt-tp.toml); no checkpoints.
@@ -173,6 +286,7 @@ impl TrainArgs {
             bucket_kb: None,
             record_routing: None,
             quiet: false,
+            compute: ComputeArgs::default(),
             tp: None,
             schedule: None,
             sub_batches: None,

@@ -27,6 +27,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     if a.record_routing.is_some() && dense {
         bail!("--record-routing records a MoE run's router: leave out --sdp and --tp");
     }
+    if a.compute.emulated()? && dense {
+        bail!("--compute emulated runs the data- and expert-parallel MoE workload so far: leave out --sdp and --tp");
+    }
     if a.sdp.is_some() || a.sdp_plan.is_some() {
         if a.tp.is_some() || a.tp_plan.is_some() {
             bail!("--sdp and --tp do not combine yet: choose one");
@@ -65,6 +68,12 @@ mod tests {
             bucket_kb: Some(512),
             storage_bytes_per_s: Some(1.0 / 3.0 * 1e8),
             routing_dir: Some(PathBuf::from("/tmp/r/routing")),
+            compute: super::args::ComputeArgs {
+                compute: "emulated".into(),
+                device: Some(PathBuf::from("h100")),
+                routing: Some(PathBuf::from("/tmp/r t/routing.json")),
+                dilation: 400.0,
+            },
         };
         assert_eq!(crate::parse_back::<WorkerArgs>(&moe.to_argv()), moe);
         let bare = WorkerArgs {
@@ -72,6 +81,7 @@ mod tests {
             bucket_kb: None,
             storage_bytes_per_s: None,
             routing_dir: None,
+            compute: super::args::ComputeArgs::default(),
             ..moe
         };
         assert_eq!(crate::parse_back::<WorkerArgs>(&bare.to_argv()), bare);

@@ -18,8 +18,9 @@ use ironweave_train::{StepReport, TrainConfig, Trainer};
 
 use crate::error::{bail, Context, Result};
 use crate::rundir::{process_footprint, Report};
-use crate::train::args::{host_fail_to_ranks, load_config, parse_fail, parse_strategy, ElasticRankArgs, TrainArgs};
+use crate::train::args::{host_fail_to_ranks, load_config, parse_fail, parse_strategy, ComputeArgs, ElasticRankArgs, TrainArgs};
 use crate::train::elastic::RankLog;
+use ironweave_train::emulated::Emulated;
 
 /// The hidden `train-worker`'s options: `ironweave train` writes them with
 /// [`WorkerArgs::to_argv`], each rank parses them back and runs [`worker`].
@@ -37,6 +38,8 @@ pub struct WorkerArgs {
     /// Append this rank's routing to `rank<R>.jsonl` here, one line per iteration.
     #[arg(long)]
     pub routing_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 impl WorkerArgs {
@@ -45,13 +48,14 @@ impl WorkerArgs {
 
     /// The rank's command line: the subcommand, then these options as clap parses them.
     pub fn to_argv(&self) -> Vec<String> {
-        self.run
+        let argv = self
+            .run
             .write(crate::Argv::new(Self::SUBCOMMAND))
             .opt("replicas", self.replicas)
             .some("bucket-kb", self.bucket_kb)
             .some("storage-bytes-per-s", self.storage_bytes_per_s)
-            .some("routing-dir", self.routing_dir.as_ref().map(|p| p.display()))
-            .done()
+            .some("routing-dir", self.routing_dir.as_ref().map(|p| p.display()));
+        self.compute.write(argv).done()
     }
 }
 
@@ -71,6 +75,15 @@ struct MoeWorker {
     seed: [u8; 8],
     /// `--record-routing`: this rank's routing file, a line per iteration.
     routing: Option<std::fs::File>,
+    /// `--compute emulated`: the device and the router the steps replay.
+    emulated: Option<Emulated>,
+    /// Emulated compute, the steady iterations (after two warm-up ones): device-busy and wall
+    /// seconds.
+    device_busy: (f64, f64),
+    /// Rank 0: the machine's CPU ticks at the end of the warm-up.
+    cpu_mark: Option<(u64, u64)>,
+    /// Rank 0: the machine's busy share over the steady iterations.
+    cpu_busy_share: Option<f64>,
 }
 
 impl Worker for MoeWorker {
@@ -125,7 +138,10 @@ impl Worker for MoeWorker {
         let tr = self.trainer.as_mut().ok_or("the trainer joins no generation yet")?;
         // training communication goes into the engine's profiler: its idle windows
         tr.set_profiler(cx.profiler.clone());
-        let s = tr.step(Some(cx.profiler))?;
+        let s = match &self.emulated {
+            Some(emu) => tr.step_emulated(emu, Some(cx.profiler))?,
+            None => tr.step(Some(cx.profiler))?,
+        };
         self.step = (tr.params.step as i64).to_le_bytes();
         if let Some(f) = &mut self.routing {
             // the router's choices before capacity; a repeated iteration's line replaces this
@@ -144,20 +160,35 @@ impl Worker for MoeWorker {
     }
 
     fn on_iteration(&mut self, it: &Iteration<'_, StepReport>) -> Result<(), BoxError> {
+        let (s, ir, dt) = (it.output, it.ckpt, it.elapsed.as_secs_f64());
+        let busy = self.emulated.as_ref().map(|e| e.device.take_busy().0.as_secs_f64());
+        if let (Some(b), true) = (busy, it.iter > 2) {
+            self.device_busy.0 += b;
+            self.device_busy.1 += dt;
+        }
         if self.rank != 0 {
             return Ok(());
         }
-        let (s, ir, dt) = (it.output, it.ckpt, it.elapsed.as_secs_f64());
+        // the machine's busy share over the steady iterations (a restarted rank 0 measures
+        // from its own third iteration on)
+        if it.iter == 2 {
+            self.cpu_mark = crate::rundir::machine_cpu_ticks();
+        } else if let (Some((b0, t0)), Some((b1, t1))) = (self.cpu_mark, crate::rundir::machine_cpu_ticks()) {
+            self.cpu_busy_share = (t1 > t0).then(|| (b1 - b0) as f64 / (t1 - t0) as f64);
+        }
         // the report is built from these lines, so a restarted rank 0 still reports the run
         let (rss, fds) = process_footprint();
         let line = serde_json::json!({"iter": it.iter, "time": dt, "loss": s.loss, "exposed": ir.exposed_s, "committed": it.committed,
             "rss": rss, "fds": fds,
             "profiled": ir.profiled, "accuracy": ir.partition_accuracy, "load": s.load.tokens,
-            "dp_comm": s.sync.comm_s, "dp_hidden": s.sync.hidden_s, "buckets": s.sync.buckets});
+            "dp_comm": s.sync.comm_s, "dp_hidden": s.sync.hidden_s, "buckets": s.sync.buckets, "device_busy": busy});
         let toks = (self.cfg.train.batch * self.cfg.model.seq * it.comm.size()) as f64;
         let text = format!(
-            "loss {:.4}  {:>6.0} tokens/s  ckpt exposed {:>6.2} ms  committed {}",
-            s.loss,
+            "{}  {:>6.0} tokens/s  ckpt exposed {:>6.2} ms  committed {}",
+            match busy {
+                Some(b) => format!("device busy {:>3.0}%", 100.0 * b / dt.max(1e-9)),
+                None => format!("loss {:.4}", s.loss),
+            },
             toks / dt,
             ir.exposed_s * 1e3,
             it.committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
@@ -199,6 +230,8 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
     let links = if choice.multilink { elastic::CheckpointLinks::All } else { elastic::CheckpointLinks::Training };
     let job = crate::train::elastic::join_job(iters, ecfg.clone(), links, a.run.resume_from.as_deref())?;
     let rank = job.rank();
+    let emulated = a.compute.load(&cfg, job.world_size(), iters)?;
+    let compute = a.compute.describe(emulated.as_ref());
     let mut w = MoeWorker {
         seed: (cfg.train.seed as i64).to_le_bytes(),
         cfg: cfg.clone(),
@@ -217,6 +250,10 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
             }
             None => None,
         },
+        emulated,
+        device_busy: (0.0, 0.0),
+        cpu_mark: None,
+        cpu_busy_share: None,
     };
     let done = crate::train::elastic::run_elastic(job, &mut w)?;
     let tr = w.trainer.take().context("the job ran no generation")?;
@@ -263,7 +300,17 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         rep.ckpt_bytes_per_link = v[8..].to_vec();
         rep.state_bytes_per_rank = e.registry().total;
         rep.storage_bytes_per_s_per_rank = a.storage_bytes_per_s;
+        // each rank's device-busy share in its own slot (parts per million), summed
+        if w.emulated.is_some() {
+            let mut shares = vec![0i64; comm.size()];
+            let (b, t) = w.device_busy;
+            shares[rank] = if t > 0.0 { (b / t * 1e6).round() as i64 } else { 0 };
+            comm.all_reduce(&mut shares, ironweave_transport::ReduceOp::Sum)?;
+            rep.device_busy_share = shares.into_iter().map(|x| x as f64 / 1e6).collect();
+        }
     }
+    rep.compute = compute;
+    rep.cpu_busy_share = w.cpu_busy_share;
     rep.final_state_sha256 = done.job_state_sha256(&tr.state_digest())?;
     // the layout-free digest of the final state, and of the state a resumed job loaded
     {
@@ -319,7 +366,8 @@ fn write_rank0_files(rep: &mut Report, cfg: &TrainConfig, report_dir: &Path, ite
             continue;
         }
         rep.iter_time_s[k] = v["time"].as_f64().unwrap_or(0.0);
-        rep.loss[k] = v["loss"].as_f64().unwrap_or(0.0) as f32;
+        // no loss (emulated compute learns nothing): NaN, which report.json writes as null
+        rep.loss[k] = v["loss"].as_f64().map_or(f32::NAN, |l| l as f32);
         rep.ckpt_exposed_s[k] = v["exposed"].as_f64().unwrap_or(0.0);
         rep.dp_comm_s[k] = v["dp_comm"].as_f64().unwrap_or(0.0);
         rep.dp_hidden_s[k] = v["dp_hidden"].as_f64().unwrap_or(0.0);
@@ -402,6 +450,12 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
             bail!("--fail iter={i} is past the last iteration");
         }
     }
+    // emulated compute: the device profile and the routing trace are read and checked, and the
+    // state must fit in this machine's memory, before any rank starts
+    let emulated = a.compute.load(&cfg, ranks, iters.unwrap_or(cfg.train.iters))?;
+    if let Some(emu) = &emulated {
+        check_memory(&cfg, emu, ranks, a.replicas, config)?;
+    }
     std::fs::create_dir_all(report_dir).with_context(|| format!("creating {}", report_dir.display()))?;
     if let Some(from) = &a.resume_from {
         crate::train::args::check_resume_from(from, report_dir)?;
@@ -421,6 +475,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         bucket_kb: a.bucket_kb,
         storage_bytes_per_s: storage_per_rank,
         routing_dir: routing_dir.clone(),
+        compute: a.compute.clone(),
     }
     .to_argv();
     let topology = match &a.topology {
@@ -428,8 +483,9 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         None => None,
     };
     eprintln!(
-        "ironweave train: {} on {ranks} ranks over {chosen}, checkpoint strategy {strategy}, report in {}",
+        "ironweave train: {} on {ranks} ranks over {chosen}, compute {}, checkpoint strategy {strategy}, report in {}",
         cfg.name,
+        a.compute.describe(emulated.as_ref()),
         report_dir.display()
     );
     let code = crate::launch::workers(
@@ -461,16 +517,29 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         Some(h) => format!(", {:.0}% of gradient communication hidden behind backward", h * 100.0),
         None => String::new(),
     };
+    let learned = if emulated.is_some() {
+        let shares: Vec<String> = rep.device_busy_share.iter().map(|b| format!("{:.0}%", b * 100.0)).collect();
+        format!(
+            "compute {}: device busy {} (per rank), machine CPU busy {}",
+            rep.compute,
+            shares.join(" "),
+            rep.cpu_busy_share.map_or("-".into(), |c| format!("{:.0}%", c * 100.0))
+        )
+    } else {
+        format!(
+            "loss {:.4} -> {:.4}",
+            // the first loss this job computed (a resumed job starts past the checkpoint's)
+            rep.loss.get(rep.resumed_iters()).copied().unwrap_or(f32::NAN),
+            rep.loss.last().copied().unwrap_or(f32::NAN)
+        )
+    };
     println!(
-        "done: {} iterations on {} rank{} x {} thread{}, loss {:.4} -> {:.4}, {:.0} tokens/s (mean iteration {:.1} ms after 2 warm-up){hidden}",
+        "done: {} iterations on {} rank{} x {} thread{}, {learned}, {:.0} tokens/s (mean iteration {:.1} ms after 2 warm-up){hidden}",
         rep.iterations,
         rep.ranks,
         if rep.ranks == 1 { "" } else { "s" },
         rep.threads_per_rank,
         if rep.threads_per_rank == 1 { "" } else { "s" },
-        // the first loss this job computed (a resumed job starts past the checkpoint's)
-        rep.loss.get(rep.resumed_iters()).copied().unwrap_or(f32::NAN),
-        rep.loss.last().copied().unwrap_or(f32::NAN),
         rep.tokens_per_s(),
         rep.mean_iter_s() * 1e3,
     );
@@ -488,6 +557,35 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         Err(e) => eprintln!("ironweave train: could not write the HTML report: {e:#}"),
     }
     Ok(0)
+}
+
+/// Refuses an emulated run whose ranks' state would not fit in this machine's memory: each
+/// rank holds its parameters and both moments, its gradients, a snapshot and the replicas it
+/// keeps for peers (`replicas - 1` ranks' state), estimated from the model's sizes.
+fn check_memory(cfg: &TrainConfig, emu: &Emulated, ranks: usize, replicas: u32, file: &Path) -> Result<()> {
+    let state = ironweave_train::emulated::state_bytes_per_rank(&emu.model, ranks);
+    // state + gradients (a third of it) + a snapshot + the replicas held for peers
+    let need = ranks as f64 * state * (1.0 + 1.0 / 3.0 + 1.0 + (replicas.max(1) - 1) as f64);
+    let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
+        t.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+            .map(|kib| kib * 1024.0)
+    });
+    if let Some(avail) = avail {
+        if need > 0.9 * avail {
+            bail!(
+                "{}: model `{}` on {ranks} ranks needs about {:.1} GiB of host memory for emulated compute ({:.0} MiB of parameters and Adam moments per rank, with gradients, a snapshot and {} replica(s) of peers), more than 90% of the {:.1} GiB available: lower [model] layers, hidden or experts, or run fewer ranks",
+                file.display(),
+                cfg.name,
+                need / (1u64 << 30) as f64,
+                state / (1u64 << 20) as f64,
+                replicas.max(1) - 1,
+                avail / (1u64 << 30) as f64
+            );
+        }
+    }
+    Ok(())
 }
 
 /// One line of a rank's routing file.
