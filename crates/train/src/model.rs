@@ -65,12 +65,27 @@ impl Params {
 
 /// Initialise deterministically from the seed.
 pub fn init(cfg: &TrainConfig) -> Params {
+    init_keeping(cfg, |_| true)
+}
+
+/// [`init`] keeping only the parameters whose name `keep` accepts: each kept one has the value
+/// it has in [`init`] (the generator still draws the others' values), and the others are never
+/// allocated — a rank of a large expert-parallel model holds its own experts only.
+pub fn init_keeping(cfg: &TrainConfig, keep: impl Fn(&str) -> bool) -> Params {
     let m = &cfg.model;
     let (h, f, e) = (m.hidden, m.hidden * m.ffn_mult, m.experts);
     let mut rng = Rng(cfg.train.seed ^ 0x1f0f_1f0f);
     let mut list = Vec::new();
     let mut add = |name: String, shape: Vec<usize>, kind: u8| {
         let n: usize = shape.iter().product();
+        if !keep(&name) {
+            if kind <= 1 {
+                (0..n).for_each(|_| {
+                    rng.normal();
+                });
+            }
+            return;
+        }
         let fan_in = shape.first().copied().unwrap_or(1) as f64;
         let w: Vec<f32> = match kind {
             0 => (0..n).map(|_| (rng.normal() * 0.02) as f32).collect(),

@@ -13,7 +13,7 @@ use crate::data::Corpus;
 use crate::dist::Dist;
 use crate::emulated::Emulated;
 use crate::error::{Result, TrainError};
-use crate::model::{adamw, init, Model, Params};
+use crate::model::{adamw, init, init_keeping, Model, Params};
 
 /// What one iteration did.
 #[derive(Debug, Clone)]
@@ -41,8 +41,13 @@ fn pseudo_gradient(g: &mut [f32], iter: u64, rank: usize, param: usize) {
     }
 }
 
+/// The expert a parameter belongs to (`l3.e5.w1` → 5), if any.
+fn expert_of(name: &str) -> Option<usize> {
+    name.split('.').nth(1).and_then(|s| s.strip_prefix('e')).and_then(|x| x.parse::<usize>().ok())
+}
+
 fn is_expert(name: &str) -> bool {
-    name.split('.').nth(1).is_some_and(|s| s.starts_with('e') && s[1..].parse::<usize>().is_ok())
+    expert_of(name).is_some()
 }
 
 /// One rank's trainer.
@@ -86,13 +91,7 @@ impl Trainer {
         if (0..cfg.model.layers).any(|l| cfg.is_moe(l)) && cfg.model.experts % w != 0 {
             return Err(TrainError::Config(format!("{} experts cannot be spread evenly over {w} ranks", cfg.model.experts)));
         }
-        let mut params = init(&cfg);
-        params.list.retain(|p| {
-            match p.name.split('.').nth(1).and_then(|s| s.strip_prefix('e')).and_then(|x| x.parse::<usize>().ok()) {
-                Some(e) => e % w == r,
-                None => true,
-            }
-        });
+        let params = init_keeping(&cfg, |name| expert_of(name).is_none_or(|e| e % w == r));
         let dense: Vec<(usize, &str, usize)> = params
             .list
             .iter()
@@ -452,14 +451,8 @@ fn specs_of<'a>(params: impl Iterator<Item = (&'a str, &'a [usize])>, rank: usiz
 /// `e mod world == rank` — also when they do not divide evenly, which a loader may take even
 /// though training refuses it.
 pub fn state_specs_for(cfg: &TrainConfig, rank: usize, world: usize) -> Vec<ironweave_ckpt::TensorSpec> {
-    let mut params = init(cfg);
     let w = world.max(1);
-    params.list.retain(|p| {
-        match p.name.split('.').nth(1).and_then(|s| s.strip_prefix('e')).and_then(|x| x.parse::<usize>().ok()) {
-            Some(e) => e % w == rank,
-            None => true,
-        }
-    });
+    let params = init_keeping(cfg, |name| expert_of(name).is_none_or(|e| e % w == rank));
     specs_of(params.list.iter().map(|p| (p.name.as_str(), p.shape.as_slice())), rank)
 }
 

@@ -178,3 +178,41 @@ fn a_trace_of_another_routing_architecture_or_too_short_is_refused() {
     let e = Emulated::new(&cfg, 2, &device(), 0.0, t, ITERS, None).unwrap_err().to_string();
     assert!(e.contains("dilation"), "{e}");
 }
+
+/// The beds' files say their arithmetic (configs/emu-moe.toml): the checked-in router drives the
+/// bed's model, and the state per rank, the device time per iteration and the expert traffic
+/// are what the files say.
+#[test]
+fn the_beds_arithmetic_is_what_their_files_say() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let read = |p: &str| std::fs::read_to_string(format!("{root}/{p}")).unwrap();
+    let cfg = TrainConfig::from_toml_str(&read("configs/emu-moe.toml")).unwrap();
+    let trace = RoutingTrace::from_json_str(&read("configs/routing/moe-wide-8ranks.json"), "moe-wide-8ranks.json").unwrap();
+    for (device, mean_ms, busiest_ms) in [("a100", 4.7, 6.6), ("h100", 1.4, 1.9)] {
+        let d = DeviceDesc::from_toml_str(&read(&format!("configs/devices/{device}.toml"))).unwrap();
+        let emu = Emulated::new(&cfg, 8, &d, 1.0, trace.clone(), 40, None).unwrap();
+        // rank 0's real parameters (its two experts per layer and every dense tensor) x 12 bytes
+        let expert = |n: &str| n.split('.').nth(1).and_then(|x| x.strip_prefix('e')).and_then(|x| x.parse::<usize>().ok());
+        let p = ironweave_train::model::init_keeping(&cfg, |n| expert(n).is_none_or(|e| e % 8 == 0));
+        let state = 12.0 * p.list.iter().map(|x| x.w.len()).sum::<usize>() as f64;
+        assert!((state / 1e6 - 147.0).abs() < 1.0, "state per rank {:.1} MB, the file says 147", state / 1e6);
+        // the memory check's estimate (before any rank starts) is close to it
+        let estimate = ironweave_train::emulated::state_bytes_per_rank(&emu.model, 8);
+        assert!((estimate / state - 1.0).abs() < 0.03, "estimate {estimate}, real {state}");
+        // the recorded router after the capacity cut: the mean rank and the busiest one
+        let params = (state / 12.0) as usize;
+        let (mut worst, mut sum): (f64, f64) = (0.0, 0.0);
+        for it in 1..=40 {
+            for r in 0..8 {
+                let ms = emu.busy(&emu.ops(it, r, params)).as_secs_f64() * 1e3;
+                worst = worst.max(ms);
+                sum += ms;
+            }
+        }
+        let mean = sum / 320.0;
+        assert!(
+            (mean / mean_ms - 1.0).abs() < 0.05 && (worst / busiest_ms - 1.0).abs() < 0.05,
+            "{device}: device time per iteration {mean:.2} ms on the mean rank, {worst:.2} ms on the busiest; the bed's file says {mean_ms} and {busiest_ms}"
+        );
+    }
+}
