@@ -26,15 +26,7 @@ fn train(dir: &std::path::Path, fail: Option<&str>) -> serde_json::Value {
     if let Some(f) = fail {
         c.args(["--fail", f]);
     }
-    let out = c.output().unwrap();
-    assert!(
-        out.status.success(),
-        "train failed: {}\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap()
+    report(&c.output().unwrap(), dir)
 }
 
 #[test]

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use ironweave_profile::{ExpertLoad, MonotonicClock, Phase, Profiler};
-use ironweave_sdp::ddp::backward_with_buckets;
+use ironweave_sdp::ddp::{backward_with_buckets, Handoff};
 use ironweave_transport::Communicator;
 
 use crate::buckets::{plan_buckets, Bucket, GradSyncStats};
@@ -124,6 +124,23 @@ impl Trainer {
         Ok(StepReport { iter, loss, load, sync })
     }
 
+    /// Runs `backward` — which fills `grads` stage by stage, calling `stage_done` after each —
+    /// while this trainer's gradient buckets are averaged on the communication thread as their
+    /// stages finish (nothing to average when alone).
+    fn backward_bucketed<R>(
+        &self,
+        grads: &mut [Vec<f32>],
+        backward: impl FnOnce(&mut [Vec<f32>], &mut Handoff<'_>) -> Result<R>,
+    ) -> Result<(R, GradSyncStats)> {
+        let no_buckets: &[Bucket] = &[];
+        let (buckets, grad_comm) = match &self.grad_sync {
+            Some((bk, c)) => (bk.as_slice(), Some(c)),
+            None => (no_buckets, None),
+        };
+        let dprof = self.dist.as_ref().and_then(|d| d.prof.clone());
+        backward_with_buckets(grad_comm, buckets, dprof.as_ref(), grads, backward)
+    }
+
     /// Runs one iteration with emulated compute ([`crate::emulated`]): every layer's math is a
     /// wait on `emu`'s device, in the order of [`Emulated::ops`]; the expert exchanges carry
     /// this iteration's routed tokens (`hidden` bf16 values each) over the real communicator,
@@ -193,14 +210,8 @@ impl Trainer {
                 pseudo_gradient(g, iter, rank, i);
             }
         };
-        let no_buckets: &[Bucket] = &[];
-        let (buckets, grad_comm) = match &self.grad_sync {
-            Some((bk, c)) => (bk.as_slice(), Some(c)),
-            None => (no_buckets, None),
-        };
-        let dprof = self.dist.as_ref().and_then(|d| d.prof.clone());
         let (hook, dist) = (&self.backward_hook, &self.dist);
-        let ((), sync) = backward_with_buckets(grad_comm, buckets, dprof.as_ref(), &mut grads, |grads, h| -> Result<()> {
+        let ((), sync) = self.backward_bucketed(&mut grads, |grads, h| -> Result<()> {
             let t0 = Instant::now();
             run("head forward")?;
             run("head backward")?;
@@ -305,15 +316,9 @@ impl Trainer {
             eps.push(out.ep);
             x = out.y;
         }
-        let no_buckets: &[Bucket] = &[];
-        let (buckets, grad_comm) = match &self.grad_sync {
-            Some((bk, c)) => (bk.as_slice(), Some(c)),
-            None => (no_buckets, None),
-        };
-        let dprof = self.dist.as_ref().and_then(|d| d.prof.clone());
         let hook = &self.backward_hook;
         let step = self.params.step + 1;
-        let (loss, stats) = backward_with_buckets(grad_comm, buckets, dprof.as_ref(), &mut grads, |grads, h| -> Result<f32> {
+        let (loss, stats) = self.backward_bucketed(&mut grads, |grads, h| -> Result<f32> {
             let t0 = Instant::now();
             let (loss, mut g) = model.head(&x, &y_tok, grads)?;
             h.computed(t0, Instant::now());
