@@ -129,55 +129,24 @@ fn emulated_compute_recovers_from_kill_9_to_the_same_state() {
     let trace = base.join("routing.json");
     let t = trace.to_str().unwrap();
     let rec = base.join("rec");
-    let out = iw(&[
-        "train",
-        "--config",
-        "configs/moe-tiny.toml",
-        "--ranks",
-        "4",
-        "--iters",
-        "12",
-        "--ckpt",
-        "none",
-        "--quiet",
-        "--report-dir",
-        rec.to_str().unwrap(),
-        "--record-routing",
-        t,
-    ]);
-    report(&out, &rec);
+    // moe-tiny on 4 ranks for 12 iterations, reporting to `dir`, with `extra`
+    let run = |dir: &std::path::Path, extra: &[&str]| {
+        let mut args = vec!["train", "--config", "configs/moe-tiny.toml", "--ranks", "4", "--iters", "12", "--quiet"];
+        args.extend(["--report-dir", dir.to_str().unwrap()]);
+        args.extend(extra);
+        report(&iw(&args), dir)
+    };
+    run(&rec, &["--ckpt", "none", "--record-routing", t]);
     let emulated = |name: &str, fail: Option<&str>| {
         let dir = base.join(name);
-        let mut args = vec![
-            "train",
-            "--config",
-            "configs/moe-tiny.toml",
-            "--ranks",
-            "4",
-            "--iters",
-            "12",
-            "--ckpt",
-            "capricorn",
-            "--quiet",
-            "--compute",
-            "emulated",
-            "--device",
-            "h100",
-            "--routing",
-            t,
-            "--dilation",
-            "20000",
-            "--report-dir",
-            dir.to_str().unwrap(),
-        ];
+        let mut args =
+            vec!["--ckpt", "capricorn", "--compute", "emulated", "--device", "h100", "--routing", t, "--dilation", "20000"];
         if let Some(f) = fail {
             args.extend(["--fail", f]);
         }
-        let out = iw(&args);
-        (report(&out, &dir), String::from_utf8_lossy(&out.stdout).into_owned())
+        run(&dir, &args)
     };
-    let (clean, said) = emulated("clean", None);
-    assert!(said.contains("compute emulated H100 SXM5 80GB (dilation 20000)"), "{said}");
+    let clean = emulated("clean", None);
     assert_eq!(clean["compute"], "emulated H100 SXM5 80GB (dilation 20000)");
     let busy: Vec<f64> = clean["device_busy_share"].as_array().unwrap().iter().map(|b| b.as_f64().unwrap()).collect();
     assert_eq!(busy.len(), 4, "{clean}");
@@ -185,10 +154,10 @@ fn emulated_compute_recovers_from_kill_9_to_the_same_state() {
     let cpu = clean["cpu_busy_share"].as_f64().unwrap();
     assert!((0.0..=1.0).contains(&cpu), "{cpu}");
     assert!(clean["loss"].as_array().unwrap().iter().all(|l| l.is_null()), "emulated compute reports no loss");
-    let (failed, _) = emulated("failed", Some("rank=1,iter=7"));
+    let failed = emulated("failed", Some("rank=1,iter=7"));
     assert!(failed["recoveries"].as_u64().unwrap() >= 1, "{failed}");
     assert_eq!(clean["final_state_sha256"], failed["final_state_sha256"], "the recovered emulated run ended elsewhere");
-    let (again, _) = emulated("again", None);
+    let again = emulated("again", None);
     assert_eq!(clean["final_state_sha256"], again["final_state_sha256"], "emulated compute is deterministic");
 
     // bad input, refused before any rank starts
