@@ -283,6 +283,9 @@ struct Measured {
     storage_per_host: Option<f64>,
     /// Inter-host link bytes per iteration per host of the profiled run, if counted.
     link_bytes_per_iter_per_host: Option<f64>,
+    /// The run's compute mode (`cpu`, or `emulated ...`: the math waited on an emulated device,
+    /// so moving checkpoint bytes took no time from it).
+    compute: String,
 }
 
 fn read_json(p: &Path) -> Result<Value> {
@@ -312,6 +315,7 @@ fn measured(dir: &Path) -> Result<Measured> {
             state_bytes_per_rank: none["state_bytes_per_rank"].as_f64().unwrap_or(0.0),
             storage_per_host: rows.iter().find_map(|r| r["storage_bytes_per_s_per_host"].as_f64()),
             link_bytes_per_iter_per_host: (link > 0.0).then(|| link / hosts / iters),
+            compute: none["compute"].as_str().unwrap_or("cpu").to_string(),
         })
     } else if dir.join("report.json").exists() {
         let r: crate::rundir::Report = serde_json::from_value(read_json(&dir.join("report.json"))?)?;
@@ -326,6 +330,7 @@ fn measured(dir: &Path) -> Result<Measured> {
             state_bytes_per_rank: r.state_bytes_per_rank as f64,
             storage_per_host: r.storage_bytes_per_s_per_rank.map(|x| x * r.ranks_per_host.max(1) as f64),
             link_bytes_per_iter_per_host: None,
+            compute: r.compute.clone(),
         })
     } else {
         bail!(
@@ -381,6 +386,9 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
             (socket_cpu_probe()?, "over loopback")
         }
     };
+    // on an emulated device the checkpoint's socket CPU runs beside the math, not in its place
+    // (the run's machine CPU busy share says whether the cores had room)
+    let emulated = m.compute.starts_with("emulated");
     let bed = Bed {
         steps: bed_steps,
         link_bytes_per_s: rate(0)?,
@@ -389,7 +397,7 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
         state_bytes_per_rank: m.state_bytes_per_rank,
         storage_bytes_per_s_per_host: m.storage_per_host.unwrap_or(f64::INFINITY).min(1e15),
         snapshot_s,
-        cpu_s_per_byte: cpu,
+        cpu_s_per_byte: if emulated { 0.0 } else { cpu },
         cores,
     };
     let strategies = Strategy::ALL;
@@ -414,6 +422,9 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
         cpu * 1e9
     );
     println!("(none is the calibration row: the profile's compute is scaled by {calib:.3} to its measured median)");
+    if emulated {
+        println!("(compute {}: the checkpoint's CPU is not charged to the device's compute)", m.compute);
+    }
     println!("| strategy | predicted | measured | error | predicted accuracy |\n|---|---:|---:|---:|---:|");
     let mut out = Vec::new();
     for p in &pred {
