@@ -41,8 +41,15 @@ fn pseudo_gradient(g: &mut [f32], iter: u64, rank: usize, param: usize) {
     }
 }
 
+/// The parameters rank `rank` of `world` holds, at their initial values: every dense tensor
+/// and the experts `e` with `e mod world == rank` (the others are never allocated).
+pub fn rank_params(cfg: &TrainConfig, rank: usize, world: usize) -> Params {
+    let w = world.max(1);
+    init_keeping(cfg, |name| expert_of(name).is_none_or(|e| e % w == rank))
+}
+
 /// The expert a parameter belongs to (`l3.e5.w1` → 5), if any.
-fn expert_of(name: &str) -> Option<usize> {
+pub fn expert_of(name: &str) -> Option<usize> {
     name.split('.').nth(1).and_then(|s| s.strip_prefix('e')).and_then(|x| x.parse::<usize>().ok())
 }
 
@@ -91,7 +98,7 @@ impl Trainer {
         if (0..cfg.model.layers).any(|l| cfg.is_moe(l)) && cfg.model.experts % w != 0 {
             return Err(TrainError::Config(format!("{} experts cannot be spread evenly over {w} ranks", cfg.model.experts)));
         }
-        let params = init_keeping(&cfg, |name| expert_of(name).is_none_or(|e| e % w == r));
+        let params = rank_params(&cfg, r, w);
         let dense: Vec<(usize, &str, usize)> = params
             .list
             .iter()
@@ -122,6 +129,19 @@ impl Trainer {
             adamw(&mut self.params, &grads, self.cfg.train.lr, self.cfg.train.weight_decay);
         }
         Ok(StepReport { iter, loss, load, sync })
+    }
+
+    /// Gives each expert's gradient the 1/world scale of the averaged dense gradients (an
+    /// expert's gradient already sums every rank's tokens); nothing when alone.
+    fn scale_expert_gradients(&self, grads: &mut [Vec<f32>]) {
+        if let Some(d) = &self.dist {
+            let w = d.world() as f32;
+            for (p, g) in self.params.list.iter().zip(grads) {
+                if is_expert(&p.name) {
+                    g.iter_mut().for_each(|x| *x /= w);
+                }
+            }
+        }
     }
 
     /// Runs `backward` — which fills `grads` stage by stage, calling `stage_done` after each —
@@ -165,6 +185,8 @@ impl Trainer {
         let width = (self.cfg.model.hidden * crate::emulated::ACTIVATION_DTYPE.size()).div_ceil(4);
         let world = self.dist.as_ref().map_or(1, Dist::world);
         let experts = self.cfg.model.experts;
+        // alone, world is 1 and every expert is local
+        let local_experts = (0..experts).filter(|e| e % world == rank).count();
         // per MoE layer: rows this rank sends to each rank, rows it receives from each
         let mut exchanges: Vec<Option<(Vec<usize>, Vec<usize>)>> = Vec::with_capacity(layers);
         let mut load = ExpertLoad { tokens: Vec::new() };
@@ -191,14 +213,10 @@ impl Trainer {
                     )));
                 }
                 let out = dist.exchange(&vec![0f32; send.iter().sum::<usize>() * width], &send, &recv, width)?;
-                for _ in (0..experts).filter(|e| e % world == rank) {
-                    run("expert forward")?;
-                }
+                (0..local_experts).try_for_each(|_| run("expert forward"))?;
                 dist.exchange(&out, &recv, &send, width)?;
             } else {
-                for _ in 0..experts {
-                    run("expert forward")?;
-                }
+                (0..local_experts).try_for_each(|_| run("expert forward"))?;
             }
             exchanges.push(Some((send, recv)));
         }
@@ -229,16 +247,10 @@ impl Trainer {
                         (Some((send, recv)), Some(dist)) => {
                             // the combine's gradient goes to the experts and theirs comes back
                             let back = dist.exchange(&vec![0f32; send.iter().sum::<usize>() * width], send, recv, width)?;
-                            for _ in (0..experts).filter(|e| e % world == rank) {
-                                run("expert backward")?;
-                            }
+                            (0..local_experts).try_for_each(|_| run("expert backward"))?;
                             dist.exchange(&back, recv, send, width)?;
                         }
-                        (Some(_), None) => {
-                            for _ in 0..experts {
-                                run("expert backward")?;
-                            }
-                        }
+                        (Some(_), None) => (0..local_experts).try_for_each(|_| run("expert backward"))?,
                         (None, _) => run("feed-forward backward")?,
                     }
                     run("attention backward")?;
@@ -251,14 +263,7 @@ impl Trainer {
             h.stage_done(layers + 1, grads)?;
             Ok(())
         })?;
-        if let Some(d) = &self.dist {
-            let w = d.world() as f32;
-            for (i, g) in grads.iter_mut().enumerate() {
-                if is_expert(&self.params.list[i].name) {
-                    g.iter_mut().for_each(|x| *x /= w);
-                }
-            }
-        }
+        self.scale_expert_gradients(&mut grads);
         {
             let _t = prof.map(|p| p.layer(0, Phase::Optimizer));
             run("optimizer")?;
@@ -343,15 +348,8 @@ impl Trainer {
         })?;
         drop(model);
         let mut loss = loss;
+        self.scale_expert_gradients(&mut grads);
         if let Some(d) = &self.dist {
-            // an expert's gradient already sums every rank's tokens: it only needs the same
-            // 1/world scale as the averaged dense gradients
-            let w = d.world() as f32;
-            for (i, g) in grads.iter_mut().enumerate() {
-                if is_expert(&self.params.list[i].name) {
-                    g.iter_mut().for_each(|x| *x /= w);
-                }
-            }
             let mut l = [loss];
             d.all_reduce_avg(&mut l)?;
             loss = l[0];
@@ -456,8 +454,7 @@ fn specs_of<'a>(params: impl Iterator<Item = (&'a str, &'a [usize])>, rank: usiz
 /// `e mod world == rank` — also when they do not divide evenly, which a loader may take even
 /// though training refuses it.
 pub fn state_specs_for(cfg: &TrainConfig, rank: usize, world: usize) -> Vec<ironweave_ckpt::TensorSpec> {
-    let w = world.max(1);
-    let params = init_keeping(cfg, |name| expert_of(name).is_none_or(|e| e % w == rank));
+    let params = rank_params(cfg, rank, world);
     specs_of(params.list.iter().map(|p| (p.name.as_str(), p.shape.as_slice())), rank)
 }
 

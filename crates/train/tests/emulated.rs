@@ -14,6 +14,7 @@ use ironweave_train::device::Sleep;
 use ironweave_train::dist::Dist;
 use ironweave_train::emulated::Emulated;
 use ironweave_train::routing::{RoutingShape, RoutingTrace};
+use ironweave_train::trainer::expert_of;
 use ironweave_train::{TrainConfig, Trainer};
 use ironweave_transport::CommOptions;
 
@@ -94,9 +95,7 @@ fn run() -> Vec<RankRun> {
                     digests.push(tr.state_sha256());
                 }
                 let params = tr.params.list.iter().map(|p| p.w.len()).sum();
-                let is_expert =
-                    |n: &str| n.split('.').nth(1).is_some_and(|x| x.starts_with('e') && x[1..].parse::<usize>().is_ok());
-                let dense_params = tr.params.list.iter().filter(|p| !is_expert(&p.name)).map(|p| p.w.len()).sum();
+                let dense_params = tr.params.list.iter().filter(|p| expert_of(&p.name).is_none()).map(|p| p.w.len()).sum();
                 let slept = rec.0.lock().unwrap().clone();
                 RankRun { slept, comm_bytes, digests, params, dense_params }
             })
@@ -192,8 +191,7 @@ fn the_beds_arithmetic_is_what_their_files_say() {
         let d = DeviceDesc::from_toml_str(&read(&format!("configs/devices/{device}.toml"))).unwrap();
         let emu = Emulated::new(&cfg, 8, &d, 1.0, trace.clone(), 40, None).unwrap();
         // rank 0's real parameters (its two experts per layer and every dense tensor) x 12 bytes
-        let expert = |n: &str| n.split('.').nth(1).and_then(|x| x.strip_prefix('e')).and_then(|x| x.parse::<usize>().ok());
-        let p = ironweave_train::model::init_keeping(&cfg, |n| expert(n).is_none_or(|e| e % 8 == 0));
+        let p = ironweave_train::trainer::rank_params(&cfg, 0, 8);
         let state = 12.0 * p.list.iter().map(|x| x.w.len()).sum::<usize>() as f64;
         assert!((state / 1e6 - 147.0).abs() < 1.0, "state per rank {:.1} MB, the file says 147", state / 1e6);
         // the memory check's estimate (before any rank starts) is close to it
