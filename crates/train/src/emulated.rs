@@ -95,7 +95,9 @@ impl Emulated {
             Some(s) => EmulatedDevice::with_sleep(device.name.clone(), rates, s),
             None => EmulatedDevice::new(device.name.clone(), rates),
         });
-        let moe_layers = (0..cfg.model.layers).filter(|&l| cfg.is_moe(l)).collect();
+        // the MoE layers of the cost model: a 1-expert "MoE" layer is costed as the dense
+        // feed-forward it is
+        let moe_layers = (0..cfg.model.layers).filter(|&l| model.is_moe_layer(l as u32)).collect();
         Ok(Emulated { device, model, trace, tokens_per_rank: shape.tokens_per_rank, world, moe_layers, dilation })
     }
 
@@ -113,7 +115,7 @@ impl Emulated {
     /// iteration) in MoE layer `m` to each expert, before capacity: `[rank][expert]`, scaled to
     /// this run's tokens per rank.
     pub fn wanted(&self, iter: u64, m: usize) -> Vec<Vec<u64>> {
-        let i = (iter.saturating_sub(1) as usize).min(self.trace.iterations.len() - 1);
+        let i = (iter.saturating_sub(1) as usize).min(self.trace.iterations.len().saturating_sub(1));
         let recorded = self.trace.shape.tokens_per_rank.max(1);
         self.trace.iterations[i][m]
             .iter()
@@ -125,7 +127,7 @@ impl Emulated {
     /// cut at the expert's capacity on the sending rank, as the real router does
     /// (`ceil(capacity_factor × tokens × top_k / experts)`).
     pub fn dispatched(&self, iter: u64, m: usize) -> Vec<Vec<u64>> {
-        let moe = self.model.moe.as_ref().expect("an emulated MoE model");
+        let Some(moe) = &self.model.moe else { return self.wanted(iter, m) };
         let cap = (moe.capacity_factor * (self.tokens_per_rank * moe.top_k as u64) as f64 / moe.experts as f64).ceil() as u64;
         let cap = cap.max(1);
         self.wanted(iter, m).into_iter().map(|row| row.into_iter().map(|c| c.min(cap)).collect()).collect()

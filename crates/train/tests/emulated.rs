@@ -214,3 +214,19 @@ fn the_beds_arithmetic_is_what_their_files_say() {
         );
     }
 }
+
+/// A one-expert "MoE" configuration is emulated as the dense model it is, not a panic.
+#[test]
+fn a_single_expert_model_is_emulated_as_dense() {
+    let (mut cfg, _) = config();
+    cfg.model.experts = 1;
+    cfg.model.top_k = 1;
+    let shape = RoutingShape::of(&cfg, 1);
+    let row = vec![vec![shape.tokens_per_rank]; shape.moe_layers];
+    let trace = RoutingTrace::assemble(shape, (1..=ITERS).map(|it| (it, 0, row.clone()))).unwrap();
+    let emu = Emulated::new(&cfg, 1, &device(), 1.0, trace, ITERS, None).unwrap();
+    let ops = emu.ops(1, 0, 1000);
+    assert!(ops.iter().all(|o| !o.what.contains(".e")), "{ops:?}");
+    assert_eq!(ops.iter().filter(|o| o.what.ends_with("mlp.fwd")).count(), 2);
+    assert_eq!(emu.dispatched(1, 0), emu.wanted(1, 0));
+}
