@@ -189,6 +189,19 @@ fn emulated_compute_recovers_from_kill_9_to_the_same_state() {
     assert!(e.contains("12 iterations recorded, the run needs 13"), "{e}");
     let e = refused(&["--device", "h100"]);
     assert!(e.contains("--compute emulated"), "{e}");
+    let e = refused(&[
+        "--config",
+        "configs/gpt-sdp.toml",
+        "--sdp",
+        "full",
+        "--compute",
+        "emulated",
+        "--device",
+        "h100",
+        "--routing",
+        t,
+    ]);
+    assert!(e.contains("--routing replays a MoE router"), "{e}");
     let huge = base.join("huge.toml");
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
     let text = std::fs::read_to_string(format!("{root}/configs/moe-tiny.toml"))
@@ -198,6 +211,33 @@ fn emulated_compute_recovers_from_kill_9_to_the_same_state() {
     std::fs::write(&huge, text).unwrap();
     let e = refused(&["--config", huge.to_str().unwrap(), "--compute", "emulated", "--device", "h100", "--routing", t]);
     assert!(e.contains("huge.toml") && e.contains("GiB of host memory"), "{e}");
+    std::fs::remove_dir_all(&base).ok();
+}
+
+/// Emulated compute on the sharded workload: every rank's device is busy, a rank killed
+/// mid-backward restores its shards from a peer's memory, and the run ends in the clean run's
+/// state.
+#[test]
+fn emulated_sharded_run_recovers_from_kill_9_to_the_same_state() {
+    let base = std::env::temp_dir().join(format!("ironweave-emulated-sdp-{}", std::process::id()));
+    let run = |name: &str, fail: Option<&str>| {
+        let dir = base.join(name);
+        let mut args = vec!["train", "--config", "configs/gpt-sdp.toml", "--sdp", "full", "--ranks", "4", "--iters", "10"];
+        args.extend(["--quiet", "--ckpt", "capricorn", "--compute", "emulated", "--device", "a100", "--dilation", "2000"]);
+        args.extend(["--report-dir", dir.to_str().unwrap()]);
+        if let Some(f) = fail {
+            args.extend(["--fail", f]);
+        }
+        report(&iw(&args), &dir)
+    };
+    let clean = run("clean", None);
+    assert_eq!(clean["compute"], "emulated A100 SXM4 80GB (dilation 2000)");
+    let busy: Vec<f64> = clean["device_busy_share"].as_array().unwrap().iter().map(|b| b.as_f64().unwrap()).collect();
+    assert!(busy.len() == 4 && busy.iter().all(|&b| b > 0.0 && b <= 1.0), "device-busy shares {busy:?}");
+    assert!(clean["loss"].as_array().unwrap().iter().all(|l| l.is_null()), "emulated compute reports no loss");
+    let failed = run("failed", Some("rank=1,iter=6"));
+    assert!(failed["recoveries"].as_u64().unwrap() >= 1, "{failed}");
+    assert_eq!(clean["final_state_sha256"], failed["final_state_sha256"], "the recovered emulated run ended elsewhere");
     std::fs::remove_dir_all(&base).ok();
 }
 

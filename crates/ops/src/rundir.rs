@@ -117,9 +117,19 @@ pub struct Report {
     /// Rank 0's open file descriptors after each iteration.
     #[serde(default)]
     pub open_fds: Vec<u64>,
-    /// How the ranks computed: `cpu` (the real math) or `emulated DEVICE (dilation D)`.
-    #[serde(default)]
-    pub compute: String,
+    /// How the ranks computed, and the busy shares.
+    #[serde(flatten)]
+    pub compute: ComputeCounters,
+}
+
+/// How a run's ranks computed and the counters that show whether the links or this machine's
+/// cores bound it: every report and bench row carries them (flattened: `compute`,
+/// `device_busy_share`, `cpu_busy_share`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ComputeCounters {
+    /// `cpu` (the real math) or `emulated DEVICE (dilation D)`.
+    #[serde(rename = "compute", default)]
+    pub mode: String,
     /// Emulated compute: each rank's device-busy share of the steady iterations (after two
     /// warm-up iterations): modelled device time over wall time.
     #[serde(default)]
@@ -128,6 +138,48 @@ pub struct Report {
     /// core, every process): a bed whose links are the bottleneck keeps it low.
     #[serde(default)]
     pub cpu_busy_share: Option<f64>,
+}
+
+impl ComputeCounters {
+    /// The mean of several runs of one row (rounds): the first's mode, each rank's mean
+    /// device share, the mean CPU share of the runs that measured one.
+    pub fn mean<'a>(runs: impl IntoIterator<Item = &'a ComputeCounters>) -> ComputeCounters {
+        let runs: Vec<&ComputeCounters> = runs.into_iter().collect();
+        let Some(first) = runs.first() else { return ComputeCounters::default() };
+        let n = runs.len() as f64;
+        let cpu: Vec<f64> = runs.iter().filter_map(|r| r.cpu_busy_share).collect();
+        ComputeCounters {
+            mode: first.mode.clone(),
+            device_busy_share: (0..first.device_busy_share.len())
+                .map(|k| runs.iter().map(|r| r.device_busy_share.get(k).copied().unwrap_or(0.0)).sum::<f64>() / n)
+                .collect(),
+            cpu_busy_share: (!cpu.is_empty()).then(|| cpu.iter().sum::<f64>() / cpu.len() as f64),
+        }
+    }
+
+    /// The mode as a table says it (`cpu` when unset: reports from before the field).
+    pub fn mode_or_cpu(&self) -> &str {
+        if self.mode.is_empty() {
+            "cpu"
+        } else {
+            &self.mode
+        }
+    }
+
+    /// The machine CPU busy cell of a table.
+    pub fn cpu_cell(&self) -> String {
+        self.cpu_busy_share.map_or_else(|| "-".into(), |c| format!("{:.0}%", c * 100.0))
+    }
+
+    /// The device-busy cell of a table: the mean over the ranks.
+    pub fn device_cell(&self) -> String {
+        let d = &self.device_busy_share;
+        if d.is_empty() {
+            "-".into()
+        } else {
+            format!("{:.0}%", 100.0 * d.iter().sum::<f64>() / d.len() as f64)
+        }
+    }
 }
 
 impl Report {
@@ -231,6 +283,7 @@ pub struct TpReport {
     pub threads_per_rank: usize,
     pub iterations: u64,
     pub iter_time_s: Vec<f64>,
+    #[serde(deserialize_with = "floats_or_null")]
     pub loss: Vec<f32>,
     /// Seconds of compute on rank 0's compute lane, per iteration.
     pub compute_s: Vec<f64>,
@@ -254,6 +307,9 @@ pub struct TpReport {
     /// SHA-256 over every rank's state digest, in rank order.
     pub final_state_sha256: String,
     pub tokens_per_iter: u64,
+    /// How the ranks computed, and the busy shares.
+    #[serde(flatten)]
+    pub compute: ComputeCounters,
 }
 
 impl TpReport {
@@ -296,6 +352,7 @@ pub struct SdpReport {
     pub ranks_per_host: usize,
     pub iterations: u64,
     pub iter_time_s: Vec<f64>,
+    #[serde(deserialize_with = "floats_or_null")]
     pub loss: Vec<f32>,
     /// Parameters, gradients and both Adam moments each rank holds between iterations.
     pub state_bytes_per_rank: u64,
@@ -338,6 +395,9 @@ pub struct SdpReport {
     pub process_cpu_ns: u64,
     /// As in [`Report`] (the final digest is None when shards split the global tensors:
     /// `ironweave ckpt inspect` assembles them from the persistent tier).
+    /// How the ranks computed, and the busy shares.
+    #[serde(flatten)]
+    pub compute: ComputeCounters,
     #[serde(flatten)]
     pub digests: Digests,
 }

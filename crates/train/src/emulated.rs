@@ -47,7 +47,8 @@ pub struct Emulated {
     pub device: Arc<EmulatedDevice>,
     /// The model as the cost formulas see it (the planner's own, [`ModelDesc`]).
     pub model: ModelDesc,
-    trace: RoutingTrace,
+    /// The recorded router (MoE configurations only).
+    trace: Option<RoutingTrace>,
     tokens_per_rank: u64,
     world: usize,
     moe_layers: Vec<usize>,
@@ -67,37 +68,57 @@ pub struct DeviceOp {
 
 impl Emulated {
     /// The emulation of `cfg` on `world` ranks, each with a `device` whose rates are divided by
-    /// `dilation`, routed as `trace` says. Refuses a trace of another routing architecture (MoE
-    /// layers, experts, top-k, ranks) or shorter than `iters`, and a dilation that is not a
-    /// positive number, naming what differs. A trace recorded with another number of tokens
-    /// per rank is scaled to this run's (the router's shares are kept, not its token count).
+    /// `dilation`, routed as `trace` says. A configuration with MoE layers needs a trace; a dense
+    /// one (the sharded and tensor-parallel workloads) takes none. Refuses a trace of another
+    /// routing architecture (MoE layers, experts, top-k, ranks) or shorter than `iters`, and a
+    /// dilation that is not a positive number, naming what differs. A trace recorded with
+    /// another number of tokens per rank is scaled to this run's (the router's shares are kept,
+    /// not its token count).
     pub fn new(
         cfg: &TrainConfig,
         world: usize,
         device: &DeviceDesc,
         dilation: f64,
-        trace: RoutingTrace,
+        trace: Option<RoutingTrace>,
         iters: u64,
         sleep: Option<Arc<dyn Sleep>>,
     ) -> Result<Emulated> {
         if !(dilation.is_finite() && dilation > 0.0) {
             return Err(config_err(format!("dilation {dilation} must be a positive number (1: real time)")));
         }
-        if world == 0 || cfg.model.experts % world != 0 {
-            return Err(config_err(format!("{} experts cannot be spread evenly over {world} ranks", cfg.model.experts)));
+        if world == 0 {
+            return Err(config_err("emulated compute needs at least one rank"));
         }
-        let shape = RoutingShape::of(cfg, world);
-        trace.check_routes_for(&shape, iters)?;
         let model = model_desc(cfg, world)?;
+        // the MoE layers of the cost model: a 1-expert "MoE" layer is costed as the dense
+        // feed-forward it is
+        let moe_layers: Vec<usize> = (0..cfg.model.layers).filter(|&l| model.is_moe_layer(l as u32)).collect();
+        let shape = RoutingShape::of(cfg, world);
+        let trace = match (moe_layers.is_empty(), trace) {
+            (true, t) => t,
+            (false, None) => {
+                return Err(config_err(format!(
+                    "{} has MoE layers: emulated compute replays a recorded router for them (--routing FILE from `ironweave train --record-routing`)",
+                    cfg.name
+                )))
+            }
+            (false, Some(t)) => {
+                if cfg.model.experts % world != 0 {
+                    return Err(config_err(format!(
+                        "{} experts cannot be spread evenly over {world} ranks",
+                        cfg.model.experts
+                    )));
+                }
+                t.check_routes_for(&shape, iters)?;
+                Some(t)
+            }
+        };
         let base = device.roofline();
         let rates = Roofline { flops_per_s: base.flops_per_s / dilation, bytes_per_s: base.bytes_per_s.map(|b| b / dilation) };
         let device = Arc::new(match sleep {
             Some(s) => EmulatedDevice::with_sleep(device.name.clone(), rates, s),
             None => EmulatedDevice::new(device.name.clone(), rates),
         });
-        // the MoE layers of the cost model: a 1-expert "MoE" layer is costed as the dense
-        // feed-forward it is
-        let moe_layers = (0..cfg.model.layers).filter(|&l| model.is_moe_layer(l as u32)).collect();
         Ok(Emulated { device, model, trace, tokens_per_rank: shape.tokens_per_rank, world, moe_layers, dilation })
     }
 
@@ -114,10 +135,12 @@ impl Emulated {
     /// Tokens each rank routes at iteration `iter` (1-based: the trace's `iter`-th recorded
     /// iteration) in MoE layer `m` to each expert, before capacity: `[rank][expert]`, scaled to
     /// this run's tokens per rank.
+    /// Empty for a dense configuration (no MoE layer, no trace).
     pub fn wanted(&self, iter: u64, m: usize) -> Vec<Vec<u64>> {
-        let i = (iter.saturating_sub(1) as usize).min(self.trace.iterations.len().saturating_sub(1));
-        let recorded = self.trace.shape.tokens_per_rank.max(1);
-        self.trace.iterations[i][m]
+        let Some(trace) = &self.trace else { return Vec::new() };
+        let i = (iter.saturating_sub(1) as usize).min(trace.iterations.len().saturating_sub(1));
+        let recorded = trace.shape.tokens_per_rank.max(1);
+        trace.iterations[i][m]
             .iter()
             .map(|row| row.iter().map(|&c| (c as u128 * self.tokens_per_rank as u128 / recorded as u128) as u64).collect())
             .collect()
@@ -149,33 +172,51 @@ impl Emulated {
     /// One attention block's forward on this rank's tokens: its matmuls' FLOPs; its weights
     /// read once and its input, output and three projections (q, k, v) through memory.
     pub fn attn_forward(&self) -> DeviceOp {
+        self.attn_forward_on(self.seqs(), 1)
+    }
+
+    /// An attention block's forward on `seqs` sequences, its heads split over `split` devices
+    /// (tensor parallelism: each computes `1/split` of the heads, reads `1/split` of the
+    /// weights, and holds its whole input and output).
+    pub fn attn_forward_on(&self, seqs: f64, split: usize) -> DeviceOp {
         let m = &self.model;
+        let d = split.max(1) as f64;
         DeviceOp {
             what: "attn.fwd".into(),
-            flops: m.attn_flops(self.seqs()),
-            bytes: m.attn_params() * self.act() + 5.0 * m.activation_bytes(self.seqs()),
+            flops: m.attn_flops(seqs) / d,
+            bytes: m.attn_params() * self.act() / d + (2.0 + 3.0 / d) * m.activation_bytes(seqs),
         }
     }
 
     /// One feed-forward block (dense, or one expert) on `tokens` tokens: the matmuls' FLOPs;
     /// its weights read once, the tokens in and out and the hidden activations.
     pub fn mlp_forward(&self, tokens: u64) -> DeviceOp {
+        self.mlp_forward_on(tokens as f64 / self.model.seq as f64, 1)
+    }
+
+    /// A feed-forward block on `seqs` sequences, its hidden units split over `split` devices.
+    pub fn mlp_forward_on(&self, seqs: f64, split: usize) -> DeviceOp {
         let m = &self.model;
-        let seqs = tokens as f64 / m.seq as f64;
+        let d = split.max(1) as f64;
         DeviceOp {
             what: "mlp.fwd".into(),
-            flops: m.mlp_flops(seqs),
-            bytes: m.mlp_params() * self.act() + (2.0 + 2.0 * m.ffn_mult) * m.activation_bytes(seqs),
+            flops: m.mlp_flops(seqs) / d,
+            bytes: m.mlp_params() * self.act() / d + (2.0 + 2.0 * m.ffn_mult / d) * m.activation_bytes(seqs),
         }
     }
 
     /// The LM head (and loss) forward on this rank's tokens.
     pub fn head_forward(&self) -> DeviceOp {
+        self.head_forward_on(self.seqs())
+    }
+
+    /// The LM head (and loss) forward on `seqs` sequences.
+    pub fn head_forward_on(&self, seqs: f64) -> DeviceOp {
         let m = &self.model;
         DeviceOp {
             what: "head.fwd".into(),
-            flops: m.head_flops(self.seqs()),
-            bytes: m.embed_params() * self.act() + m.activation_bytes(self.seqs()) * (1.0 + m.vocab as f64 / m.hidden as f64),
+            flops: m.head_flops(seqs),
+            bytes: m.embed_params() * self.act() + m.activation_bytes(seqs) * (1.0 + m.vocab as f64 / m.hidden as f64),
         }
     }
 

@@ -16,6 +16,7 @@ use ironweave_sdp::{Adam, Gather, Groups, Reduce, ShardEngine, Strategy};
 use ironweave_transport::{Communicator, ReduceOp};
 
 use crate::data::Corpus;
+use crate::emulated::{DeviceOp, Emulated};
 use crate::error::{Result, TrainError};
 use crate::model::{Model, Params};
 use crate::{TrainConfig, Trainer};
@@ -166,15 +167,38 @@ impl SdpTrainer {
         Ok(self.step_timed()?.loss)
     }
 
+    /// One iteration with the real math, its lanes timed (see [`SdpTrainer::step_with`]).
+    pub fn step_timed(&mut self) -> Result<SdpStep> {
+        self.step_with(None)
+    }
+
+    /// One iteration with emulated compute ([`crate::emulated`]): each block's math is a wait on
+    /// `emu`'s device, in the order of [`Emulated::ops`] (the embeddings' are left out: a table
+    /// lookup); the gathers, reductions and the sharded AdamW stay real, the gradients are
+    /// deterministic pseudo-gradients of each block's size. The loss is NaN: nothing is learned.
+    pub fn step_emulated(&mut self, emu: &Emulated) -> Result<SdpStep> {
+        self.step_with(Some(emu))
+    }
+
+    /// Parameters of this rank's shards.
+    fn shard_params(&self) -> usize {
+        self.engine.shard_tensors().iter().filter(|(n, _)| n.ends_with(".p")).map(|(_, x)| x.len()).sum()
+    }
+
     fn gather_block(&self, bi: usize) -> Result<Gather> {
         Ok(self.engine.start_gather(bi)?)
     }
 
-    /// Waits for a block's gather and puts its tensors' full parameters in place.
-    fn fill(&mut self, bi: usize, gather: Option<Gather>, spans: &mut Vec<Span>) -> Result<()> {
+    /// Waits for a block's gather and puts its tensors' full parameters in place (emulated
+    /// compute reads none of them: the gathered bytes are dropped).
+    fn fill(&mut self, bi: usize, gather: Option<Gather>, spans: &mut Vec<Span>, emulated: bool) -> Result<()> {
         let t0 = Instant::now();
         if let Some(g) = gather {
             let flat = g.wait()?;
+            if emulated {
+                spans.push(Span { lane: Lane::Compute, name: "wait".into(), start: t0, end: Instant::now() });
+                return Ok(());
+            }
             let mut at = 0;
             for &i in &self.blocks[bi] {
                 let p = &mut self.tr.params.list[i];
@@ -197,8 +221,18 @@ impl SdpTrainer {
     /// before it computes (one block of prefetch, forward and backward), freed after use; each
     /// block's gradients are reduce-scattered as soon as its backward ends, and its host part's
     /// cross-host all-reduce follows at once, while the next block's backward computes.
-    pub fn step_timed(&mut self) -> Result<SdpStep> {
+    fn step_with(&mut self, emu: Option<&Emulated>) -> Result<SdpStep> {
         self.iter += 1;
+        // emulated: the device operations of this iteration, consumed in order
+        let ops: Vec<DeviceOp> = emu.map(|e| e.ops(self.iter, self.world.rank(), self.shard_params())).unwrap_or_default();
+        let mut ops = ops.iter();
+        let mut device = |what: &str| -> Result<()> {
+            let e = emu.ok_or_else(|| TrainError::Config("no emulated device".into()))?;
+            let op =
+                ops.next().ok_or_else(|| TrainError::Config(format!("emulated step: no device operation left for {what}")))?;
+            e.device.run(op.flops, op.bytes);
+            Ok(())
+        };
         let t_start = Instant::now();
         let nb = self.blocks.len();
         let layers = self.tr.cfg.model.layers;
@@ -216,8 +250,17 @@ impl SdpTrainer {
         let mut x = None;
         for bi in 0..nb - 1 {
             let next = self.gather_block(bi + 1)?;
-            self.fill(bi, pending.take(), &mut spans)?;
+            self.fill(bi, pending.take(), &mut spans, emu.is_some())?;
             let t0 = Instant::now();
+            if emu.is_some() {
+                if bi > 0 {
+                    device("attention forward")?;
+                    device("feed-forward forward")?;
+                    compute(&mut spans, format!("forward {}", bi - 1), t0);
+                }
+                pending = Some(next);
+                continue;
+            }
             let model = Model::new(&cfg, &self.tr.params)?;
             if bi == 0 {
                 x = Some(model.embed(&x_tok, b)?);
@@ -243,33 +286,51 @@ impl SdpTrainer {
             // no parameters for their backward)
             let next = if bi >= 2 { Some(self.gather_block(bi - 1)?) } else { None };
             if bi > 0 {
-                self.fill(bi, pending.take(), &mut spans)?;
+                self.fill(bi, pending.take(), &mut spans, emu.is_some())?;
             }
             for &i in &self.blocks[bi] {
                 grads[i] = vec![0.0; self.tr.params.list[i].shape.iter().product()];
             }
             let t0 = Instant::now();
-            let model = Model::new(&cfg, &self.tr.params)?;
-            if bi == nb - 1 {
-                let xi = x.take().ok_or_else(|| TrainError::Config("no activations".into()))?;
-                let (l, gx) = model.head(&xi, &y_tok, &mut grads)?;
-                loss = l;
-                g = Some(gx);
-                compute(&mut spans, "head".into(), t0);
-            } else if bi > 0 {
-                let l = bi - 1;
-                if let Some(h) = &self.tr.backward_hook {
-                    h(self.iter, l);
+            if emu.is_some() {
+                if bi == nb - 1 {
+                    device("head forward")?;
+                    device("head backward")?;
+                    compute(&mut spans, "head".into(), t0);
+                } else if bi > 0 {
+                    if let Some(h) = &self.tr.backward_hook {
+                        h(self.iter, bi - 1);
+                    }
+                    device("feed-forward backward")?;
+                    device("attention backward")?;
+                    compute(&mut spans, format!("backward {}", bi - 1), t0);
                 }
-                let gy = g.take().ok_or_else(|| TrainError::Config("no gradient".into()))?;
-                g = Some(model.backward_layer(l, &inputs[l], None, None, &gy, &mut grads)?);
-                compute(&mut spans, format!("backward {l}"), t0);
+                for &i in &self.blocks[bi] {
+                    crate::trainer::pseudo_gradient(&mut grads[i], self.iter, self.world.rank(), i);
+                }
             } else {
-                let gy = g.take().ok_or_else(|| TrainError::Config("no gradient".into()))?;
-                model.embed_backward(&x_tok, b, &gy, &mut grads)?;
-                compute(&mut spans, "embed backward".into(), t0);
+                let model = Model::new(&cfg, &self.tr.params)?;
+                if bi == nb - 1 {
+                    let xi = x.take().ok_or_else(|| TrainError::Config("no activations".into()))?;
+                    let (l, gx) = model.head(&xi, &y_tok, &mut grads)?;
+                    loss = l;
+                    g = Some(gx);
+                    compute(&mut spans, "head".into(), t0);
+                } else if bi > 0 {
+                    let l = bi - 1;
+                    if let Some(h) = &self.tr.backward_hook {
+                        h(self.iter, l);
+                    }
+                    let gy = g.take().ok_or_else(|| TrainError::Config("no gradient".into()))?;
+                    g = Some(model.backward_layer(l, &inputs[l], None, None, &gy, &mut grads)?);
+                    compute(&mut spans, format!("backward {l}"), t0);
+                } else {
+                    let gy = g.take().ok_or_else(|| TrainError::Config("no gradient".into()))?;
+                    model.embed_backward(&x_tok, b, &gy, &mut grads)?;
+                    compute(&mut spans, "embed backward".into(), t0);
+                }
+                drop(model);
             }
-            drop(model);
             self.free(bi);
             // this block's reduction goes out; the previous block's advances to its cross-host
             // stage
@@ -288,12 +349,18 @@ impl SdpTrainer {
         }
         spans.push(Span { lane: Lane::Compute, name: "wait".into(), start: t0, end: Instant::now() });
         let t0 = Instant::now();
+        if emu.is_some() {
+            device("optimizer")?;
+        }
         self.engine.step()?;
         compute(&mut spans, "optimizer".into(), t0);
+        if let Some(op) = ops.next() {
+            return Err(TrainError::Config(format!("emulated step {}: device operation {} was not run", self.iter, op.what)));
+        }
         // the loss average is also where the ranks meet: the time a faster rank waits for the
         // slowest one is a wait too
         let t0 = Instant::now();
-        let mut l = [loss];
+        let mut l = [if emu.is_some() { f32::NAN } else { loss }];
         self.world.all_reduce(&mut l, ReduceOp::Avg)?;
         spans.push(Span { lane: Lane::Compute, name: "wait".into(), start: t0, end: Instant::now() });
         for c in self.engine.take_spans() {

@@ -32,6 +32,7 @@ use ironweave_transport::{Communicator, ReduceOp};
 
 use crate::config::TrainConfig;
 use crate::data::Corpus;
+use crate::emulated::{DeviceOp, Emulated, ACTIVATION_DTYPE};
 use crate::error::{Result, TrainError};
 use crate::gelu::gelu;
 use crate::model::{adamw, init, layer_norm, softmax_last, Params};
@@ -342,6 +343,7 @@ pub struct TpTrainer {
     corpus: Corpus,
     spec: TpSpec,
     n: usize,
+    rank: usize,
     lay: Layout,
     comms: Vec<Option<Communicator>>,
     steps: Vec<Step>,
@@ -389,7 +391,7 @@ impl TpTrainer {
         let t = cfg.model.seq;
         let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
         let mask = Tensor::from_slice(&mask, (t, t), &dev)?;
-        Ok(TpTrainer { cfg, params, corpus, spec, n, lay, comms, steps, tail_params, dev, mask })
+        Ok(TpTrainer { cfg, params, corpus, spec, n, rank: r, lay, comms, steps, tail_params, dev, mask })
     }
 
     /// The program every rank of a job of `n` ranks runs under `spec` (as rank 0 derives it;
@@ -429,38 +431,120 @@ impl TpTrainer {
         self.n / self.lay.deg[self.lay.deg.len() - 1]
     }
 
-    /// Runs the next iteration.
+    /// Runs the next iteration with the real math.
     pub fn step(&mut self) -> Result<TpStepReport> {
+        self.step_with(None)
+    }
+
+    /// Runs the next iteration with emulated compute ([`crate::emulated`]): every stage's math
+    /// is a wait on `emu`'s device ([`TpTrainer::emulated_ops`]) while the executor runs the
+    /// same program and schedule as [`TpTrainer::step`]: the tensor-parallel all-reduces and
+    /// reshards carry the activations' real sizes (bf16 rows of `hidden` values), the
+    /// data-parallel averages the gradients' (fp32), and the real AdamW updates the state with
+    /// deterministic pseudo-gradients. The loss is NaN: nothing is learned.
+    pub fn step_emulated(&mut self, emu: &Emulated) -> Result<TpStepReport> {
+        self.step_with(Some(emu))
+    }
+
+    fn step_with(&mut self, emu: Option<&Emulated>) -> Result<TpStepReport> {
         let iter = self.params.step + 1;
         let t = self.cfg.model.seq;
-        // the iteration's whole batch, the same on every rank; each rank takes its rows
-        let (x_tok, y_tok) = self.corpus.batch(self.cfg.train.seed, iter, 0, self.lay.global_batch, t);
         let k = self.spec.sub_batches;
         let subs = self.lay.deg.len();
-        let mut w = TpWork {
-            tr: self,
-            x_tok: &x_tok,
-            y_tok: &y_tok,
-            x_in: vec![vec![None; k]; subs],
-            g_cur: vec![None; k],
-            grads: self.params.list.iter().map(|p| vec![0.0; p.w.len()]).collect(),
-            loss: 0.0,
-        };
         let groups: Vec<Option<&Communicator>> = self.comms.iter().map(Option::as_ref).collect();
-        let stats = execute(&self.lay.program, &self.steps, &groups, &mut w).map_err(|e| match e {
+        let lift = |e: ironweave_overlap::OverlapError| match e {
             ironweave_overlap::OverlapError::Transport(t) => TrainError::Transport(t),
             other => TrainError::Config(other.to_string()),
-        })?;
+        };
+        let (stats, mut loss, grads) = match emu {
+            Some(emu) => {
+                let mut grads: Vec<Vec<f32>> = self.params.list.iter().map(|p| vec![0.0; p.w.len()]).collect();
+                for (i, g) in grads.iter_mut().enumerate() {
+                    crate::trainer::pseudo_gradient(g, iter, self.rank, i);
+                }
+                let mut w = EmuTpWork { tr: self, emu, grads };
+                let stats = execute(&self.lay.program, &self.steps, &groups, &mut w).map_err(lift)?;
+                (stats, f32::NAN, w.grads)
+            }
+            None => {
+                // the iteration's whole batch, the same on every rank; each rank takes its rows
+                let (x_tok, y_tok) = self.corpus.batch(self.cfg.train.seed, iter, 0, self.lay.global_batch, t);
+                let mut w = TpWork {
+                    tr: self,
+                    x_tok: &x_tok,
+                    y_tok: &y_tok,
+                    x_in: vec![vec![None; k]; subs],
+                    g_cur: vec![None; k],
+                    grads: self.params.list.iter().map(|p| vec![0.0; p.w.len()]).collect(),
+                    loss: 0.0,
+                };
+                let stats = execute(&self.lay.program, &self.steps, &groups, &mut w).map_err(lift)?;
+                (stats, w.loss, w.grads)
+            }
+        };
         let exec_end = std::time::Instant::now();
-        let (mut loss, grads) = (w.loss, w.grads);
         let head_dp = self.lay.dp_group[&self.lay.deg[subs - 1]];
         if let Some(d) = self.comms[head_dp].as_ref().filter(|c| c.size() > 1) {
             let mut l = [loss];
             d.all_reduce(&mut l, ReduceOp::Avg)?;
             loss = l[0];
         }
+        if let Some(emu) = emu {
+            let op = emu.optimizer(self.params.list.iter().map(|p| p.w.len()).sum());
+            emu.device.run(op.flops, op.bytes);
+        }
         adamw(&mut self.params, &grads, self.cfg.train.lr, self.cfg.train.weight_decay);
         Ok(TpStepReport { iter, loss, stats, outside_s: exec_end.elapsed().as_secs_f64() })
+    }
+
+    /// The device operations of stage `stage` for sub-batch `j` under emulated compute: a
+    /// sub-layer's forward or backward at its degree on this rank's rows (the head, replicated
+    /// in its group, on the group's rows), nothing for reshards and the embeddings.
+    fn stage_ops(&self, emu: &Emulated, stage: usize, j: usize) -> Vec<DeviceOp> {
+        let lay = &self.lay;
+        let seqs = |s: usize| lay.rows[s][j].len() as f64;
+        let fwd = |s: usize| {
+            if s % 2 == 0 {
+                emu.attn_forward_on(seqs(s), lay.deg[s])
+            } else {
+                emu.mlp_forward_on(seqs(s), lay.deg[s])
+            }
+        };
+        match lay.kinds[stage] {
+            Kind::Fwd(s) => vec![fwd(s)],
+            Kind::Bwd(s) if s + 1 == lay.deg.len() => {
+                let head = emu.head_forward_on(seqs(s));
+                vec![head.clone(), Emulated::backward(&head), Emulated::backward(&fwd(s))]
+            }
+            Kind::Bwd(s) => vec![Emulated::backward(&fwd(s))],
+            Kind::ReshardFwd(_) | Kind::ReshardBwd(_) | Kind::Embed => Vec::new(),
+        }
+    }
+
+    /// Every device operation of one emulated iteration on this rank (every stage and
+    /// sub-batch, then the optimizer): what [`TpTrainer::step_emulated`] runs, for tests and
+    /// predictions (the schedule changes their order, not their sum).
+    pub fn emulated_ops(&self, emu: &Emulated) -> Vec<DeviceOp> {
+        let mut v: Vec<DeviceOp> = (0..self.lay.kinds.len())
+            .flat_map(|st| (0..self.spec.sub_batches).flat_map(move |j| self.stage_ops(emu, st, j)))
+            .collect();
+        v.push(emu.optimizer(self.params.list.iter().map(|p| p.w.len()).sum()));
+        v
+    }
+
+    /// The gradients a data-parallel tail averages, concatenated.
+    fn tail_grads(&self, grads: &[Vec<f32>], tail: usize) -> Vec<f32> {
+        self.tail_params[tail].iter().flat_map(|&i| grads[i].iter().copied()).collect()
+    }
+
+    /// Puts a tail's averaged gradients back.
+    fn set_tail_grads(&self, grads: &mut [Vec<f32>], tail: usize, data: &[f32]) {
+        let mut off = 0;
+        for &i in &self.tail_params[tail] {
+            let n = grads[i].len();
+            grads[i].copy_from_slice(&data[off..off + n]);
+            off += n;
+        }
     }
 
     /// SHA-256 of this rank's parameters, both moments and the step.
@@ -681,22 +765,69 @@ impl TpWork<'_> {
     }
 }
 
+/// One emulated iteration's shared state: the device, and every parameter's gradient
+/// (pseudo-gradients; the data-parallel tails average them in place).
+struct EmuTpWork<'a> {
+    tr: &'a TpTrainer,
+    emu: &'a Emulated,
+    grads: Vec<Vec<f32>>,
+}
+
+impl Work for EmuTpWork<'_> {
+    fn compute(&mut self, stage: usize, j: usize, _input: Option<Vec<f32>>) -> std::result::Result<Vec<f32>, BoxErr> {
+        for op in self.tr.stage_ops(self.emu, stage, j) {
+            self.emu.device.run(op.flops, op.bytes);
+        }
+        let lay = &self.tr.lay;
+        // activations travel as bf16: `hidden` values of 2 bytes, as f32 words
+        let width = (self.tr.cfg.model.hidden * ACTIVATION_DTYPE.size()).div_ceil(4);
+        let rows = |s: usize| lay.rows[s][j].len() * self.tr.cfg.model.seq;
+        let bound = |s: usize| lay.bounds[s].ok_or_else(|| Box::new(msg("reshard without a boundary")) as BoxErr);
+        let n = match lay.kinds[stage] {
+            Kind::Fwd(s) | Kind::Bwd(s) => rows(s),
+            // as the real stages: to a larger group all of this group's rows, to a smaller one
+            // this rank's part
+            Kind::ReshardFwd(s) => {
+                let bd = bound(s)?;
+                if bd.from < bd.to {
+                    rows(s)
+                } else {
+                    rows(s) / bd.m
+                }
+            }
+            Kind::ReshardBwd(s1) => {
+                let bd = bound(s1 - 1)?;
+                if bd.from < bd.to {
+                    rows(s1) / bd.m
+                } else {
+                    rows(s1)
+                }
+            }
+            Kind::Embed => 0,
+        };
+        Ok(vec![0.0; n * width])
+    }
+
+    fn tail_input(&mut self, tail: usize) -> Vec<f32> {
+        self.tr.tail_grads(&self.grads, tail)
+    }
+
+    fn tail_output(&mut self, tail: usize, data: Vec<f32>) {
+        self.tr.set_tail_grads(&mut self.grads, tail, &data)
+    }
+}
+
 impl Work for TpWork<'_> {
     fn compute(&mut self, stage: usize, sub: usize, input: Option<Vec<f32>>) -> std::result::Result<Vec<f32>, BoxErr> {
         self.run(stage, sub, input).map_err(|e| Box::new(e) as BoxErr)
     }
 
     fn tail_input(&mut self, tail: usize) -> Vec<f32> {
-        self.tr.tail_params[tail].iter().flat_map(|&i| self.grads[i].iter().copied()).collect()
+        self.tr.tail_grads(&self.grads, tail)
     }
 
     fn tail_output(&mut self, tail: usize, data: Vec<f32>) {
-        let mut off = 0;
-        for &i in &self.tr.tail_params[tail] {
-            let n = self.grads[i].len();
-            self.grads[i].copy_from_slice(&data[off..off + n]);
-            off += n;
-        }
+        self.tr.set_tail_grads(&mut self.grads, tail, &data)
     }
 }
 

@@ -31,7 +31,7 @@ pub struct StepReport {
 /// Deterministic stand-in gradients of emulated compute: small values that differ by
 /// iteration, rank and parameter, so the averaged gradients and the updated state are real
 /// arithmetic that a recovered run must reproduce bit for bit.
-fn pseudo_gradient(g: &mut [f32], iter: u64, rank: usize, param: usize) {
+pub(crate) fn pseudo_gradient(g: &mut [f32], iter: u64, rank: usize, param: usize) {
     let base = (iter as u32).wrapping_mul(0x9e37_79b9)
         ^ (rank as u32).wrapping_mul(0x85eb_ca6b)
         ^ (param as u32).wrapping_mul(0xc2b2_ae35);

@@ -79,7 +79,7 @@ fn run() -> Vec<RankRun> {
             let (cfg, corpus) = (cfg.clone(), corpus.clone());
             std::thread::spawn(move || {
                 let rec = Arc::new(Recorder::default());
-                let emu = Emulated::new(&cfg, 2, &device(), 1.0, trace(&cfg), ITERS, Some(rec.clone())).unwrap();
+                let emu = Emulated::new(&cfg, 2, &device(), 1.0, Some(trace(&cfg)), ITERS, Some(rec.clone())).unwrap();
                 let prof = Arc::new(Profiler::new(MonotonicClock::default(), 16));
                 let dist = Dist { comm: Arc::new(comm), prof: None };
                 let mut tr = Trainer::distributed(cfg.clone(), corpus, dist).unwrap();
@@ -168,14 +168,17 @@ fn the_device_is_busy_for_the_model_flops_and_the_links_carry_the_model_bytes() 
 fn a_trace_of_another_routing_architecture_or_too_short_is_refused() {
     let (cfg, _) = config();
     let t = trace(&cfg);
-    let e = Emulated::new(&cfg, 2, &device(), 1.0, t.clone(), ITERS + 1, None).unwrap_err().to_string();
+    let e = Emulated::new(&cfg, 2, &device(), 1.0, Some(t.clone()), ITERS + 1, None).unwrap_err().to_string();
     assert!(e.contains("3 iterations recorded, the run needs 4"), "{e}");
     let mut other = cfg.clone();
     other.model.experts = 8;
-    let e = Emulated::new(&other, 2, &device(), 1.0, t.clone(), ITERS, None).unwrap_err().to_string();
+    let e = Emulated::new(&other, 2, &device(), 1.0, Some(t.clone()), ITERS, None).unwrap_err().to_string();
     assert!(e.contains("4 experts") && e.contains("8 experts"), "{e}");
-    let e = Emulated::new(&cfg, 2, &device(), 0.0, t, ITERS, None).unwrap_err().to_string();
+    let e = Emulated::new(&cfg, 2, &device(), 0.0, Some(t), ITERS, None).unwrap_err().to_string();
     assert!(e.contains("dilation"), "{e}");
+    // MoE layers need a recorded router
+    let e = Emulated::new(&cfg, 2, &device(), 1.0, None, ITERS, None).unwrap_err().to_string();
+    assert!(e.contains("MoE layers") && e.contains("--routing"), "{e}");
 }
 
 /// The beds' files say their arithmetic (configs/emu-moe.toml): the checked-in router drives the
@@ -189,7 +192,7 @@ fn the_beds_arithmetic_is_what_their_files_say() {
     let trace = RoutingTrace::from_json_str(&read("configs/routing/moe-wide-8ranks.json"), "moe-wide-8ranks.json").unwrap();
     for (device, mean_ms, busiest_ms) in [("a100", 4.7, 6.6), ("h100", 1.4, 1.9)] {
         let d = DeviceDesc::from_toml_str(&read(&format!("configs/devices/{device}.toml"))).unwrap();
-        let emu = Emulated::new(&cfg, 8, &d, 1.0, trace.clone(), 40, None).unwrap();
+        let emu = Emulated::new(&cfg, 8, &d, 1.0, Some(trace.clone()), 40, None).unwrap();
         // rank 0's real parameters (its two experts per layer and every dense tensor) x 12 bytes
         let p = ironweave_train::trainer::rank_params(&cfg, 0, 8);
         let state = 12.0 * p.list.iter().map(|x| x.w.len()).sum::<usize>() as f64;
@@ -224,7 +227,7 @@ fn a_single_expert_model_is_emulated_as_dense() {
     let shape = RoutingShape::of(&cfg, 1);
     let row = vec![vec![shape.tokens_per_rank]; shape.moe_layers];
     let trace = RoutingTrace::assemble(shape, (1..=ITERS).map(|it| (it, 0, row.clone()))).unwrap();
-    let emu = Emulated::new(&cfg, 1, &device(), 1.0, trace, ITERS, None).unwrap();
+    let emu = Emulated::new(&cfg, 1, &device(), 1.0, Some(trace), ITERS, None).unwrap();
     let ops = emu.ops(1, 0, 1000);
     assert!(ops.iter().all(|o| !o.what.contains(".e")), "{ops:?}");
     assert_eq!(ops.iter().filter(|o| o.what.ends_with("mlp.fwd")).count(), 2);

@@ -12,7 +12,7 @@ use crate::error::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::progress::{Mode, Progress};
-use crate::rundir::{median_after, Report};
+use crate::rundir::{median_after, ComputeCounters, Report};
 use crate::train::args::{parse_strategy, ComputeArgs, TrainArgs};
 use crate::train::moe::run;
 
@@ -133,17 +133,10 @@ pub struct Row {
     pub iterations: u64,
     pub state_bytes_per_rank: u64,
     pub last_committed_iter: Option<u64>,
-    /// How the ranks computed: `cpu`, or `emulated DEVICE (dilation D)`.
-    #[serde(default)]
-    pub compute: String,
-    /// The machine's CPU busy share during the steady iterations, mean over the rounds: a bed
-    /// whose links are the bottleneck keeps it well below 1.
-    #[serde(default)]
-    pub cpu_busy_share: Option<f64>,
-    /// Emulated compute: each rank's device-busy share of the steady iterations, mean over the
-    /// rounds.
-    #[serde(default)]
-    pub device_busy_share: Vec<f64>,
+    /// How the ranks computed; the machine's CPU busy share and each rank's device-busy share
+    /// during the steady iterations, mean over the rounds.
+    #[serde(flatten)]
+    pub compute: ComputeCounters,
 }
 
 /// The strategies to run, `none` first (the others' baseline and the storage rate's).
@@ -380,17 +373,7 @@ fn run_all(
                 iterations: r.iterations,
                 state_bytes_per_rank: r.state_bytes_per_rank,
                 last_committed_iter: r.last_committed_iter,
-                compute: r.compute.clone(),
-                cpu_busy_share: {
-                    let c: Vec<f64> = reps.iter().filter_map(|(r, _)| r.cpu_busy_share).collect();
-                    (!c.is_empty()).then(|| c.iter().sum::<f64>() / c.len() as f64)
-                },
-                device_busy_share: (0..r.device_busy_share.len())
-                    .map(|k| {
-                        reps.iter().map(|(r, _)| r.device_busy_share.get(k).copied().unwrap_or(0.0)).sum::<f64>()
-                            / reps.len() as f64
-                    })
-                    .collect(),
+                compute: ComputeCounters::mean(reps.iter().map(|(r, _)| &r.compute)),
             }
         })
         .collect();
@@ -399,7 +382,7 @@ fn run_all(
     std::fs::write(a.out.join("ckpt.md"), &md)?;
     let json = serde_json::json!({
         "config": a.config.display().to_string(),
-        "compute": rows.first().map(|r| r.compute.clone()).unwrap_or_default(),
+        "compute": rows.first().map(|r| r.compute.mode.clone()).unwrap_or_default(),
         "rounds": a.rounds,
         "topology": a.topology.as_ref().map(|t| t.display().to_string()),
         "ranks": a.ranks,
@@ -422,8 +405,7 @@ fn mb(b: u64) -> String {
 /// The Markdown table of the rows (pasteable into docs/BENCHMARKS.md). Ratios and overheads
 /// are on the mean iteration (what a run costs); the median is beside it.
 pub fn table(rows: &[Row], storage_note: &str) -> String {
-    let mode = rows.first().map_or("cpu", |r| r.compute.as_str());
-    let mut md = format!("compute: {}\n\n", if mode.is_empty() { "cpu" } else { mode });
+    let mut md = format!("compute: {}\n\n", rows.first().map_or("cpu", |r| r.compute.mode_or_cpu()));
     md.push_str(
         "| strategy | mean iteration | median iteration | overhead vs none (mean / median) | capricorn's speedup over it (mean) | exposed checkpoint | replicated per iteration and rank | checkpoint CPU per byte (every thread, vs none) | replica threads only | ckpt bytes on inter-host links | sent to other hosts (engine) | written to storage (emulated remote) | partition accuracy (sent, rank 0) | on the wire (every holder) | profiling activations | committed | machine CPU busy | device busy (mean of ranks) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
@@ -455,12 +437,8 @@ pub fn table(rows: &[Row], storage_note: &str) -> String {
             r.profiling_activations,
             r.iterations,
             r.last_committed_iter.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
-            r.cpu_busy_share.map(|c| format!("{:.0}%", c * 100.0)).unwrap_or_else(|| "-".into()),
-            if r.device_busy_share.is_empty() {
-                "-".to_string()
-            } else {
-                format!("{:.0}%", 100.0 * r.device_busy_share.iter().sum::<f64>() / r.device_busy_share.len() as f64)
-            },
+            r.compute.cpu_cell(),
+            r.compute.device_cell(),
         ));
     }
     md.push_str(&best_gemini(rows));

@@ -12,7 +12,7 @@ use ironweave_train::tp::{TpSpec, TpTrainer};
 use crate::error::{bail, Context, Result};
 use crate::progress::{Mode, Progress};
 use crate::rundir::TpReport;
-use crate::train::args::{load_config, TrainArgs};
+use crate::train::args::{load_config, ComputeArgs, TrainArgs};
 use crate::train::tp::run;
 use crate::train::tp::{degrees_str, PlanLayout};
 
@@ -54,6 +54,9 @@ pub struct OverlapArgs {
     /// Also write the rows here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// How every row computes (cpu, or emulated accelerators: docs/EMULATION.md).
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// One bench row: what ran and how it went.
@@ -126,6 +129,7 @@ pub fn bench(a: &OverlapArgs) -> Result<()> {
                     schedule: plan.is_none().then(|| sched.name().to_string()),
                     sub_batches: plan.is_none().then_some(k),
                     tp_plan: plan.map(Path::to_path_buf),
+                    compute: a.compute.clone(),
                     ..TrainArgs::new(&a.config)
                 };
                 let code = run(&args)?;
@@ -190,8 +194,9 @@ pub fn bench(a: &OverlapArgs) -> Result<()> {
     }
     progress.finish();
     let mut out_rows = Vec::new();
-    let mut md = String::from(
-        "| schedule | link | TP degree x head DP | median iteration | TP comm / iter | comm hidden | compute / iter | predicted (planner) | planner / measured | replayed steps / measured | speedup vs megatron |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    let mut md = format!(
+        "compute: {}\n\n| schedule | link | TP degree x head DP | median iteration | TP comm / iter | comm hidden | compute / iter | predicted (planner) | planner / measured | replayed steps / measured | speedup vs megatron | machine CPU busy | device busy (mean of ranks) |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        rows.first().map_or("cpu", |r| r.report.compute.mode_or_cpu())
     );
     for (i, row) in rows.iter().enumerate() {
         let r = &row.report;
@@ -223,7 +228,7 @@ pub fn bench(a: &OverlapArgs) -> Result<()> {
         let planner = row.planner_s.map(|p| p + outside);
         let predicted = planner.unwrap_or(replayed);
         md.push_str(&format!(
-            "| {} {} k={} | {} | {} x {} | {:.1} ms | {:.1} ms | {:.0}% | {:.1} ms | {} | {} | {:.2} | {:.2}x |\n",
+            "| {} {} k={} | {} | {} x {} | {:.1} ms | {:.1} ms | {:.0}% | {:.1} ms | {} | {} | {:.2} | {:.2}x | {} | {} |\n",
             row.name,
             if row.name == "plan" { format!("({})", r.schedule) } else { String::new() },
             r.sub_batches,
@@ -237,7 +242,9 @@ pub fn bench(a: &OverlapArgs) -> Result<()> {
             planner.map_or("-".into(), |p| format!("{:.1} ms", p * 1e3)),
             planner.map_or("-".into(), |p| format!("{:.2}", p / m)),
             replayed / m,
-            speedup
+            speedup,
+            r.compute.cpu_cell(),
+            r.compute.device_cell()
         ));
         out_rows.push(serde_json::json!({
             "schedule": row.name, "executed_schedule": r.schedule, "link_rate": row.link, "tp": r.tp, "degrees": r.degrees, "dp": r.dp,
@@ -248,6 +255,8 @@ pub fn bench(a: &OverlapArgs) -> Result<()> {
             "predicted_iter_time_s": predicted, "predicted_by": if planner.is_some() { "planner" } else { "replayed steps" },
             "replayed_iter_time_s": replayed, "speedup_vs_megatron": speedup,
             "loss_first": r.loss.first(), "loss_last": r.loss.last(),
+            "compute": r.compute.mode_or_cpu(), "cpu_busy_share": r.compute.cpu_busy_share,
+            "device_busy_share": r.compute.device_busy_share,
         }));
     }
     print!("{md}");

@@ -17,8 +17,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::progress::{Mode, Progress};
 use crate::rundir::median_after;
-use crate::rundir::SdpReport;
-use crate::train::args::TrainArgs;
+use crate::rundir::{ComputeCounters, SdpReport};
+use crate::train::args::{ComputeArgs, TrainArgs};
 
 /// `ironweave bench sdp`'s options.
 #[derive(Debug, Clone, clap::Args)]
@@ -49,6 +49,9 @@ pub struct SdpBenchArgs {
     /// Also write the rows here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// How every row computes (cpu, or emulated accelerators: docs/EMULATION.md).
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// One strategy's row.
@@ -94,6 +97,10 @@ pub struct Row {
     pub final_loss: f32,
     /// The links of the all-rank part and of the cross-host all-reduce.
     pub links: (String, String),
+    /// How the ranks computed; the machine's CPU busy share and each rank's device-busy
+    /// share during the steady iterations.
+    #[serde(flatten)]
+    pub compute: ComputeCounters,
 }
 
 struct Variant {
@@ -249,6 +256,7 @@ fn run_all(a: &SdpBenchArgs, topo: &crate::cluster::Topology, model: &ModelDesc)
             sdp: Some(v.sdp.into()),
             sdp_plan: (v.sdp == "hsdp").then(|| plan_path.clone()),
             sdp_links: v.links.map(String::from),
+            compute: a.compute.clone(),
             ..TrainArgs::new(&a.config)
         };
         let before = crate::cluster::link_tx_bytes(topo)?;
@@ -318,6 +326,7 @@ fn run_all(a: &SdpBenchArgs, topo: &crate::cluster::Topology, model: &ModelDesc)
                 comm_cpu_share: (rep.process_cpu_ns > 0).then(|| rep.comm_cpu_ns as f64 / rep.process_cpu_ns as f64),
                 final_loss: rep.loss.last().copied().unwrap_or(f32::NAN),
                 links: rep.links.clone(),
+                compute: rep.compute.clone(),
             }
         })
         .collect();
@@ -326,14 +335,15 @@ fn run_all(a: &SdpBenchArgs, topo: &crate::cluster::Topology, model: &ModelDesc)
 }
 
 fn print_table(rows: &[Row]) {
+    println!("compute: {}\n", rows.first().map_or("cpu", |r| r.compute.mode_or_cpu()));
     println!(
-        "| strategy | iteration (ms) | vs faster full | vs best baseline | predicted (ms) | predicted / measured | state per rank (MB) | link a (MB/iter) | link b (MB/iter) | link utilization | collective phases (ms) | compute (ms) | comm CPU per byte | final loss |"
+        "| strategy | iteration (ms) | vs faster full | vs best baseline | predicted (ms) | predicted / measured | state per rank (MB) | link a (MB/iter) | link b (MB/iter) | link utilization | collective phases (ms) | compute (ms) | comm CPU per byte | final loss | machine CPU busy | device busy (mean of ranks) |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in rows {
         let mb = |k: &str| r.link_bytes.get(k).map_or("-".into(), |b| format!("{:.1}", *b as f64 / 1e6));
         println!(
-            "| {} | {:.1} | {:.2}x | {:.2}x | {} | {} | {:.1} | {} | {} | {:.2} | {:.1} | {:.1} | {} | {:.4} |",
+            "| {} | {:.1} | {:.2}x | {:.2}x | {} | {} | {:.1} | {} | {} | {:.2} | {:.1} | {:.1} | {} | {:.4} | {} | {} |",
             r.strategy,
             r.iter_time_s * 1e3,
             r.speedup_vs_full,
@@ -347,7 +357,9 @@ fn print_table(rows: &[Row]) {
             r.comm_busy_s * 1e3,
             r.compute_s * 1e3,
             r.cpu_ns_per_byte.map_or("-".into(), |c| format!("{c:.2} ns")),
-            r.final_loss
+            r.final_loss,
+            r.compute.cpu_cell(),
+            r.compute.device_cell()
         );
     }
 }

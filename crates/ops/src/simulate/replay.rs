@@ -330,7 +330,7 @@ fn measured(dir: &Path) -> Result<Measured> {
             state_bytes_per_rank: r.state_bytes_per_rank as f64,
             storage_per_host: r.storage_bytes_per_s_per_rank.map(|x| x * r.ranks_per_host.max(1) as f64),
             link_bytes_per_iter_per_host: None,
-            compute: r.compute.clone(),
+            compute: r.compute.mode.clone(),
         })
     } else {
         bail!(

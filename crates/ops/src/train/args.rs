@@ -58,16 +58,16 @@ pub struct ComputeArgs {
     /// cpu: the real math (candle) on this machine's cores. emulated: every layer's forward
     /// and backward waits the time --device takes for it while everything else stays real
     /// (collectives with the model's byte counts, state of the model's size, checkpoints,
-    /// recovery). MoE runs only.
+    /// recovery). MoE (--routing), sharded (--sdp) and tensor-parallel (--tp) runs.
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "emulated"])]
     pub compute: String,
     /// Device profile of emulated compute: a file (configs/devices/h100.toml) or a name
     /// (h100: configs/devices/h100.toml).
     #[arg(long)]
     pub device: Option<PathBuf>,
-    /// Routing trace emulated compute replays (`ironweave train --record-routing FILE` of a
-    /// model with the same MoE layers, experts, top-k and ranks; its counts are scaled to this
-    /// model's tokens per rank).
+    /// Routing trace emulated compute replays for MoE layers (`ironweave train
+    /// --record-routing FILE` of a model with the same MoE layers, experts, top-k and ranks;
+    /// its counts are scaled to this model's tokens per rank). Dense models take none.
     #[arg(long, value_name = "FILE")]
     pub routing: Option<PathBuf>,
     /// Time dilation of emulated compute: every device operation lasts D times its published
@@ -94,10 +94,8 @@ impl ComputeArgs {
                 Ok(false)
             }
             "emulated" => {
-                if self.device.is_none() || self.routing.is_none() {
-                    bail!(
-                        "--compute emulated needs --device (configs/devices/*.toml, or a name: a100, h100, h200) and --routing (a trace from `ironweave train --record-routing`)"
-                    );
+                if self.device.is_none() {
+                    bail!("--compute emulated needs --device (configs/devices/*.toml, or a name: a100, h100, h200)");
                 }
                 Ok(true)
             }
@@ -137,11 +135,17 @@ impl ComputeArgs {
         let file = self.device_file()?;
         let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
         let device = ironweave_plan::DeviceDesc::from_toml_str(&text).with_context(|| format!("{}", file.display()))?;
-        let tf = self.routing.as_deref().ok_or_else(|| err!("--compute emulated needs --routing"))?;
-        let text = std::fs::read_to_string(tf).with_context(|| format!("reading the routing trace {}", tf.display()))?;
-        let trace = ironweave_train::routing::RoutingTrace::from_json_str(&text, &tf.display().to_string())?;
+        let trace = match self.routing.as_deref() {
+            Some(tf) => {
+                let text = std::fs::read_to_string(tf).with_context(|| format!("reading the routing trace {}", tf.display()))?;
+                Some(ironweave_train::routing::RoutingTrace::from_json_str(&text, &tf.display().to_string())?)
+            }
+            None => None,
+        };
+        let what =
+            self.routing.as_ref().map_or_else(|| "--compute emulated".to_string(), |t| format!("--routing {}", t.display()));
         let emu = ironweave_train::emulated::Emulated::new(cfg, world, &device, self.dilation, trace, iters, None)
-            .with_context(|| format!("--routing {} on {}", tf.display(), cfg.name))?;
+            .with_context(|| format!("{what} on {}", cfg.name))?;
         Ok(Some(emu))
     }
 
@@ -160,6 +164,32 @@ impl ComputeArgs {
             None => "cpu".into(),
         }
     }
+}
+
+/// Refuses an emulated bed whose ranks' state would not fit in this machine's memory, before
+/// any rank starts: `state` bytes of parameters and Adam moments per rank, with gradients (a
+/// third of it), a snapshot and `replicas - 1` replicas of peers.
+pub fn check_memory(file: &Path, model: &str, ranks: usize, state: f64, replicas: u32) -> Result<()> {
+    let need = ranks as f64 * state * (1.0 + 1.0 / 3.0 + 1.0 + (replicas.max(1) - 1) as f64);
+    let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
+        t.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+            .map(|kib| kib * 1024.0)
+    });
+    if let Some(avail) = avail {
+        if need > 0.9 * avail {
+            bail!(
+                "{}: model `{model}` on {ranks} ranks needs about {:.1} GiB of host memory for emulated compute ({:.0} MiB of parameters and Adam moments per rank, with gradients, a snapshot and {} replica(s) of peers), more than 90% of the {:.1} GiB available: lower [model] layers, hidden or experts, or run fewer ranks",
+                file.display(),
+                need / (1u64 << 30) as f64,
+                state / (1u64 << 20) as f64,
+                replicas.max(1) - 1,
+                avail / (1u64 << 30) as f64
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `ironweave train`'s options.

@@ -6,6 +6,7 @@
 //! sharded-parallel ranks then run on [`ironweave::elastic`] through [`elastic`].
 
 pub mod args;
+pub mod busy;
 pub mod elastic;
 pub mod moe;
 pub mod sdp;
@@ -27,8 +28,8 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     if a.record_routing.is_some() && dense {
         bail!("--record-routing records a MoE run's router: leave out --sdp and --tp");
     }
-    if a.compute.emulated()? && dense {
-        bail!("--compute emulated runs the data- and expert-parallel MoE workload so far: leave out --sdp and --tp");
+    if a.compute.emulated()? && dense && a.compute.routing.is_some() {
+        bail!("--routing replays a MoE router: --sdp and --tp run dense models, leave it out");
     }
     if a.sdp.is_some() || a.sdp_plan.is_some() {
         if a.tp.is_some() || a.tp_plan.is_some() {
@@ -101,6 +102,12 @@ mod tests {
             ranks_per_host: 2,
             full_link: String::new(),
             inter_link: "b".into(),
+            compute: super::args::ComputeArgs {
+                compute: "emulated".into(),
+                device: Some(PathBuf::from("configs/devices/a100.toml")),
+                routing: None,
+                dilation: 200.0,
+            },
         };
         assert_eq!(crate::parse_back::<SdpWorkerArgs>(&sdp.to_argv()), sdp);
         let unplanned = SdpWorkerArgs { fractions: Vec::new(), strategy: "full".into(), ..sdp };
@@ -114,6 +121,12 @@ mod tests {
             iters: None,
             report_dir: PathBuf::from("target/tp"),
             global_batch: Some(16),
+            compute: super::args::ComputeArgs {
+                compute: "emulated".into(),
+                device: Some(PathBuf::from("h100")),
+                routing: None,
+                dilation: 400.0,
+            },
         };
         assert_eq!(crate::parse_back::<TpWorkerArgs>(&tp.to_argv()), tp);
     }

@@ -19,6 +19,7 @@ use ironweave_train::{StepReport, TrainConfig, Trainer};
 use crate::error::{bail, Context, Result};
 use crate::rundir::{process_footprint, Report};
 use crate::train::args::{host_fail_to_ranks, load_config, parse_fail, parse_strategy, ComputeArgs, ElasticRankArgs, TrainArgs};
+use crate::train::busy::BusyMeter;
 use crate::train::elastic::RankLog;
 use ironweave_train::emulated::Emulated;
 
@@ -77,13 +78,8 @@ struct MoeWorker {
     routing: Option<std::fs::File>,
     /// `--compute emulated`: the device and the router the steps replay.
     emulated: Option<Emulated>,
-    /// Emulated compute, the steady iterations (after two warm-up ones): device-busy and wall
-    /// seconds.
-    device_busy: (f64, f64),
-    /// Rank 0: the machine's CPU ticks at the end of the warm-up.
-    cpu_mark: Option<(u64, u64)>,
-    /// Rank 0: the machine's busy share over the steady iterations.
-    cpu_busy_share: Option<f64>,
+    /// Device-busy and CPU-busy shares.
+    busy: BusyMeter,
 }
 
 impl Worker for MoeWorker {
@@ -161,20 +157,9 @@ impl Worker for MoeWorker {
 
     fn on_iteration(&mut self, it: &Iteration<'_, StepReport>) -> Result<(), BoxError> {
         let (s, ir, dt) = (it.output, it.ckpt, it.elapsed.as_secs_f64());
-        let busy = self.emulated.as_ref().map(|e| e.device.take_busy().0.as_secs_f64());
-        if let (Some(b), true) = (busy, it.iter > 2) {
-            self.device_busy.0 += b;
-            self.device_busy.1 += dt;
-        }
+        let busy = self.busy.iteration(self.emulated.as_ref(), it.iter, dt, self.rank);
         if self.rank != 0 {
             return Ok(());
-        }
-        // the machine's busy share over the steady iterations (a restarted rank 0 measures
-        // from its own third iteration on)
-        if it.iter == 2 {
-            self.cpu_mark = crate::rundir::machine_cpu_ticks();
-        } else if let (Some((b0, t0)), Some((b1, t1))) = (self.cpu_mark, crate::rundir::machine_cpu_ticks()) {
-            self.cpu_busy_share = (t1 > t0).then(|| (b1 - b0) as f64 / (t1 - t0) as f64);
         }
         // the report is built from these lines, so a restarted rank 0 still reports the run
         let (rss, fds) = process_footprint();
@@ -251,9 +236,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
             None => None,
         },
         emulated,
-        device_busy: (0.0, 0.0),
-        cpu_mark: None,
-        cpu_busy_share: None,
+        busy: BusyMeter::default(),
     };
     let done = crate::train::elastic::run_elastic(job, &mut w)?;
     let tr = w.trainer.take().context("the job ran no generation")?;
@@ -300,17 +283,9 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         rep.ckpt_bytes_per_link = v[8..].to_vec();
         rep.state_bytes_per_rank = e.registry().total;
         rep.storage_bytes_per_s_per_rank = a.storage_bytes_per_s;
-        // each rank's device-busy share in its own slot (parts per million), summed
-        if w.emulated.is_some() {
-            let mut shares = vec![0i64; comm.size()];
-            let (b, t) = w.device_busy;
-            shares[rank] = if t > 0.0 { (b / t * 1e6).round() as i64 } else { 0 };
-            comm.all_reduce(&mut shares, ironweave_transport::ReduceOp::Sum)?;
-            rep.device_busy_share = shares.into_iter().map(|x| x as f64 / 1e6).collect();
-        }
+        (rep.compute.device_busy_share, rep.compute.cpu_busy_share) = w.busy.finish(&comm, w.emulated.is_some())?;
     }
-    rep.compute = compute;
-    rep.cpu_busy_share = w.cpu_busy_share;
+    rep.compute.mode = compute;
     rep.final_state_sha256 = done.job_state_sha256(&tr.state_digest())?;
     // the layout-free digest of the final state, and of the state a resumed job loaded
     {
@@ -454,7 +429,8 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     // state must fit in this machine's memory, before any rank starts
     let emulated = a.compute.load(&cfg, ranks, iters.unwrap_or(cfg.train.iters))?;
     if let Some(emu) = &emulated {
-        check_memory(&cfg, emu, ranks, a.replicas, config)?;
+        let state = ironweave_train::emulated::state_bytes_per_rank(&emu.model, ranks);
+        crate::train::args::check_memory(config, &cfg.name, ranks, state, a.replicas)?;
     }
     std::fs::create_dir_all(report_dir).with_context(|| format!("creating {}", report_dir.display()))?;
     if let Some(from) = &a.resume_from {
@@ -517,22 +493,8 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         Some(h) => format!(", {:.0}% of gradient communication hidden behind backward", h * 100.0),
         None => String::new(),
     };
-    let learned = if emulated.is_some() {
-        let shares: Vec<String> = rep.device_busy_share.iter().map(|b| format!("{:.0}%", b * 100.0)).collect();
-        format!(
-            "compute {}: device busy {} (per rank), machine CPU busy {}",
-            rep.compute,
-            shares.join(" "),
-            rep.cpu_busy_share.map_or("-".into(), |c| format!("{:.0}%", c * 100.0))
-        )
-    } else {
-        format!(
-            "loss {:.4} -> {:.4}",
-            // the first loss this job computed (a resumed job starts past the checkpoint's)
-            rep.loss.get(rep.resumed_iters()).copied().unwrap_or(f32::NAN),
-            rep.loss.last().copied().unwrap_or(f32::NAN)
-        )
-    };
+    // the first loss this job computed (a resumed job starts past the checkpoint's)
+    let learned = crate::train::busy::outcome(&rep.compute, rep.loss.get(rep.resumed_iters()).copied(), rep.loss.last().copied());
     println!(
         "done: {} iterations on {} rank{} x {} thread{}, {learned}, {:.0} tokens/s (mean iteration {:.1} ms after 2 warm-up){hidden}",
         rep.iterations,
@@ -557,35 +519,6 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         Err(e) => eprintln!("ironweave train: could not write the HTML report: {e:#}"),
     }
     Ok(0)
-}
-
-/// Refuses an emulated run whose ranks' state would not fit in this machine's memory: each
-/// rank holds its parameters and both moments, its gradients, a snapshot and the replicas it
-/// keeps for peers (`replicas - 1` ranks' state), estimated from the model's sizes.
-fn check_memory(cfg: &TrainConfig, emu: &Emulated, ranks: usize, replicas: u32, file: &Path) -> Result<()> {
-    let state = ironweave_train::emulated::state_bytes_per_rank(&emu.model, ranks);
-    // state + gradients (a third of it) + a snapshot + the replicas held for peers
-    let need = ranks as f64 * state * (1.0 + 1.0 / 3.0 + 1.0 + (replicas.max(1) - 1) as f64);
-    let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
-        t.lines()
-            .find_map(|l| l.strip_prefix("MemAvailable:"))
-            .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
-            .map(|kib| kib * 1024.0)
-    });
-    if let Some(avail) = avail {
-        if need > 0.9 * avail {
-            bail!(
-                "{}: model `{}` on {ranks} ranks needs about {:.1} GiB of host memory for emulated compute ({:.0} MiB of parameters and Adam moments per rank, with gradients, a snapshot and {} replica(s) of peers), more than 90% of the {:.1} GiB available: lower [model] layers, hidden or experts, or run fewer ranks",
-                file.display(),
-                cfg.name,
-                need / (1u64 << 30) as f64,
-                state / (1u64 << 20) as f64,
-                replicas.max(1) - 1,
-                avail / (1u64 << 30) as f64
-            );
-        }
-    }
-    Ok(())
 }
 
 /// One line of a rank's routing file.

@@ -18,8 +18,10 @@ use ironweave_train::TrainConfig;
 
 use crate::error::{bail, Context, Result};
 use crate::rundir::SdpReport;
-use crate::train::args::{load_config, ElasticRankArgs, TrainArgs};
+use crate::train::args::{load_config, ComputeArgs, ElasticRankArgs, TrainArgs};
+use crate::train::busy::BusyMeter;
 use crate::train::elastic::RankLog;
+use ironweave_train::emulated::Emulated;
 
 /// The per-rank options `train --sdp` hands to `sdp-worker`: written with
 /// [`SdpWorkerArgs::to_argv`], parsed back by each rank, which runs [`worker`].
@@ -39,6 +41,8 @@ pub struct SdpWorkerArgs {
     pub full_link: String,
     #[arg(long, default_value = "")]
     pub inter_link: String,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 impl SdpWorkerArgs {
@@ -47,14 +51,15 @@ impl SdpWorkerArgs {
 
     /// The rank's command line: the subcommand, then these options as clap parses them.
     pub fn to_argv(&self) -> Vec<String> {
-        self.run
+        let argv = self
+            .run
             .write(crate::Argv::new(Self::SUBCOMMAND))
             .opt("strategy", &self.strategy)
             .list("fractions", &self.fractions)
             .opt("ranks-per-host", self.ranks_per_host)
             .opt("full-link", &self.full_link)
-            .opt("inter-link", &self.inter_link)
-            .done()
+            .opt("inter-link", &self.inter_link);
+        self.compute.write(argv).done()
     }
 }
 
@@ -104,6 +109,9 @@ struct SdpWorker<'a> {
     seed: [u8; 8],
     /// This rank's lanes of the last iteration, for the timeline.
     last_spans: Vec<SpanRec>,
+    /// `--compute emulated`: the device the steps wait on.
+    emulated: Option<Emulated>,
+    busy: BusyMeter,
 }
 
 impl SdpWorker<'_> {
@@ -163,8 +171,11 @@ impl Worker for SdpWorker<'_> {
 
     fn step(&mut self, it: u64, _cx: &StepContext<'_>) -> Result<Step<SdpStep>, BoxError> {
         let iters = self.iters;
-        let tr = self.trainer()?;
-        let s = tr.step_timed()?;
+        let tr = self.tr.as_mut().ok_or("the trainer joins no generation yet")?;
+        let s = match &self.emulated {
+            Some(emu) => tr.step_emulated(emu)?,
+            None => tr.step_timed()?,
+        };
         let done = tr.iter();
         self.step = (done as i64).to_le_bytes();
         if it == iters {
@@ -182,16 +193,20 @@ impl Worker for SdpWorker<'_> {
     }
 
     fn on_iteration(&mut self, it: &Iteration<'_, SdpStep>) -> Result<(), BoxError> {
+        let (s, dt) = (it.output, it.elapsed.as_secs_f64());
+        let busy = self.busy.iteration(self.emulated.as_ref(), it.iter, dt, self.rank);
         if self.rank != 0 {
             return Ok(());
         }
-        let (s, dt) = (it.output, it.elapsed.as_secs_f64());
         let lanes: Vec<f64> = (0..3).map(|l| s.lane_busy_s(l)).collect();
         let line = serde_json::json!({"iter": it.iter, "time": dt, "loss": s.loss, "committed": it.committed, "compute": s.compute_s(),
-            "wait": s.wait_s(), "busy": s.comm_busy_s(), "lanes": lanes});
+            "wait": s.wait_s(), "busy": s.comm_busy_s(), "lanes": lanes, "device_busy": busy});
         let text = format!(
-            "loss {:.4}  comm {:>6.1} ms busy, compute waited {:>6.1} ms  committed {}",
-            s.loss,
+            "{}  comm {:>6.1} ms busy, compute waited {:>6.1} ms  committed {}",
+            match busy {
+                Some(b) => format!("device busy {:>3.0}%", 100.0 * b / dt.max(1e-9)),
+                None => format!("loss {:.4}", s.loss),
+            },
             s.comm_busy_s() * 1e3,
             s.wait_s() * 1e3,
             it.committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
@@ -233,6 +248,8 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
     let ecfg = choice.engine_config(dir, a.run.persist_every);
     let job = crate::train::elastic::join_job(iters, ecfg, elastic::CheckpointLinks::Training, a.run.resume_from.as_deref())?;
     let rank = job.rank();
+    let emulated = a.compute.load(&cfg, job.world_size(), iters)?;
+    let compute = a.compute.describe(emulated.as_ref());
     let mut w = SdpWorker {
         a,
         seed: (cfg.train.seed as i64).to_le_bytes(),
@@ -247,6 +264,8 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         log: RankLog::new(rank, iters, &a.run.report_dir),
         step: [0; 8],
         last_spans: Vec::new(),
+        emulated,
+        busy: BusyMeter::default(),
     };
     let done = crate::train::elastic::run_elastic(job, &mut w)?;
     let tr = w.tr.take().context("the job ran no generation")?;
@@ -278,6 +297,8 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
     comm.all_reduce(&mut cpu, ironweave_transport::ReduceOp::Sum)?;
     rep.comm_cpu_ns = cpu[0] as u64;
     rep.process_cpu_ns = cpu[1] as u64;
+    rep.compute.mode = compute;
+    (rep.compute.device_busy_share, rep.compute.cpu_busy_share) = w.busy.finish(&comm, w.emulated.is_some())?;
     let last_spans = std::mem::take(&mut w.last_spans);
     // every rank's lanes of the last iteration to rank 0 (empty if it ran before a restart)
     let bytes = serde_json::to_vec(&last_spans)?;
@@ -294,7 +315,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
         for v in by_iter.values() {
             let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
             rep.iter_time_s.push(f("time"));
-            rep.loss.push(f("loss") as f32);
+            rep.loss.push(v["loss"].as_f64().map_or(f32::NAN, |l| l as f32));
             rep.compute_s.push(f("compute"));
             rep.wait_s.push(f("wait"));
             rep.comm_busy_s.push(f("busy"));
@@ -339,6 +360,12 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         (None, Strategy::Hsdp) => bail!("--sdp hsdp needs --sdp-plan plan.json (`ironweave plan sdp --json plan.json`)"),
         (None, _) => Vec::new(),
     };
+    // emulated compute: the device profile is read and the state must fit, before any rank
+    // starts (each rank builds the whole model once before it keeps its shards)
+    if let Some(emu) = a.compute.load(&cfg, a.ranks, a.iters.unwrap_or(cfg.train.iters))? {
+        let state = ironweave_train::emulated::state_bytes_per_rank(&emu.model, 1);
+        crate::train::args::check_memory(&a.config, &cfg.name, a.ranks, state, 1)?;
+    }
     // on one machine without a topology, --ranks-per-host still groups the ranks into
     // (logical) hosts; by default they all form one
     let rph = if a.topology.is_some() || a.ranks_per_host > 1 { a.ranks_per_host.max(1) } else { a.ranks.max(1) };
@@ -374,6 +401,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         ranks_per_host: rph,
         full_link,
         inter_link,
+        compute: a.compute.clone(),
     }
     .to_argv();
     let topology = match &a.topology {
@@ -381,10 +409,11 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         None => None,
     };
     eprintln!(
-        "ironweave train: {} on {} ranks over {chosen}, sharded data parallelism `{}`, checkpoints `{}`, report in {}",
+        "ironweave train: {} on {} ranks over {chosen}, sharded data parallelism `{}`, compute {}, checkpoints `{}`, report in {}",
         cfg.name,
         a.ranks,
         strategy.name(),
+        a.compute.compute,
         a.ckpt,
         a.report_dir.display()
     );
@@ -408,14 +437,13 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     println!("final state sha256 {}", rep.final_state_sha256);
     println!(
-        "done: {} iterations on {} ranks, sharded `{}` (all-rank part on {}, cross-host on {}), loss {:.4} -> {:.4}, median iteration {:.1} ms, {:.1} MB of state per rank",
+        "done: {} iterations on {} ranks, sharded `{}` (all-rank part on {}, cross-host on {}), {}, median iteration {:.1} ms, {:.1} MB of state per rank",
         rep.iterations,
         rep.ranks,
         rep.sdp,
         rep.links.0,
         rep.links.1,
-        rep.loss.first().copied().unwrap_or(f32::NAN),
-        rep.loss.last().copied().unwrap_or(f32::NAN),
+        crate::train::busy::outcome(&rep.compute, rep.loss.first().copied(), rep.loss.last().copied()),
         steady * 1e3,
         rep.state_bytes_per_rank as f64 / 1e6
     );

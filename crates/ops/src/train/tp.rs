@@ -16,7 +16,8 @@ use ironweave_transport::CommOptions;
 
 use crate::progress::{Mode, Progress};
 use crate::rundir::TpReport;
-use crate::train::args::{load_config, TrainArgs};
+use crate::train::args::{load_config, ComputeArgs, TrainArgs};
+use crate::train::busy::BusyMeter;
 
 /// The per-rank options `train --tp` hands to `tp-worker`: written with
 /// [`TpWorkerArgs::to_argv`], parsed back by each rank, which runs [`worker`].
@@ -37,6 +38,8 @@ pub struct TpWorkerArgs {
     pub report_dir: PathBuf,
     #[arg(long)]
     pub global_batch: Option<usize>,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 impl TpWorkerArgs {
@@ -45,15 +48,15 @@ impl TpWorkerArgs {
 
     /// The rank's command line: the subcommand, then these options as clap parses them.
     pub fn to_argv(&self) -> Vec<String> {
-        crate::Argv::new(Self::SUBCOMMAND)
+        let argv = crate::Argv::new(Self::SUBCOMMAND)
             .opt("config", self.config.display())
             .list("degrees", &self.degrees)
             .opt("schedule", &self.schedule)
             .opt("sub-batches", self.sub_batches)
             .some("iters", self.iters)
             .opt("report-dir", self.report_dir.display())
-            .some("global-batch", self.global_batch)
-            .done()
+            .some("global-batch", self.global_batch);
+        self.compute.write(argv).done()
     }
 }
 
@@ -76,6 +79,8 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
     let spec = TpSpec { degrees: a.degrees.clone(), schedule, sub_batches: a.sub_batches, global_batch: a.global_batch };
     let mut tr = TpTrainer::new(cfg.clone(), corpus, (comm.size() > 1).then_some(comm.as_ref()), spec)?;
     let (rank, n) = (comm.rank(), comm.size());
+    let emulated = a.compute.load(&cfg, n, iters)?;
+    let mut busy = BusyMeter::default();
     let dp = tr.dp();
     let degrees = a.degrees.clone();
     let tp_max = tr.degrees().iter().copied().max().unwrap_or(1);
@@ -104,8 +109,12 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
     let mut steady = 0usize;
     for it in 1..=iters {
         let t0 = Instant::now();
-        let s = tr.step()?;
+        let s = match &emulated {
+            Some(emu) => tr.step_emulated(emu)?,
+            None => tr.step()?,
+        };
         let dt = t0.elapsed().as_secs_f64();
+        let device_busy = busy.iteration(emulated.as_ref(), it, dt, rank);
         let st = &s.stats;
         rep.iter_time_s.push(dt);
         rep.loss.push(s.loss);
@@ -146,8 +155,11 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
             p.step(
                 it,
                 &format!(
-                    "loss {:.4}  {:>6.0} tokens/s  tp comm {:>6.1} ms ({:.0}% hidden)",
-                    s.loss,
+                    "{}  {:>6.0} tokens/s  tp comm {:>6.1} ms ({:.0}% hidden)",
+                    match device_busy {
+                        Some(b) => format!("device busy {:>3.0}%", 100.0 * b / dt.max(1e-9)),
+                        None => format!("loss {:.4}", s.loss),
+                    },
                     rep.tokens_per_iter as f64 / dt,
                     tp_comm * 1e3,
                     if tp_comm > 0.0 { tp_groups.iter().map(|&g| st.hidden_s[g]).sum::<f64>() / tp_comm * 100.0 } else { 0.0 }
@@ -163,6 +175,8 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
         v.iter_mut().for_each(|x| *x /= norm);
     }
     rep.tail_comm_s.iter_mut().for_each(|x| *x /= norm);
+    rep.compute.mode = a.compute.describe(emulated.as_ref());
+    (rep.compute.device_busy_share, rep.compute.cpu_busy_share) = busy.finish(&comm, emulated.is_some())?;
     // every rank's digest and lanes to rank 0
     rep.final_state_sha256 = ironweave::elastic::job_state_sha256(&comm, &tr.state_digest())?;
     let bytes = serde_json::to_vec(&last_spans)?;
@@ -216,6 +230,12 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     if a.fail.is_some() {
         bail!("--fail is not supported with --tp: tensor-parallel runs do not checkpoint yet");
     }
+    // emulated compute: the device profile is read and the state must fit, before any rank
+    // starts (each rank builds the whole model once before it keeps its shards)
+    if let Some(emu) = a.compute.load(&cfg, a.ranks, a.iters.unwrap_or(cfg.train.iters))? {
+        let state = ironweave_train::emulated::state_bytes_per_rank(&emu.model, 1);
+        crate::train::args::check_memory(&a.config, &cfg.name, a.ranks, state, 1)?;
+    }
     std::fs::create_dir_all(&a.report_dir).with_context(|| format!("creating {}", a.report_dir.display()))?;
     let _ = std::fs::remove_file(a.report_dir.join("report.json"));
     let args = TpWorkerArgs {
@@ -226,6 +246,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         iters: a.iters,
         report_dir: a.report_dir.clone(),
         global_batch,
+        compute: a.compute.clone(),
     }
     .to_argv();
     let topology = match &a.topology {
@@ -233,11 +254,12 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         None => None,
     };
     eprintln!(
-        "ironweave train: {} on {} ranks over {chosen}, tensor-parallel degree {} (data parallel across groups), schedule {schedule} with {k} sub-batch{} (no checkpoints), report in {}",
+        "ironweave train: {} on {} ranks over {chosen}, tensor-parallel degree {} (data parallel across groups), schedule {schedule} with {k} sub-batch{}, compute {} (no checkpoints), report in {}",
         cfg.name,
         a.ranks,
         degrees_str(&degrees),
         if k == 1 { "" } else { "es" },
+        a.compute.compute,
         a.report_dir.display()
     );
     let code = crate::launch::workers(a.ranks, args, chosen.name(), a.quiet, topology, 0, a.threads_per_rank)?;
@@ -246,14 +268,13 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     let rep: TpReport = serde_json::from_slice(&std::fs::read(a.report_dir.join("report.json")).context("reading report.json")?)?;
     println!(
-        "done: {} iterations, degree {} with head dp {} ({} k={}), loss {:.4} -> {:.4}, {:.0} tokens/s (median iteration {:.1} ms), tensor-parallel communication {:.1} ms per iteration, {:.0}% of it hidden behind compute",
+        "done: {} iterations, degree {} with head dp {} ({} k={}), {}, {:.0} tokens/s (median iteration {:.1} ms), tensor-parallel communication {:.1} ms per iteration, {:.0}% of it hidden behind compute",
         rep.iterations,
         degrees_str(&rep.degrees),
         rep.dp,
         rep.schedule,
         rep.sub_batches,
-        rep.loss.first().copied().unwrap_or(f32::NAN),
-        rep.loss.last().copied().unwrap_or(f32::NAN),
+        crate::train::busy::outcome(&rep.compute, rep.loss.first().copied(), rep.loss.last().copied()),
         rep.tokens_per_iter as f64 / rep.median_iter_s().max(1e-12),
         rep.median_iter_s() * 1e3,
         rep.comm_s() * 1e3,
