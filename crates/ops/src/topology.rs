@@ -148,17 +148,26 @@ mod tests {
         use ironweave_plan::{ClusterDesc, Scope};
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         // every configs/clusters/emulated-*.toml and the topology it describes
-        let beds = [("emulated-2host.toml", "2host-2link.toml"), ("emulated-2host-2link.toml", "2host-2link.toml")];
+        // (cluster, topology, dilation): the emu-* descriptions are the published hardware an
+        // emulated-accelerator bed stands for, its links D times the topology's rates
+        let beds = [
+            ("emulated-2host.toml", "2host-2link.toml", 1.0),
+            ("emulated-2host-2link.toml", "2host-2link.toml", 1.0),
+            ("emu-2host-2link-a100.toml", "2host-2link-emu.toml", 200.0),
+            ("emu-2host-2link-h100.toml", "2host-2link-emu.toml", 400.0),
+            ("emu-2host-a100.toml", "2host-tp-emu.toml", 200.0),
+            ("emu-2host-h100.toml", "2host-tp-emu.toml", 400.0),
+        ];
         let mut found: Vec<String> = std::fs::read_dir(root.join("configs/clusters"))
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with("emulated-"))
+            .filter(|n| n.starts_with("emulated-") || n.starts_with("emu-"))
             .collect();
         found.sort();
-        let mut listed: Vec<String> = beds.iter().map(|(c, _)| c.to_string()).collect();
+        let mut listed: Vec<String> = beds.iter().map(|(c, _, _)| c.to_string()).collect();
         listed.sort();
         assert_eq!(found, listed, "a new emulated cluster description: name its topology in this test");
-        for (cluster, topology) in beds {
+        for (cluster, topology, dilation) in beds {
             let c = ClusterDesc::from_toml_str(&std::fs::read_to_string(root.join("configs/clusters").join(cluster)).unwrap())
                 .unwrap();
             let t = Topology::load(&root.join("topologies").join(topology)).unwrap();
@@ -168,10 +177,10 @@ mod tests {
             for l in inter {
                 let def = t.links.iter().find(|d| d.name == l.name);
                 let def = def.unwrap_or_else(|| panic!("{cluster}: link {} is not in {topology}", l.name));
-                let rate = ironweave_units::parse_rate(&def.rate).unwrap() as f64;
+                let rate = ironweave_units::parse_rate(&def.rate).unwrap() as f64 * dilation;
                 assert!(
                     (l.bytes_per_s() - rate).abs() <= 1e-9 * rate,
-                    "{cluster}: link {} at {} B/s, {topology} says {} ({rate} B/s)",
+                    "{cluster}: link {} at {} B/s, {topology} says {} x dilation {dilation} ({rate} B/s)",
                     l.name,
                     l.bytes_per_s(),
                     def.rate
