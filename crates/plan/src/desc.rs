@@ -307,6 +307,11 @@ pub struct ModelDesc {
     pub ffn_mult: f64,
     /// Element type of weights and activations (optimizer state is fp32 master + Adam moments).
     pub dtype: DType,
+    /// Element type of the data-parallel gradient all-reduce; `dtype` when left out.
+    /// Megatron averages a bf16 model's gradients in fp32 by default, and so do ironweave's
+    /// trainers: a model description of a run of ours says `grad_dtype = "fp32"`.
+    #[serde(default)]
+    pub grad_dtype: Option<DType>,
     /// Recompute activations in backward (store only each layer's input).
     #[serde(default = "yes")]
     pub activation_recompute: bool,
@@ -316,6 +321,11 @@ pub struct ModelDesc {
 }
 
 impl ModelDesc {
+    /// Bytes per gradient element in the data-parallel all-reduce (`grad_dtype`, else `dtype`).
+    pub fn grad_elem_bytes(&self) -> f64 {
+        self.grad_dtype.unwrap_or(self.dtype).size() as f64
+    }
+
     /// Parse and validate a model description.
     pub fn from_toml_str(text: &str) -> Result<Self> {
         let m: ModelDesc =

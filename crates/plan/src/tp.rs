@@ -289,7 +289,7 @@ pub fn build(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts:
                 };
                 let fwd = cm.compute_time(op, flops / t as f64);
                 let tp_comm = steps * cm.tp_group(t).time(Coll::AllReduce, model.activation_bytes(micro));
-                let dp_comm = cm.dp_group(t).time(Coll::AllReduce, params / t as f64 * elem);
+                let dp_comm = cm.dp_group(t).time(Coll::AllReduce, params / t as f64 * model.grad_elem_bytes());
                 let act = if model.activation_recompute {
                     model.activation_bytes(micro)
                 } else {

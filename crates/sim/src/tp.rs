@@ -64,7 +64,7 @@ pub fn simulate(problem: &TpProblem, model: &ModelDesc, cm: &CostModel<'_>, pick
     // sub-layer with a smaller tensor group has fewer sequences, so it handles
     // `group_batch / steps` of them per step.
     let steps = ch.iter().map(|c| (c.group_batch / c.micro).ceil() as usize).max().unwrap_or(1);
-    let elem = model.dtype.size() as f64;
+    let elem = model.grad_elem_bytes();
     let per_step = |c: &TpChoice| c.group_batch / steps as f64;
     let mut all: Vec<OpId> = Vec::new();
     let mut prev_step_end = dag.mark("start", vec![]);

@@ -300,6 +300,8 @@ pub fn model_desc(cfg: &TrainConfig, world: usize) -> Result<ModelDesc> {
         vocab: VOCAB,
         ffn_mult: m.ffn_mult as f64,
         dtype: ACTIVATION_DTYPE,
+        // the trainers average fp32 gradients
+        grad_dtype: Some(DType::F32),
         activation_recompute: false,
         moe,
     };

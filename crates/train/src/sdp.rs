@@ -167,7 +167,7 @@ impl SdpTrainer {
         Ok(self.step_timed()?.loss)
     }
 
-    /// One iteration with the real math, its lanes timed (see [`SdpTrainer::step_with`]).
+    /// One iteration with the real math, its lanes timed (`step_with`, shared with [`SdpTrainer::step_emulated`]).
     pub fn step_timed(&mut self) -> Result<SdpStep> {
         self.step_with(None)
     }
