@@ -166,10 +166,33 @@ impl ComputeArgs {
     }
 }
 
+impl ComputeArgs {
+    /// [`ComputeArgs::load`] for a run launched from `file`, then refuses, before any rank
+    /// starts, a bed whose state would not fit in this machine's memory: each of `ranks` ranks
+    /// holds the parameters and Adam moments of the model split `shards` ways (1: the whole
+    /// model, as a sharded or tensor-parallel rank builds it before keeping its part).
+    pub fn load_fitting(
+        &self,
+        file: &Path,
+        cfg: &TrainConfig,
+        ranks: usize,
+        iters: u64,
+        shards: usize,
+        replicas: u32,
+    ) -> Result<Option<ironweave_train::emulated::Emulated>> {
+        let emu = self.load(cfg, ranks, iters)?;
+        if let Some(emu) = &emu {
+            let state = ironweave_train::emulated::state_bytes_per_rank(&emu.model, shards);
+            check_memory(file, &cfg.name, ranks, state, replicas)?;
+        }
+        Ok(emu)
+    }
+}
+
 /// Refuses an emulated bed whose ranks' state would not fit in this machine's memory, before
 /// any rank starts: `state` bytes of parameters and Adam moments per rank, with gradients (a
 /// third of it), a snapshot and `replicas - 1` replicas of peers.
-pub fn check_memory(file: &Path, model: &str, ranks: usize, state: f64, replicas: u32) -> Result<()> {
+fn check_memory(file: &Path, model: &str, ranks: usize, state: f64, replicas: u32) -> Result<()> {
     let need = ranks as f64 * state * (1.0 + 1.0 / 3.0 + 1.0 + (replicas.max(1) - 1) as f64);
     let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
         t.lines()

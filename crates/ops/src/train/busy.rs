@@ -64,6 +64,16 @@ pub fn describe(c: &crate::rundir::ComputeCounters) -> String {
     format!("compute {}: device busy {} (per rank), machine CPU busy {}", c.mode, shares.join(" "), c.cpu_cell())
 }
 
+/// What a rank's per-iteration line leads with: the device-busy share of the `dt`-second
+/// iteration under emulated compute (`busy`: what [`BusyMeter::iteration`] returned), else its
+/// loss.
+pub fn iteration_cell(busy: Option<f64>, dt: f64, loss: f32) -> String {
+    match busy {
+        Some(b) => format!("device busy {:>3.0}%", 100.0 * b / dt.max(1e-9)),
+        None => format!("loss {loss:.4}"),
+    }
+}
+
 /// What a run's summary line says of its outcome: the loss from `first` to `last` under real
 /// compute, the busy shares under emulated compute (which learns nothing).
 pub fn outcome(c: &crate::rundir::ComputeCounters, first: Option<f32>, last: Option<f32>) -> String {

@@ -170,10 +170,7 @@ impl Worker for MoeWorker {
         let toks = (self.cfg.train.batch * self.cfg.model.seq * it.comm.size()) as f64;
         let text = format!(
             "{}  {:>6.0} tokens/s  ckpt exposed {:>6.2} ms  committed {}",
-            match busy {
-                Some(b) => format!("device busy {:>3.0}%", 100.0 * b / dt.max(1e-9)),
-                None => format!("loss {:.4}", s.loss),
-            },
+            crate::train::busy::iteration_cell(busy, dt, s.loss),
             toks / dt,
             ir.exposed_s * 1e3,
             it.committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
@@ -427,11 +424,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     // emulated compute: the device profile and the routing trace are read and checked, and the
     // state must fit in this machine's memory, before any rank starts
-    let emulated = a.compute.load(&cfg, ranks, iters.unwrap_or(cfg.train.iters))?;
-    if let Some(emu) = &emulated {
-        let state = ironweave_train::emulated::state_bytes_per_rank(&emu.model, ranks);
-        crate::train::args::check_memory(config, &cfg.name, ranks, state, a.replicas)?;
-    }
+    let emulated = a.compute.load_fitting(config, &cfg, ranks, iters.unwrap_or(cfg.train.iters), ranks, a.replicas)?;
     std::fs::create_dir_all(report_dir).with_context(|| format!("creating {}", report_dir.display()))?;
     if let Some(from) = &a.resume_from {
         crate::train::args::check_resume_from(from, report_dir)?;

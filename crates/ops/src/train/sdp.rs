@@ -203,10 +203,7 @@ impl Worker for SdpWorker<'_> {
             "wait": s.wait_s(), "busy": s.comm_busy_s(), "lanes": lanes, "device_busy": busy});
         let text = format!(
             "{}  comm {:>6.1} ms busy, compute waited {:>6.1} ms  committed {}",
-            match busy {
-                Some(b) => format!("device busy {:>3.0}%", 100.0 * b / dt.max(1e-9)),
-                None => format!("loss {:.4}", s.loss),
-            },
+            crate::train::busy::iteration_cell(busy, dt, s.loss),
             s.comm_busy_s() * 1e3,
             s.wait_s() * 1e3,
             it.committed.map(|c| c.to_string()).unwrap_or_else(|| "-".into())
@@ -362,10 +359,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     };
     // emulated compute: the device profile is read and the state must fit, before any rank
     // starts (each rank builds the whole model once before it keeps its shards)
-    if let Some(emu) = a.compute.load(&cfg, a.ranks, a.iters.unwrap_or(cfg.train.iters))? {
-        let state = ironweave_train::emulated::state_bytes_per_rank(&emu.model, 1);
-        crate::train::args::check_memory(&a.config, &cfg.name, a.ranks, state, 1)?;
-    }
+    a.compute.load_fitting(&a.config, &cfg, a.ranks, a.iters.unwrap_or(cfg.train.iters), 1, 1)?;
     // on one machine without a topology, --ranks-per-host still groups the ranks into
     // (logical) hosts; by default they all form one
     let rph = if a.topology.is_some() || a.ranks_per_host > 1 { a.ranks_per_host.max(1) } else { a.ranks.max(1) };

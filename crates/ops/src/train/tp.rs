@@ -156,10 +156,7 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
                 it,
                 &format!(
                     "{}  {:>6.0} tokens/s  tp comm {:>6.1} ms ({:.0}% hidden)",
-                    match device_busy {
-                        Some(b) => format!("device busy {:>3.0}%", 100.0 * b / dt.max(1e-9)),
-                        None => format!("loss {:.4}", s.loss),
-                    },
+                    crate::train::busy::iteration_cell(device_busy, dt, s.loss),
                     rep.tokens_per_iter as f64 / dt,
                     tp_comm * 1e3,
                     if tp_comm > 0.0 { tp_groups.iter().map(|&g| st.hidden_s[g]).sum::<f64>() / tp_comm * 100.0 } else { 0.0 }
@@ -232,10 +229,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     // emulated compute: the device profile is read and the state must fit, before any rank
     // starts (each rank builds the whole model once before it keeps its shards)
-    if let Some(emu) = a.compute.load(&cfg, a.ranks, a.iters.unwrap_or(cfg.train.iters))? {
-        let state = ironweave_train::emulated::state_bytes_per_rank(&emu.model, 1);
-        crate::train::args::check_memory(&a.config, &cfg.name, a.ranks, state, 1)?;
-    }
+    a.compute.load_fitting(&a.config, &cfg, a.ranks, a.iters.unwrap_or(cfg.train.iters), 1, 1)?;
     std::fs::create_dir_all(&a.report_dir).with_context(|| format!("creating {}", a.report_dir.display()))?;
     let _ = std::fs::remove_file(a.report_dir.join("report.json"));
     let args = TpWorkerArgs {
