@@ -37,10 +37,10 @@ pub fn frame_decoder(data: &[u8]) {
 pub fn ckpt_wire(data: &[u8]) {
     if let Ok(m) = ReplicaMsg::decode(1, data, LIMIT) {
         let again = match &m {
-            ReplicaMsg::Begin(man) => {
+            ReplicaMsg::Begin { manifest: man, keep_from } => {
                 assert_eq!(man.rank, 1);
                 assert!(man.registry.total <= LIMIT);
-                ReplicaMsg::encode_begin(man).expect("a decoded manifest encodes")
+                ReplicaMsg::encode_begin(man, *keep_from).expect("a decoded manifest encodes")
             }
             ReplicaMsg::Chunk { iter, offset, bytes } => {
                 if let Some(r) = chunk_range(*offset, bytes.len(), LIMIT as usize) {

@@ -1,8 +1,9 @@
 //! ironweave-ckpt: Capricorn-style in-memory checkpointing, framework-agnostic.
 //!
 //! - [`registry`]: named buffers (dtype, shape, bytes) the trainer registers; no tensor library.
-//! - [`snapshot`]: double-buffered host snapshots, copied by several threads at memory speed,
-//!   with per-chunk xxh3 checksums.
+//! - [`snapshot`]: host snapshots in up to three warm buffers (the newest committed iteration
+//!   is never refilled), copied by several threads at memory speed, with per-chunk xxh3
+//!   checksums.
 //! - [`partition`]: chunks sized to predicted idle windows (Capricorn) or fixed (Gemini).
 //! - [`schedule`]: when each chunk may go (after the communication that opens its window, or
 //!   by the clock for Gemini).
@@ -21,7 +22,8 @@
 //! let w: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|x| x.to_le_bytes()).collect();
 //! let step = 7i64.to_le_bytes();
 //! let mut buffers = SnapshotBuffers::new(2, 4096);
-//! let snap = buffers.take(7, &reg, &[&w, &step])?;
+//! // iteration 7's state; every held iteration is kept (nothing committed yet)
+//! let snap = buffers.take(7, 0, &reg, &[&w, &step])?;
 //! assert_eq!(snap.tensor("step"), Some(&step[..]));
 //! # Ok::<(), ironweave_ckpt::CkptError>(())
 //! ```
@@ -41,4 +43,4 @@ pub mod wire;
 pub use engine::{placement, placement_on_hosts, CheckpointReport, Counters, Engine, EngineConfig, Restored, Source};
 pub use error::{CkptError, Result};
 pub use registry::{DType, GlobalSlice, Registry, TensorMeta, TensorSpec};
-pub use snapshot::{ChunkSum, Snapshot, SnapshotBuffers};
+pub use snapshot::{ChunkSum, Snapshot, SnapshotBuffers, SNAPSHOT_BUFFERS};

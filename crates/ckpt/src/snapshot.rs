@@ -1,6 +1,7 @@
-//! Double-buffered host snapshots: the state is copied after the optimizer step into one of
-//! two warm buffers (the other may still be on its way to the replicas), by several threads,
-//! each hashing the chunks it just copied while they are in cache.
+//! Host snapshots in a few warm buffers: the state is copied after the optimizer step, by
+//! several threads, into a buffer that holds no iteration the caller must keep (the newest
+//! committed one and those after it: one may still be on its way to the replicas, one may be
+//! the only copy a recovery finds).
 
 use std::sync::Arc;
 
@@ -101,13 +102,17 @@ impl Snapshot {
     }
 }
 
-/// Two warm snapshot buffers and the copy engine. Snapshots are shared (`Arc`) with the
-/// threads that replicate them; a buffer is refilled only when nobody holds it any more, so a
-/// replication still in flight two iterations later makes `take` wait (up to `wait`).
+/// Buffers an engine keeps at most: the newest committed iteration, the one being replicated
+/// and the one being taken (see [`SnapshotBuffers::take`]).
+pub const SNAPSHOT_BUFFERS: usize = 3;
+
+/// Up to [`SNAPSHOT_BUFFERS`] warm snapshot buffers and the copy engine. Snapshots are shared
+/// (`Arc`) with the threads that replicate them; a buffer is refilled only when nobody holds
+/// it any more (`take` waits, up to `wait`) and its iteration is older than the one the caller
+/// keeps.
 #[derive(Debug)]
 pub struct SnapshotBuffers {
-    slots: [Option<Arc<Snapshot>>; 2],
-    next: usize,
+    slots: [Option<Arc<Snapshot>>; SNAPSHOT_BUFFERS],
     threads: usize,
     chunk: u64,
     wait: std::time::Duration,
@@ -117,13 +122,7 @@ impl SnapshotBuffers {
     /// `threads` copy threads (0: all cores), checksums over `chunk`-byte pieces.
     pub fn new(threads: usize, chunk: u64) -> Self {
         let threads = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
-        SnapshotBuffers {
-            slots: [None, None],
-            next: 0,
-            threads,
-            chunk: chunk.max(4096),
-            wait: std::time::Duration::from_secs(300),
-        }
+        SnapshotBuffers { slots: Default::default(), threads, chunk: chunk.max(4096), wait: std::time::Duration::from_secs(300) }
     }
 
     /// How long `take` waits for a buffer still being replicated.
@@ -131,10 +130,42 @@ impl SnapshotBuffers {
         self.wait = wait;
     }
 
-    /// Copy the state after iteration `iter`'s optimizer step into the older buffer.
-    pub fn take(&mut self, iter: u64, registry: &Arc<Registry>, bufs: &[&[u8]]) -> Result<Arc<Snapshot>> {
+    /// The slot `take` would fill when iterations from `keep_from` on must be kept: a held
+    /// buffer nobody else uses (the oldest), else an empty slot, else a held buffer still in
+    /// use (the oldest: `take` waits for it); `None` when every slot holds an iteration to keep.
+    fn slot_for(&self, keep_from: u64) -> Option<usize> {
+        let reusable = |k: &usize| self.slots[*k].as_ref().is_some_and(|s| s.iter < keep_from);
+        let oldest = |ks: Vec<usize>| ks.into_iter().min_by_key(|&k| self.slots[k].as_ref().map_or(0, |s| s.iter));
+        let all: Vec<usize> = (0..SNAPSHOT_BUFFERS).collect();
+        oldest(
+            all.iter()
+                .copied()
+                .filter(reusable)
+                .filter(|&k| self.slots[k].as_ref().is_some_and(|s| Arc::strong_count(s) == 1))
+                .collect(),
+        )
+        .or_else(|| all.iter().copied().find(|&k| self.slots[k].is_none()))
+        .or_else(|| oldest(all.iter().copied().filter(reusable).collect()))
+    }
+
+    /// Whether [`SnapshotBuffers::take`] has a buffer when iterations from `keep_from` on must
+    /// be kept.
+    pub fn can_take(&self, keep_from: u64) -> bool {
+        self.slot_for(keep_from).is_some()
+    }
+
+    /// Copy the state after iteration `iter`'s optimizer step into a buffer whose iteration is
+    /// older than `keep_from` (0: keep every held iteration; `u64::MAX`: keep none). Fails when
+    /// there is none ([`SnapshotBuffers::can_take`] says so first) or when the one to refill is
+    /// still being replicated after the wait.
+    pub fn take(&mut self, iter: u64, keep_from: u64, registry: &Arc<Registry>, bufs: &[&[u8]]) -> Result<Arc<Snapshot>> {
         registry.check(bufs)?;
-        let slot = self.next;
+        let Some(slot) = self.slot_for(keep_from) else {
+            let held: Vec<u64> = self.held().map(|s| s.iter).collect();
+            return Err(CkptError::Invalid(format!(
+                "no snapshot buffer for iteration {iter}: every buffer holds an iteration to keep ({held:?}, from {keep_from} on)"
+            )));
+        };
         let deadline = std::time::Instant::now() + self.wait;
         let mut arc = self.slots[slot].take().unwrap_or_else(|| {
             Arc::new(Snapshot { iter, registry: registry.clone(), data: Vec::new(), sums: Default::default(), sum_chunk: 0 })
@@ -153,7 +184,6 @@ impl SnapshotBuffers {
                 }
             }
         };
-        self.next ^= 1;
         snap.iter = iter;
         snap.registry = registry.clone();
         let total = registry.total as usize;
@@ -223,7 +253,14 @@ impl SnapshotBuffers {
 
     /// Drop every held snapshot (e.g. after restoring an older iteration).
     pub fn clear(&mut self) {
-        self.slots = [None, None];
+        self.slots = Default::default();
+    }
+
+    /// Hold `snap` (a restored state: the copy of the committed iteration this rank keeps
+    /// until a newer one commits) in place of every held snapshot.
+    pub fn adopt(&mut self, snap: Arc<Snapshot>) {
+        self.clear();
+        self.slots[0] = Some(snap);
     }
 
     /// Test hook: flip one byte of a held snapshot (simulates memory corruption).

@@ -4,7 +4,9 @@
 //! error. The fuzz target `ckpt_wire` drives them (`fuzz/`, corpus replayed by `cargo test`).
 //!
 //! Replication (tag [`TAG_DATA`], on the link view the chunk was routed to):
-//! `Begin`: `0 | manifest JSON` (sent on every link the engine uses, idempotent);
+//! `Begin`: `0 | keep_from u64 | manifest JSON` (sent on every link the engine uses,
+//! idempotent; `keep_from`: the sender's newest committed iteration, whose replica and newer
+//! ones the holder keeps);
 //! `Chunk`: `1 | iter u64 | offset u64 | bytes`; `End`: `2 | iter u64` (on the first link).
 //! Acknowledgements (tag [`TAG_ACK`], first link): `iter u64 | verified u8 (0 or 1)`.
 //! Restore (tag [`TAG_RESTORE`]): the manifest JSON, then the state's bytes.
@@ -29,8 +31,14 @@ pub const CHUNK_HEADER: usize = 17;
 /// One replica message as it arrived from a peer.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ReplicaMsg<'a> {
-    /// A replica begins: its manifest (checked).
-    Begin(Manifest),
+    /// A replica begins: its manifest (checked), and from which iteration on the holder keeps
+    /// this sender's replicas (the sender's newest committed one; 0: every one).
+    Begin {
+        /// The manifest.
+        manifest: Manifest,
+        /// Replicas of iterations from this one on are kept.
+        keep_from: u64,
+    },
     /// Bytes of the replica of `iter` at `offset`.
     Chunk {
         /// Iteration.
@@ -56,9 +64,10 @@ fn corrupt(what: String, detail: impl Into<String>) -> CkptError {
 }
 
 impl<'a> ReplicaMsg<'a> {
-    /// `Begin` of `man`.
-    pub fn encode_begin(man: &Manifest) -> Result<Vec<u8>> {
+    /// `Begin` of `man`; the holder keeps this sender's replicas from `keep_from` on.
+    pub fn encode_begin(man: &Manifest, keep_from: u64) -> Result<Vec<u8>> {
         let mut v = vec![MSG_BEGIN];
+        v.extend_from_slice(&keep_from.to_le_bytes());
         serde_json::to_writer(&mut v, man).map_err(|e| CkptError::Invalid(e.to_string()))?;
         Ok(v)
     }
@@ -85,10 +94,13 @@ impl<'a> ReplicaMsg<'a> {
     pub fn decode(src: usize, msg: &'a [u8], limit: u64) -> Result<Self> {
         match msg.first() {
             Some(&MSG_BEGIN) => {
+                let Some(keep_from) = u64_at(msg, 1) else {
+                    return Err(corrupt(format!("begin from rank {src}"), format!("short header ({} bytes)", msg.len())));
+                };
                 let man: Manifest =
-                    serde_json::from_slice(&msg[1..]).map_err(|e| corrupt(format!("manifest from rank {src}"), e.to_string()))?;
+                    serde_json::from_slice(&msg[9..]).map_err(|e| corrupt(format!("manifest from rank {src}"), e.to_string()))?;
                 man.check_from(src, limit)?;
-                Ok(ReplicaMsg::Begin(man))
+                Ok(ReplicaMsg::Begin { manifest: man, keep_from })
             }
             Some(&MSG_CHUNK) => match (u64_at(msg, 1), u64_at(msg, 9)) {
                 (Some(iter), Some(offset)) => Ok(ReplicaMsg::Chunk { iter, offset, bytes: &msg[CHUNK_HEADER..] }),
@@ -182,7 +194,10 @@ mod tests {
     #[test]
     fn messages_round_trip() {
         let m = manifest(3, 7);
-        assert_eq!(ReplicaMsg::decode(3, &ReplicaMsg::encode_begin(&m).unwrap(), 1 << 20).unwrap(), ReplicaMsg::Begin(m));
+        assert_eq!(
+            ReplicaMsg::decode(3, &ReplicaMsg::encode_begin(&m, 5).unwrap(), 1 << 20).unwrap(),
+            ReplicaMsg::Begin { manifest: m, keep_from: 5 }
+        );
         let c = ReplicaMsg::encode_chunk(7, 12, &[1, 2, 3]);
         assert_eq!(ReplicaMsg::decode(3, &c, 0).unwrap(), ReplicaMsg::Chunk { iter: 7, offset: 12, bytes: &[1, 2, 3] });
         assert_eq!(ReplicaMsg::decode(3, &ReplicaMsg::encode_end(7), 0).unwrap(), ReplicaMsg::End { iter: 7 });
@@ -197,6 +212,7 @@ mod tests {
         assert!(err(ReplicaMsg::decode(5, &[2, 1, 2], 0)).contains("expected 9"));
         assert!(err(ReplicaMsg::decode(5, &[2; 20], 0)).contains("expected 9"));
         assert!(err(ReplicaMsg::decode(5, &[1; 16], 0)).contains("short header"));
+        assert!(err(ReplicaMsg::decode(5, &[0; 8], 0)).contains("short header"));
         assert!(Ack::decode(4, &[0; 8]).unwrap_err().to_string().contains("rank 4"));
         assert!(Ack::decode(4, &[0; 10]).is_err());
         assert!(Ack::decode(4, &[0, 0, 0, 0, 0, 0, 0, 0, 2]).unwrap_err().to_string().contains("verdict 2"));

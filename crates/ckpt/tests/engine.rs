@@ -36,12 +36,21 @@ fn refs(b: &[Vec<u8>]) -> Vec<&[u8]> {
 
 /// Run `f(rank, engine)` on every rank of an `n`-rank world, in threads.
 fn run<T: Send + 'static>(n: usize, cfg: EngineConfig, f: impl Fn(usize, &mut Engine) -> T + Send + Sync + 'static) -> Vec<T> {
+    run_each(n, move |_| cfg.clone(), f)
+}
+
+/// [`run`] with each rank's own configuration.
+fn run_each<T: Send + 'static>(
+    n: usize,
+    cfg: impl Fn(usize) -> EngineConfig,
+    f: impl Fn(usize, &mut Engine) -> T + Send + Sync + 'static,
+) -> Vec<T> {
     let f = Arc::new(f);
     let hs: Vec<_> = world(n)
         .into_iter()
         .enumerate()
         .map(|(rank, comm)| {
-            let (f, cfg) = (f.clone(), cfg.clone());
+            let (f, cfg) = (f.clone(), cfg(rank));
             std::thread::spawn(move || {
                 let mut e = Engine::new(Arc::new(comm), registry(), cfg).unwrap();
                 let out = f(rank, &mut e);
@@ -264,6 +273,56 @@ fn a_torn_iteration_is_never_committed_and_later_ones_are() {
     assert_eq!(out[0].0, vec![Some(1), Some(1), Some(3)]);
     assert_eq!(out[1].0, vec![Some(1), Some(1), Some(3)]);
     assert!(out[1].1.iter().any(|f| f.contains("replica of rank 0 iteration 2 failed verification")), "{:?}", out[1].1);
+}
+
+#[test]
+fn a_host_lost_while_commits_lag_finds_the_committed_iteration_everywhere() {
+    // 2 hosts x 2 ranks, each rank's replica on the other host. Iteration 1 commits; then rank
+    // 1's link delivers nothing, so iterations 2 and 3 never commit. Every rank must keep its
+    // own copy of iteration 1, and host b must keep its replica of rank 0's iteration 1 although
+    // it holds a complete, newer one (2): rank 1's newest complete copy is 1. Host a is then
+    // lost (ranks 0 and 1 restart with nothing). Before the fix the survivors had refilled their
+    // buffers of iteration 1 and host b had dropped rank 0's replica of it: nothing restorable.
+    let host = |rank: usize| if rank < 2 { "a" } else { "b" };
+    let cfg = move |rank: usize| EngineConfig { replicas: 2, host: host(rank).into(), timeout: Duration::from_secs(6), ..cfg() };
+    let out = run_each(4, cfg, |rank, e| {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut committed = vec![];
+        let mut bytes = vec![];
+        e.checkpoint(1, &refs(&state(rank, 1))).unwrap();
+        committed.push(e.commit(true).unwrap());
+        if rank == 1 {
+            e.stall_replication_for_test(true);
+        }
+        for it in 2..=4 {
+            bytes.push(e.checkpoint(it, &refs(&state(rank, it))).unwrap().bytes);
+            // waits (bounded: rank 1's never come) for the acknowledgements of what was sent
+            committed.push(e.commit(true).unwrap());
+        }
+        let skipped = e.counters().snapshots_skipped.load(Relaxed);
+        // host a is lost: its ranks restart with nothing
+        if rank < 2 {
+            e.forget_memory_for_test();
+            e.stall_replication_for_test(false);
+        }
+        let r = e.restore_latest().unwrap();
+        let restored = (r.iter, r.source, r.snapshot.data == state(rank, 1).concat());
+        drop(r);
+        // training goes on from the restored iteration and commits again
+        e.checkpoint(2, &refs(&state(rank, 2))).unwrap();
+        let after = e.commit(true).unwrap();
+        (committed, bytes, skipped, restored, after)
+    });
+    let total = registry().total;
+    for (rank, (committed, bytes, skipped, restored, after)) in out.into_iter().enumerate() {
+        assert_eq!(committed, vec![Some(1); 4], "rank {rank}");
+        // iterations 1, 2 and 3 fill the buffers while only 1 is committed: 4 is not taken
+        assert_eq!(bytes, vec![total, total, 0], "rank {rank}");
+        assert_eq!(skipped, 1, "rank {rank}");
+        let source = if rank < 2 { Source::Peer(rank + 2) } else { Source::Local };
+        assert_eq!(restored, (1, source, true), "rank {rank}");
+        assert_eq!(after, Some(2), "rank {rank}");
+    }
 }
 
 #[test]

@@ -29,26 +29,42 @@ fn refs(b: &[Vec<u8>]) -> Vec<&[u8]> {
 }
 
 #[test]
-fn snapshots_copy_exactly_and_alternate_buffers() {
+fn snapshots_copy_exactly_and_never_refill_an_iteration_to_keep() {
     let (reg, bufs) = state(1);
+    let (_, bufs2) = state(2);
     for threads in [1, 2, 5] {
         let mut sb = SnapshotBuffers::new(threads, 4096);
-        let s = sb.take(10, &reg, &refs(&bufs)).unwrap();
+        let s = sb.take(10, 0, &reg, &refs(&bufs)).unwrap();
         assert_eq!(s.data, bufs.concat());
         Snapshot::verify(&s.data, s.sums(), "test").unwrap();
         assert_eq!(s.tensor("layers.0.b").unwrap(), bufs[2].as_slice());
-        // while someone (a replication thread) holds iteration 10, its buffer is not reused
-        sb.set_wait(std::time::Duration::from_millis(20));
-        let (_, bufs2) = state(2);
-        sb.take(11, &reg, &refs(&bufs2)).unwrap();
-        let e = sb.take(12, &reg, &refs(&bufs)).unwrap_err();
-        assert!(e.to_string().contains("still being replicated"), "{e}");
         drop(s);
-        // both iterations are held (double buffer); the third replaces the oldest
+        // keeping everything (nothing committed yet): each snapshot takes a new buffer until
+        // all are used, then there is none
+        sb.take(11, 0, &reg, &refs(&bufs2)).unwrap();
+        sb.take(12, 0, &reg, &refs(&bufs)).unwrap();
+        assert!(!sb.can_take(0) && !sb.can_take(10));
+        let e = sb.take(13, 10, &reg, &refs(&bufs)).unwrap_err();
+        assert!(e.to_string().contains("every buffer holds an iteration to keep"), "{e}");
         assert_eq!(sb.get(10).unwrap().data, bufs.concat());
-        assert_eq!(sb.latest().unwrap().iter, 11);
-        sb.take(12, &reg, &refs(&bufs)).unwrap();
-        assert!(sb.get(10).is_none() && sb.get(11).is_some());
+        // 11 committed: 10 may go, and only 10
+        sb.take(13, 11, &reg, &refs(&bufs)).unwrap();
+        assert!(sb.get(10).is_none() && sb.get(11).is_some() && sb.get(12).is_some());
+        assert_eq!(sb.latest().unwrap().iter, 13);
+        // while someone (a replication thread) holds the buffer to refill, `take` waits
+        let held = sb.get(11).unwrap().clone();
+        sb.set_wait(std::time::Duration::from_millis(20));
+        let e = sb.take(14, 12, &reg, &refs(&bufs)).unwrap_err();
+        assert!(e.to_string().contains("still being replicated"), "{e}");
+        drop(held);
+        sb.take(14, 12, &reg, &refs(&bufs)).unwrap();
+        assert_eq!(sb.get(12).unwrap().data, bufs.concat());
+        // the storage strategies keep nothing: one buffer serves every snapshot
+        let mut one = SnapshotBuffers::new(threads, 4096);
+        for it in 0..5 {
+            one.take(it, u64::MAX, &reg, &refs(&bufs)).unwrap();
+        }
+        assert_eq!(one.held().count(), 1);
     }
 }
 
@@ -62,7 +78,7 @@ fn bad_registrations_and_buffers_are_rejected() {
     assert!(Registry::new(&[TensorSpec::new("big", DType::F64, &[u64::MAX, 2])]).is_err());
     let (reg, mut bufs) = state(3);
     bufs[1].pop();
-    let e = SnapshotBuffers::new(1, 4096).take(0, &reg, &refs(&bufs)).unwrap_err();
+    let e = SnapshotBuffers::new(1, 4096).take(0, 0, &reg, &refs(&bufs)).unwrap_err();
     assert!(e.to_string().contains("layers.0.w"), "{e}");
 }
 
@@ -70,7 +86,7 @@ fn bad_registrations_and_buffers_are_rejected() {
 fn a_flipped_byte_is_detected() {
     let (reg, bufs) = state(4);
     let mut sb = SnapshotBuffers::new(2, 4096);
-    let s = sb.take(1, &reg, &refs(&bufs)).unwrap();
+    let s = sb.take(1, 0, &reg, &refs(&bufs)).unwrap();
     let mut d = s.data.clone();
     d[5000] ^= 1;
     let e = Snapshot::verify(&d, s.sums(), "replica").unwrap_err();
@@ -137,7 +153,7 @@ fn persistent_tier_round_trips_and_rejects_bad_files() {
     let dir = tmpdir("persist");
     let (reg, bufs) = state(5);
     let mut sb = SnapshotBuffers::new(2, 4096);
-    let s = sb.take(42, &reg, &refs(&bufs)).unwrap();
+    let s = sb.take(42, 0, &reg, &refs(&bufs)).unwrap();
     let path = persist::write(&dir, &s, 3, 4).unwrap();
     assert!(path.ends_with("iter-00000042/rank-00003.safetensors"));
     let back = persist::load(&dir, 42, 3).unwrap();
@@ -186,7 +202,7 @@ fn persistent_tier_round_trips_and_rejects_bad_files() {
 fn python_safetensors_loads_the_file() {
     let dir = tmpdir("python");
     let (reg, bufs) = state(6);
-    let s = SnapshotBuffers::new(1, 4096).take(7, &reg, &refs(&bufs)).unwrap();
+    let s = SnapshotBuffers::new(1, 4096).take(7, 0, &reg, &refs(&bufs)).unwrap();
     let path = persist::write(&dir, &s, 0, 1).unwrap();
     let script = r#"
 import sys, json, hashlib

@@ -85,6 +85,10 @@ pub struct Report {
     /// Bytes written to the persistent tier over the run, all ranks.
     #[serde(default)]
     pub ckpt_bytes_storage: u64,
+    /// Snapshots not taken because the links did not keep up (the committed iteration and
+    /// the ones after it filled every buffer), all ranks.
+    #[serde(default)]
+    pub ckpt_snapshots_skipped: u64,
     /// The layout-free digests of the final state and of a resumed job's loaded state.
     #[serde(flatten)]
     pub digests: Digests,

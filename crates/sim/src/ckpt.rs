@@ -17,8 +17,10 @@
 //!   communication before the window finishes; windows re-profiled only when expert load
 //!   drifts past a threshold (speculative activation).
 //!
-//! The in-memory strategies double-buffer the host copy: the copy of iteration `i` must finish
-//! before optimizer step `i + 1`, and the replication of `i - 1` before the copy of `i + 1`.
+//! The in-memory strategies keep the committed snapshot while taking the next (the engine's
+//! three buffers): the copy of iteration `i` must finish before optimizer step `i + 1`, and the
+//! replication of `i - 1` (its acknowledgement: the commit that frees the buffer of `i - 2`)
+//! before the copy of `i + 1`.
 //!
 //! The decisions are the engine's own, not copies: [`Strategy`] is `ironweave_ckpt`'s;
 //! speculative activation is `ironweave_profile::SpeculativeActivation` fed the *previous*
@@ -545,8 +547,8 @@ pub fn simulate(model: &ModelDesc, cluster: &ClusterDesc, strategies: &[Strategy
                     writes.push(dag.mark(format!("it{it} written"), vec![w1, w2]));
                 }
                 Strategy::Gemini | Strategy::Capricorn if it % spread == 0 => {
-                    // double buffer: the buffer being filled held the snapshot before the
-                    // previous one, whose last part went `spread + 1` iterations ago
+                    // the buffer to fill is free once the snapshot before the previous one
+                    // (its last part went `spread + 1` iterations ago) is replicated
                     let mut deps = vec![end];
                     if sends_done.len() > spread {
                         deps.push(sends_done[sends_done.len() - spread - 1]);

@@ -241,7 +241,7 @@ fn one(
         match strat {
             // one host buffer: the next snapshot waits for the previous write
             Strategy::Async => sdeps.extend(writes.last()),
-            // double buffer: the one being filled was sent two iterations ago
+            // the buffer to fill is free once the snapshot of two iterations ago is replicated
             Strategy::Gemini | Strategy::Capricorn if spread == 1 && sent.len() >= 2 => sdeps.push(sent[sent.len() - 2]),
             _ => {}
         }

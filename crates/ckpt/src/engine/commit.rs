@@ -57,28 +57,50 @@ impl Engine {
                 self.join_writer()?;
             }
             self.flush_pending();
-            if let (true, Some(want)) = (self.cfg.strategy.in_memory(), self.last_sent) {
-                // half the timeout, so that peers already in the all-reduce below do not time out first
-                let deadline = Instant::now() + self.cfg.timeout / 2;
-                // no holders (a world of one): nothing to wait for
-                let answered = |sh: &Shared| {
-                    self.holders.is_empty() || sh.acks.get(&want).is_some_and(|a| self.holders.iter().all(|h| a.contains_key(h)))
-                };
-                while !answered(&self.shared.locked()) && Instant::now() < deadline {
-                    if !self.shared.locked().lost_holders.is_empty() {
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_micros(200));
-                }
+            if self.cfg.strategy.in_memory() {
+                self.wait_for_acks(self.last_sent);
             }
         } else if self.cfg.strategy == Strategy::Async && self.writer.as_ref().is_some_and(|w| w.is_finished()) {
             self.join_writer()?;
         }
+        self.agree()
+    }
+
+    /// Waits (bounded: half the timeout, so that peers already in the next all-reduce do not
+    /// time out first) until every holder answered for iteration `want`, or a holder is lost.
+    pub(super) fn wait_for_acks(&self, want: Option<u64>) {
+        let Some(want) = want else { return };
+        let deadline = Instant::now() + self.cfg.timeout / 2;
+        // no holders (a world of one): nothing to wait for
+        let answered = |sh: &Shared| {
+            self.holders.is_empty() || sh.acks.get(&want).is_some_and(|a| self.holders.iter().all(|h| a.contains_key(h)))
+        };
+        while !answered(&self.shared.locked()) && Instant::now() < deadline {
+            if !self.shared.locked().lost_holders.is_empty() {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// The all-reduce that agrees on the newest committed iteration (collective).
+    pub(super) fn agree(&mut self) -> Result<Option<u64>> {
         let mine: [i64; 1] = [self.replicated_upto().map(|i| i as i64).unwrap_or(-1)];
         let mut v = mine;
         self.comm.all_reduce(&mut v, ReduceOp::Min)?;
         self.committed = (v[0] >= 0).then_some(v[0] as u64);
         Ok(self.committed)
+    }
+
+    /// Snapshots (own and replicas) of iterations from this one on are kept: the newest
+    /// committed iteration (0 while none is: keep all; `u64::MAX` for the storage strategies,
+    /// whose copies are on storage).
+    pub(super) fn keep_from(&self) -> u64 {
+        if self.cfg.strategy.in_memory() {
+            self.committed.unwrap_or(0)
+        } else {
+            u64::MAX
+        }
     }
 
     /// The last agreed committed iteration.

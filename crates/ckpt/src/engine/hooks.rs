@@ -1,5 +1,5 @@
 //! Test hooks (feature `test-hooks`, as tokio's `test-util`: off in every build but the
-//! tests'): forget memory, corrupt a chunk in transit or a held replica.
+//! tests'): forget memory, corrupt a chunk in transit or a held replica, stall replication.
 
 use super::*;
 
@@ -30,5 +30,13 @@ impl Engine {
             }
         }
         false
+    }
+
+    /// Test hook: while `on`, this rank's sender threads drop every chunk and `End` (its
+    /// replicas begin on the holders and never complete: a link that delivers nothing).
+    #[cfg(feature = "test-hooks")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-hooks")))]
+    pub fn stall_replication_for_test(&self, on: bool) {
+        self.stall_replication.store(on, Ordering::SeqCst);
     }
 }

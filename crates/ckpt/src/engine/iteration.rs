@@ -64,7 +64,7 @@ impl Engine {
             };
             let plan = schedule::shifted(plan, from);
             if !p.begun {
-                s.begin(&p.snap);
+                s.begin(&p.snap, self.keep_from());
                 p.begun = true;
             }
             s.more_parts = p.part + 1 < parts;
@@ -208,7 +208,7 @@ impl Engine {
                 return Ok(CheckpointReport { iter, bytes: 0, blocking_s: 0.0, persisted: false });
             }
             Strategy::Blocking => {
-                let snap = self.snaps.take(iter, &self.registry, bufs)?;
+                let snap = self.snaps.take(iter, u64::MAX, &self.registry, bufs)?;
                 self.write_persistent(&snap)?;
                 self.durable = Some(iter);
                 persisted = true;
@@ -220,7 +220,7 @@ impl Engine {
                 }
                 // the next snapshot waits for the previous write (one host buffer in flight)
                 self.join_writer()?;
-                let snap = self.snaps.take(iter, &self.registry, bufs)?;
+                let snap = self.snaps.take(iter, u64::MAX, &self.registry, bufs)?;
                 let dir = self.cfg.persist_dir.clone().expect("checked in new");
                 let (bucket, counters) = (self.storage.clone(), self.counters.clone());
                 let (comm, written) = (self.comm.clone(), self.written.clone());
@@ -236,7 +236,31 @@ impl Engine {
                 }
                 // whatever of the previous snapshot was not sent yet goes now
                 self.flush_pending();
-                let snap = self.snaps.take(iter, &self.registry, bufs)?;
+                // The newest committed iteration and every newer one stay held until a newer
+                // one commits: a copy of the committed state must survive any one host. When
+                // they fill every buffer (the commits lag two snapshots), wait for the oldest
+                // of the newer ones and agree again; if it still did not commit, skip this
+                // snapshot. Collective, and the same choice on every rank: every rank holds the
+                // same iterations (snapshots are taken, skipped and dropped collectively) and
+                // `committed` was agreed.
+                if !self.snaps.can_take(self.keep_from()) {
+                    let c = self.committed;
+                    let want = self.snaps.held().map(|s| s.iter).filter(|&i| c.is_none_or(|c| i > c)).min();
+                    self.wait_for_acks(want);
+                    self.agree()?;
+                    if !self.snaps.can_take(self.keep_from()) {
+                        if self.counters.snapshots_skipped.fetch_add(1, Ordering::Relaxed) == 0 {
+                            eprintln!(
+                                "rank {}: warning: iteration {iter} is not checkpointed: the newest committed iteration ({:?}) and the ones after it fill every snapshot buffer, and the oldest of those was not acknowledged by every holder within {:?} (a slow or lost link); said once, counted in `snapshots_skipped`",
+                                self.comm.rank(),
+                                self.committed,
+                                self.cfg.timeout / 2
+                            );
+                        }
+                        return Ok(CheckpointReport { iter, bytes: 0, blocking_s: 0.0, persisted: false });
+                    }
+                }
+                let snap = self.snaps.take(iter, self.keep_from(), &self.registry, bufs)?;
                 if self.persist_due(iter) {
                     // the persistent tier backs the in-memory replicas up: a full or failing
                     // disk must not stop training (said once; counted every time)
@@ -285,7 +309,7 @@ impl Engine {
     pub(super) fn release_rest(&mut self, p: Pending) {
         let mut s = self.sched.locked();
         if !p.begun {
-            s.begin(&p.snap);
+            s.begin(&p.snap, self.keep_from());
         }
         let total = p.snap.data.len() as u64;
         let from = part_range(total, self.spread(), p.part).0;

@@ -66,6 +66,7 @@ impl Engine {
             last_sent: None,
             committed: None,
             corrupt_in_transit: Arc::new(AtomicU64::new(u64::MAX)),
+            stall_replication: Arc::new(AtomicBool::new(false)),
             profiler: Arc::new(Profiler::new(MonotonicClock::default(), 8)),
             sched: Arc::new(Mutex::new(Sched::default())),
             pending: None,
@@ -211,6 +212,7 @@ impl Engine {
                     shared: shared.clone(),
                     counters: self.counters.clone(),
                     corrupt: self.corrupt_in_transit.clone(),
+                    stalled: self.stall_replication.clone(),
                     prof: profiler.clone(),
                     rate: self.rate.clone(),
                 };

@@ -95,6 +95,8 @@ pub struct Engine {
     last_sent: Option<u64>,
     committed: Option<u64>,
     corrupt_in_transit: Arc<AtomicU64>,
+    /// Test hook: the sender threads drop chunks and `End`s.
+    stall_replication: Arc<AtomicBool>,
     profiler: Arc<Profiler<MonotonicClock>>,
     sched: Arc<Mutex<Sched>>,
     /// The snapshot whose chunks the coming iterations release (with `spread_iters > 1`, the

@@ -249,7 +249,9 @@ impl Engine {
             )));
         }
         // Everything newer than the restored iteration is void; replication restarts from here.
-        self.snaps.clear();
+        // The restored state stays held: it is the committed iteration, and this rank's copy
+        // of it must outlive a failure before a newer one commits.
+        self.snaps.adopt(snapshot.clone());
         self.pending = None;
         self.sched.locked().releaser = None;
         {

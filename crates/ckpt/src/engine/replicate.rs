@@ -42,7 +42,8 @@ pub(crate) struct Replica {
 /// What the service threads share with the engine.
 #[derive(Debug, Default)]
 pub(crate) struct Shared {
-    /// source rank → replicas (newest last, at most 2 complete + 1 in progress)
+    /// source rank → replicas (newest last: those from the source's committed iteration on, at
+    /// most [`KEPT_REPLICAS`] complete, and up to 2 in progress)
     pub(crate) store: BTreeMap<usize, Vec<Replica>>,
     /// iteration → holders that acknowledged it (true: verified)
     pub(crate) acks: BTreeMap<u64, BTreeMap<usize, bool>>,
@@ -56,6 +57,11 @@ pub(crate) struct Shared {
     /// accuracy is judged on this rank's own training traffic)
     pub(crate) arrivals: Vec<Arrival>,
 }
+
+/// Complete replicas of one source a holder keeps besides the one arriving: the source's
+/// newest committed iteration and one newer (a source keeps no more itself, see
+/// [`crate::snapshot::SNAPSHOT_BUFFERS`]).
+pub const KEPT_REPLICAS: usize = 2;
 
 /// At most this many arrivals wait for an iteration's report (a rank that stopped reporting
 /// must not grow the list without bound).
@@ -87,6 +93,10 @@ pub struct Counters {
     pub wire_chunks: AtomicU64,
     /// Of which on the wire entirely inside an idle window of this rank's link.
     pub wire_chunks_in_window: AtomicU64,
+    /// Snapshots not taken because the newest committed iteration and the ones after it
+    /// filled every buffer and the oldest of those was not acknowledged in time (the links
+    /// did not keep up with one checkpoint per iteration).
+    pub snapshots_skipped: AtomicU64,
 }
 
 /// CPU time the calling thread has used, ns (0 where the clock cannot be read).
@@ -103,7 +113,8 @@ impl Counters {
 
 /// One job of a sender thread.
 pub(crate) enum Job {
-    Begin(Arc<Snapshot>),
+    /// A snapshot, and from which iteration on the holder keeps replicas.
+    Begin(Arc<Snapshot>, u64),
     /// Offset, length, and whether it is a leftover (released when the iteration ended).
     Chunk {
         off: u64,
@@ -133,10 +144,11 @@ pub(crate) struct Sched {
 }
 
 impl Sched {
-    /// A snapshot starts: every sender thread (each holder, each link) announces it.
-    pub(crate) fn begin(&mut self, snap: &Arc<Snapshot>) {
+    /// A snapshot starts: every sender thread (each holder, each link) announces it; holders
+    /// keep replicas from `keep_from` on (the newest committed iteration).
+    pub(crate) fn begin(&mut self, snap: &Arc<Snapshot>, keep_from: u64) {
         for tx in self.txs.iter().flatten() {
-            let _ = tx.send(Job::Begin(snap.clone()));
+            let _ = tx.send(Job::Begin(snap.clone(), keep_from));
         }
         self.open = true;
     }
@@ -199,6 +211,8 @@ pub(crate) struct SenderCtx {
     pub(crate) shared: Arc<Mutex<Shared>>,
     pub(crate) counters: Arc<Counters>,
     pub(crate) corrupt: Arc<AtomicU64>,
+    /// Test hook: while set, chunks and `End`s are dropped (a link that delivers nothing).
+    pub(crate) stalled: Arc<AtomicBool>,
     pub(crate) prof: Arc<Profiler<MonotonicClock>>,
     /// (bytes, seconds) of finished transfers per slot: the measured rate of each link.
     pub(crate) rate: Arc<Mutex<Vec<(f64, f64)>>>,
@@ -212,13 +226,14 @@ pub(crate) fn send_loop(cx: SenderCtx, rx: Receiver<Job>) {
         let cpu0 = thread_cpu_ns();
         let r = (|| -> Result<()> {
             match job {
-                Job::Begin(snap) => {
-                    let begin = ReplicaMsg::encode_begin(&Manifest::of(&snap, cx.rank, cx.world))?;
+                Job::Begin(snap, keep_from) => {
+                    let begin = ReplicaMsg::encode_begin(&Manifest::of(&snap, cx.rank, cx.world), keep_from)?;
                     // every link that may carry a chunk announces the replica first (a link
                     // delivers in order; two links do not)
                     cx.comm.send_bytes(h, TAG_DATA, &begin)?;
                     cur = Some(snap);
                 }
+                Job::Chunk { .. } | Job::End if cx.stalled.load(Ordering::SeqCst) => {}
                 Job::Chunk { off, len, leftover } => {
                     let Some(snap) = &cur else { return Ok(()) };
                     let _span = cx.prof.comm(cx.link_id, CommKind::Checkpoint, len);
@@ -374,7 +389,7 @@ pub(crate) fn receive_replicas(
 /// Returns whether it was a chunk.
 fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared>, msg: &[u8]) -> Result<bool> {
     match ReplicaMsg::decode(src, msg, limit)? {
-        ReplicaMsg::Begin(man) => {
+        ReplicaMsg::Begin { manifest: man, keep_from } => {
             let total = man.registry.total as usize;
             let mut sh = shared.locked();
             let reps = sh.store.entry(src).or_default();
@@ -382,20 +397,31 @@ fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared
             if reps.iter().any(|r| r.manifest.iter == man.iter) {
                 return Ok(false);
             }
-            // keep the two newest complete replicas and those still arriving over a slower
-            // link (an older one's last chunks may follow a newer Begin); reuse the oldest
-            // complete buffer
-            reps.retain(|r| r.verified || !r.done);
+            // Keep the sender's newest committed iteration and the complete ones after it
+            // (a recovery may need any of them until a newer one commits), and those still
+            // arriving over a slower link (an older one's last chunks may follow a newer
+            // Begin); reuse a dropped buffer.
+            let mut spare: Option<Vec<u8>> = None;
+            let mut drop_at = |reps: &mut Vec<Replica>, k: usize| {
+                let r = reps.remove(k);
+                if r.done && spare.as_ref().is_none_or(|d| d.len() < r.data.len()) {
+                    spare = Some(r.data);
+                }
+            };
+            while let Some(k) = reps.iter().position(|r| r.done && (!r.verified || r.manifest.iter < keep_from)) {
+                drop_at(reps, k);
+            }
             // at most one older replica still arriving (a sender that died leaves one behind)
             while reps.iter().filter(|r| !r.done).count() >= 2 {
                 let k = reps.iter().position(|r| !r.done).expect("counted");
-                reps.remove(k);
+                drop_at(reps, k);
             }
-            let complete = reps.iter().filter(|r| r.verified).count();
-            let mut data = match reps.iter().position(|r| r.verified) {
-                Some(k) if complete >= 2 => reps.remove(k).data,
-                _ => Vec::new(),
-            };
+            // a sender keeps no more itself: more is a peer outside the protocol, bounded here
+            while reps.iter().filter(|r| r.verified).count() > KEPT_REPLICAS {
+                let k = reps.iter().position(|r| r.verified).expect("counted");
+                drop_at(reps, k);
+            }
+            let mut data = spare.unwrap_or_default();
             data.resize(total, 0);
             reps.push(Replica { manifest: man, data, received: 0, ended: false, done: false, verified: false });
         }
@@ -499,7 +525,7 @@ mod hostile_peers {
     }
 
     fn begin(m: &Manifest) -> Vec<u8> {
-        ReplicaMsg::encode_begin(m).unwrap()
+        ReplicaMsg::encode_begin(m, 0).unwrap()
     }
     use ReplicaMsg as W;
     fn encode_chunk(iter: u64, offset: u64, bytes: &[u8]) -> Vec<u8> {

@@ -557,7 +557,7 @@ mod tests {
             }
             let specs = t.state_specs();
             let reg = Arc::new(ironweave_ckpt::Registry::new(&specs).unwrap());
-            let snap = ironweave_ckpt::SnapshotBuffers::new(1, 4096).take(3, &reg, &t.state()).unwrap();
+            let snap = ironweave_ckpt::SnapshotBuffers::new(1, 4096).take(3, 0, &reg, &t.state()).unwrap();
             let (digest, weight) = (t.state_digest(), to_host(lin.weight()).unwrap());
             // move on: the host copies (weights, moments, step) and the model's variables change,
             // then the variables are scrambled differently on each rank

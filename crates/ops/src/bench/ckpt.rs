@@ -98,6 +98,9 @@ pub struct Row {
     pub ckpt_bytes_per_link: Vec<u64>,
     /// Bytes written to the persistent tier (emulated remote storage).
     pub ckpt_bytes_storage: u64,
+    /// Snapshots the engine did not take because the links did not keep up (all ranks, all
+    /// rounds): a row whose strategy skipped snapshots checkpointed less often than asked.
+    pub ckpt_snapshots_skipped: u64,
     /// The emulated storage's bandwidth per host, bytes/s (None: the local disk, unpaced).
     pub storage_bytes_per_s_per_host: Option<f64>,
     /// Mean time per steady iteration the training thread spent inside the engine, seconds.
@@ -335,6 +338,7 @@ fn run_all(
                 ckpt_bytes_inter_host_sent: r.ckpt_bytes_inter_host_sent,
                 ckpt_bytes_per_link: r.ckpt_bytes_per_link.clone(),
                 ckpt_bytes_storage: r.ckpt_bytes_storage,
+                ckpt_snapshots_skipped: reps.iter().map(|(r, _)| r.ckpt_snapshots_skipped).sum(),
                 storage_bytes_per_s_per_host: *storage,
                 exposed_ckpt_s: reps.iter().map(|(r, _)| Report::steady(&r.ckpt_exposed_s, 2)).sum::<f64>() / reps.len() as f64,
                 storage_interval_iters: {

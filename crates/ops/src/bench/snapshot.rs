@@ -120,18 +120,19 @@ pub fn run(bytes: u64, repeat: usize, dir: &Path, json_out: Option<&Path>) -> Re
     let _threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let mut sb = SnapshotBuffers::new(0, 256 << 10);
     // first take allocates and touches; time warm takes, alternating buffers like training
-    sb.take(0, &reg, &refs)?;
-    sb.take(1, &reg, &refs)?;
+    // (the previous iteration kept, as if committed)
+    sb.take(0, 0, &reg, &refs)?;
+    sb.take(1, 0, &reg, &refs)?;
     let mut it = 2;
     let snap_s = best(repeat, || {
-        sb.take(it, &reg, &refs)?;
+        sb.take(it, it - 1, &reg, &refs)?;
         it += 1;
         Ok(())
     })?;
     pr.step(3, &format!("ironweave snapshot: {snap_s:.3} s"));
     // checksums, off the critical path (the replication thread computes them)
     let hash_s = best(repeat, || {
-        let snap = sb.take(it, &reg, &refs)?;
+        let snap = sb.take(it, it - 1, &reg, &refs)?;
         it += 1;
         let t = Instant::now();
         let _ = snap.sums();

@@ -84,7 +84,7 @@ fn snapshot_probe(bytes: u64) -> Result<f64> {
     let mut best = f64::INFINITY;
     for it in 1..=4u64 {
         let t = Instant::now();
-        snaps.take(it, &reg, &[&src])?;
+        snaps.take(it, it - 1, &reg, &[&src])?;
         if it > 1 {
             best = best.min(t.elapsed().as_secs_f64());
         }

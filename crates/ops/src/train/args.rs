@@ -191,9 +191,13 @@ impl ComputeArgs {
 
 /// Refuses an emulated bed whose ranks' state would not fit in this machine's memory, before
 /// any rank starts: `state` bytes of parameters and Adam moments per rank, with gradients (a
-/// third of it), a snapshot and `replicas - 1` replicas of peers.
+/// third of it), the checkpoint engine's snapshot buffers and, for each of `replicas - 1`
+/// peers, the replicas it keeps of them (at most: the committed iteration, a newer one and the
+/// one arriving).
 fn check_memory(file: &Path, model: &str, ranks: usize, state: f64, replicas: u32) -> Result<()> {
-    let need = ranks as f64 * state * (1.0 + 1.0 / 3.0 + 1.0 + (replicas.max(1) - 1) as f64);
+    let held = ironweave_ckpt::SNAPSHOT_BUFFERS as f64
+        + (replicas.max(1) - 1) as f64 * (ironweave_ckpt::engine::replicate::KEPT_REPLICAS + 1) as f64;
+    let need = ranks as f64 * state * (1.0 + 1.0 / 3.0 + held);
     let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
         t.lines()
             .find_map(|l| l.strip_prefix("MemAvailable:"))
@@ -203,10 +207,11 @@ fn check_memory(file: &Path, model: &str, ranks: usize, state: f64, replicas: u3
     if let Some(avail) = avail {
         if need > 0.9 * avail {
             bail!(
-                "{}: model `{model}` on {ranks} ranks needs about {:.1} GiB of host memory for emulated compute ({:.0} MiB of parameters and Adam moments per rank, with gradients, a snapshot and {} replica(s) of peers), more than 90% of the {:.1} GiB available: lower [model] layers, hidden or experts, or run fewer ranks",
+                "{}: model `{model}` on {ranks} ranks needs about {:.1} GiB of host memory for emulated compute ({:.0} MiB of parameters and Adam moments per rank, with gradients, up to {} snapshots and the replicas of {} peer(s)), more than 90% of the {:.1} GiB available: lower [model] layers, hidden or experts, or run fewer ranks",
                 file.display(),
                 need / (1u64 << 30) as f64,
                 state / (1u64 << 20) as f64,
+                ironweave_ckpt::SNAPSHOT_BUFFERS,
                 replicas.max(1) - 1,
                 avail / (1u64 << 30) as f64
             );

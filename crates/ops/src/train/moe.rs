@@ -262,6 +262,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
             wire[1],
             ironweave_transport::threads::process_cpu_ns(),
             ironweave_transport::threads::comm_cpu_ns().unwrap_or(0),
+            c.snapshots_skipped.load(Relaxed),
         ]
         .into_iter()
         .chain(c.replica_bytes_per_link.iter().map(|x| x.load(Relaxed)))
@@ -277,7 +278,8 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         rep.wire_accuracy = (v[4] > 0).then(|| v[5] as f64 / v[4] as f64);
         rep.process_cpu_ns = v[6];
         rep.comm_cpu_ns = v[7];
-        rep.ckpt_bytes_per_link = v[8..].to_vec();
+        rep.ckpt_snapshots_skipped = v[8];
+        rep.ckpt_bytes_per_link = v[9..].to_vec();
         rep.state_bytes_per_rank = e.registry().total;
         rep.storage_bytes_per_s_per_rank = a.storage_bytes_per_s;
         (rep.compute.device_busy_share, rep.compute.cpu_busy_share) = w.busy.finish(&comm, w.emulated.is_some())?;
