@@ -30,6 +30,35 @@ pub struct Grid {
     pub fit: FitConfig,
     /// Labelled target days.
     pub target_days: usize,
+    /// Target days the domain classifier sees unlabelled (0: the labelled ones).
+    pub unlabelled_days: usize,
+}
+
+impl Grid {
+    /// One line naming every setting that decides the table's numbers; `airq experiment`
+    /// prints it above the table and docs/AIR-QUALITY.md carries it under each command (a test
+    /// runs each documented command with `--dry-run` and compares).
+    pub fn settings(&self) -> String {
+        let k: Vec<String> = self.sources.iter().map(|&k| k_label(k)).collect();
+        let seeds: Vec<String> = self.seeds.iter().map(u64::to_string).collect();
+        let methods: Vec<&str> = self.methods.iter().map(|m| m.name()).collect();
+        let f = &self.fit;
+        format!(
+            "settings: target {}, unseen {}, target days {}, unlabelled days {}, sources {}, seeds {}, iterations {}, batch {}, lr {}, conv {}, hidden {}, methods {}",
+            self.target,
+            self.unseen.as_deref().unwrap_or("none"),
+            self.target_days,
+            if self.unlabelled_days == 0 { "= target days".to_string() } else { self.unlabelled_days.max(self.target_days).to_string() },
+            k.join(","),
+            seeds.join(","),
+            f.iterations,
+            f.batch,
+            f.lr,
+            f.conv,
+            f.hidden,
+            methods.join(",")
+        )
+    }
 }
 
 /// One trained (or persistence) model's scores.
@@ -81,6 +110,7 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
         let t0 = Instant::now();
         let mut task = Task::nearest(&data, &grid.target, k, grid.unseen.as_deref(), split.clone())?;
         task.target_days = grid.target_days;
+        task.unlabelled_days = grid.unlabelled_days;
         let sources =
             if m.uses_sources() { task.sources.iter().map(|&s| data.states[s].name.clone()).collect() } else { Vec::new() };
         let prep = Prepared::new(data.clone(), task, m)?;

@@ -32,13 +32,17 @@ struct Common {
     /// Labelled days of the target: the last this many days of the training period.
     #[arg(long, default_value_t = 365)]
     target_days: usize,
-    /// Optimizer steps.
-    #[arg(long, default_value_t = 300)]
-    iterations: u64,
+    /// Target days whose windows the domain classifier sees unlabelled, the last this many of
+    /// the training period (0: the labelled days, so every method sees the same data).
+    #[arg(long, default_value_t = 0)]
+    unlabelled_days: usize,
+    /// Optimizer steps [default: 300 for `train`, 400 for `experiment`].
+    #[arg(long)]
+    iterations: Option<u64>,
     /// Labelled windows per rank per step.
     #[arg(long, default_value_t = 64)]
     batch: usize,
-    /// AdamW learning rate.
+    /// Learning rate (ironweave's AdamW, weight decay 0: Adam).
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
     /// Recurrent units per direction.
@@ -47,9 +51,9 @@ struct Common {
 }
 
 impl Common {
-    fn fit(&self, seed: u64) -> FitConfig {
+    fn fit(&self, seed: u64, iterations: u64) -> FitConfig {
         FitConfig {
-            iterations: self.iterations,
+            iterations: self.iterations.unwrap_or(iterations),
             batch: self.batch,
             lr: self.lr,
             seed,
@@ -108,7 +112,7 @@ enum Cmd {
         #[arg(long, default_value = "1,2,4,all", value_delimiter = ',')]
         sources: Vec<String>,
         /// Seeds.
-        #[arg(long, default_value = "1,2,3", value_delimiter = ',')]
+        #[arg(long, default_value = "1,2,3,4,5", value_delimiter = ',')]
         seeds: Vec<u64>,
         /// Methods.
         #[arg(
@@ -120,6 +124,9 @@ enum Cmd {
         /// Output folder.
         #[arg(long, default_value = "target/airq-experiment")]
         out: PathBuf,
+        /// Print the settings line and stop (what the table would be measured with).
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Renders OUT/report.html again from OUT/report.json.
     Report {
@@ -161,8 +168,9 @@ fn real_main() -> anyhow::Result<()> {
                 sources: parse_k(&sources)?,
                 unseen: common.unseen(),
                 method: Method::parse(&method)?,
-                fit: common.fit(seed),
+                fit: common.fit(seed, 300),
                 target_days: common.target_days,
+                unlabelled_days: common.unlabelled_days,
                 out,
             };
             let o = run::run(&cfg, |l| println!("{l}"))?;
@@ -184,16 +192,21 @@ fn real_main() -> anyhow::Result<()> {
             }
             println!("rank {}: done, {} recoveries, final state {}", o.rank, o.recoveries, o.final_state);
         }
-        Cmd::Experiment { common, sources, seeds, methods, out } => {
+        Cmd::Experiment { common, sources, seeds, methods, out, dry_run } => {
             let grid = Grid {
                 target: common.target.clone(),
                 unseen: common.unseen(),
                 sources: sources.iter().map(|s| parse_k(s)).collect::<anyhow::Result<_>>()?,
                 seeds,
                 methods: methods.iter().map(|m| Method::parse(m)).collect::<Result<_, _>>()?,
-                fit: common.fit(1),
+                fit: common.fit(1, 400),
                 target_days: common.target_days,
+                unlabelled_days: common.unlabelled_days,
             };
+            if dry_run {
+                println!("{}", grid.settings());
+                return Ok(());
+            }
             let data = Arc::new(AirData::load(common.data.as_deref())?);
             let t0 = std::time::Instant::now();
             let results = experiment::run(data, &grid, |i, n, r| {
@@ -209,7 +222,7 @@ fn real_main() -> anyhow::Result<()> {
                 );
             })?;
             std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-            let table = experiment::table(&results);
+            let table = format!("{}\n\n{}", grid.settings(), experiment::table(&results));
             std::fs::write(
                 out.join("results.json"),
                 serde_json::to_string_pretty(&serde_json::json!({"grid": grid, "results": results}))?,

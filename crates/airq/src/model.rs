@@ -152,7 +152,7 @@ impl Net {
             disc,
             lambda: Cell::new(0.0),
         };
-        ironweave::candle::init_uniform(vm, seed)?;
+        init_by_name(vm, seed)?;
         Ok(net)
     }
 
@@ -277,6 +277,32 @@ impl Staged for Net {
     }
 }
 
+/// Sets every variable of `vm` uniform in ±1/√fan-in from its own stream, seeded by `seed` and
+/// the variable's name: a layer's initial weights do not depend on which other layers exist,
+/// so one seed gives every method the same feature extractor and regression head (with one
+/// stream over all variables in name order, a domain classifier's `disc*` variables shifted
+/// the recurrent layers' draws).
+pub fn init_by_name(vm: &VarMap, seed: u64) -> Result<()> {
+    let vars: Vec<(String, candle_core::Var)> = {
+        let data = vm.data().lock().map_err(|_| crate::Error::Config("the variable map's lock is poisoned".into()))?;
+        data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    };
+    for (name, var) in vars {
+        // FNV-1a of the name
+        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+        let mut rng = crate::Rng::new(&[seed, h]);
+        let t = var.as_tensor();
+        let dims = t.dims().to_vec();
+        let n = t.elem_count();
+        let fan_in = if dims.len() >= 2 { n / dims[0].max(1) } else { n };
+        let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+        let vals: Vec<f32> =
+            (0..n).map(|_| (((rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * bound) as f32).collect();
+        var.set(&Tensor::from_vec(vals, dims.as_slice(), t.device())?)?;
+    }
+    Ok(())
+}
+
 /// Masked mean squared error on host values (the loss's definition, for tests and evaluation).
 pub fn masked_mse_host(pred: &[f32], y: &[f32], mask: &[f32]) -> f32 {
     let (mut s, mut n) = (0f32, 0f32);
@@ -302,6 +328,30 @@ mod tests {
         for (a, b) in gx.iter().zip([0.5f32, -1.25, 3.0]) {
             assert!((a - (-0.7 * 2.0 * b)).abs() < 1e-6, "{gx:?}");
         }
+    }
+
+    #[test]
+    fn one_seed_gives_every_method_the_same_extractor_and_head() {
+        let cfg = |sources, adversary| NetConfig { lookback: 14, horizon: 3, conv: 8, hidden: 8, sources, adversary };
+        let values = |c: NetConfig, seed: u64| {
+            let vm = VarMap::new();
+            Net::new(&vm, c, seed).unwrap();
+            let data = vm.data().lock().unwrap();
+            let mut v: Vec<(String, Vec<f32>)> =
+                data.iter().map(|(k, v)| (k.clone(), v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        let plain = values(cfg(0, Adversary::None), 7);
+        for other in [cfg(4, Adversary::None), cfg(4, Adversary::MultiClass), cfg(2, Adversary::PerSource)] {
+            let v = values(other, 7);
+            for (name, w) in &plain {
+                let o = &v.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("{name} missing")).1;
+                assert_eq!(o, w, "`{name}` differs between {:?} and the plain network", other.adversary);
+            }
+        }
+        // and another seed gives other weights
+        assert_ne!(values(cfg(0, Adversary::None), 8)[0].1, plain[0].1);
     }
 
     #[test]

@@ -92,17 +92,25 @@ pub struct Norm {
 impl Norm {
     /// Fitted on the observed values of `stations` within `days`.
     pub fn fit(data: &AirData, stations: &[usize], days: Range<usize>) -> Result<Norm> {
+        Norm::fit_parts(data, &[(stations, days)])
+    }
+
+    /// Fitted on the observed values of each part's stations within its days.
+    pub fn fit_parts(data: &AirData, parts: &[(&[usize], Range<usize>)]) -> Result<Norm> {
         let (mut n, mut s, mut s2) = (0f64, 0f64, 0f64);
-        for &st in stations {
-            for &v in &data.series(st)[days.clone()] {
-                if v.is_finite() {
-                    n += 1.0;
-                    s += f64::from(v);
-                    s2 += f64::from(v) * f64::from(v);
+        for (stations, days) in parts {
+            for &st in *stations {
+                for &v in &data.series(st)[days.clone()] {
+                    if v.is_finite() {
+                        n += 1.0;
+                        s += f64::from(v);
+                        s2 += f64::from(v) * f64::from(v);
+                    }
                 }
             }
         }
         if n < 2.0 {
+            let stations: Vec<&[usize]> = parts.iter().map(|p| p.0).collect();
             return Err(Error::Data(format!("no observed training values at stations {stations:?} to normalise with")));
         }
         let mean = s / n;

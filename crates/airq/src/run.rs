@@ -35,6 +35,9 @@ pub struct RunConfig {
     pub fit: FitConfig,
     /// Labelled target days.
     pub target_days: usize,
+    /// Target days the domain classifier sees unlabelled (0: the labelled ones, see
+    /// [`Task::unlabelled_days`]).
+    pub unlabelled_days: usize,
     /// Where rank 0 writes `metrics.json`, `report.json` and `report.html`.
     pub out: PathBuf,
 }
@@ -68,6 +71,7 @@ pub fn prepare(cfg: &RunConfig, method: Method) -> Result<Prepared> {
     };
     let mut task = Task::nearest(&data, &cfg.target, cfg.sources, cfg.unseen.as_deref(), split)?;
     task.target_days = cfg.target_days;
+    task.unlabelled_days = cfg.unlabelled_days;
     Prepared::new(Arc::new(data), task, method)
 }
 

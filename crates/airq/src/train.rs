@@ -6,8 +6,8 @@
 //! **Batches.** Each iteration, each rank draws its own batch from (seed, iteration, rank):
 //! three quarters source windows and one quarter windows of the target's few labelled days
 //! (the target's little data is used whatever the number of sources); adversarial methods add
-//! half as many unlabelled target windows (the whole training period of the target, labels
-//! masked) for the domain classifier. Ranks average gradients, so 4 ranks train on 4× the batch.
+//! half as many unlabelled target windows (labels masked; by default of the same labelled
+//! days, so every method sees the same data) for the domain classifier. Ranks average gradients, so 4 ranks train on 4× the batch.
 
 use std::sync::Arc;
 
@@ -93,6 +93,10 @@ pub struct Task {
     pub spec: WindowSpec,
     /// The target's labelled days: the last this many days of the training period.
     pub target_days: usize,
+    /// The target days whose windows the domain classifier sees unlabelled: the last this
+    /// many of the training period (at least `target_days`; 0, the default: the labelled days,
+    /// so every method sees the same target data).
+    pub unlabelled_days: usize,
 }
 
 impl Task {
@@ -124,7 +128,15 @@ impl Task {
             return Err(Error::Config(format!("{k} source states asked for; {} are available", cands.len())));
         }
         cands.truncate(k);
-        Ok(Task { target: t, sources: cands, unseen: u, split, spec: WindowSpec::default(), target_days: 365 })
+        Ok(Task {
+            target: t,
+            sources: cands,
+            unseen: u,
+            split,
+            spec: WindowSpec::default(),
+            target_days: 365,
+            unlabelled_days: 0,
+        })
     }
 
     /// Stations of state `s`.
@@ -200,14 +212,25 @@ impl Prepared {
                 return Err(Error::Config("the source states have no training windows".into()));
             }
         }
-        let target_unlabelled =
-            if method.adversary() == Adversary::None { Vec::new() } else { windows(&data, &tst, sp.train.clone(), &task.spec) };
-        // the target's labelled days only for a target-only model; the whole training period of
-        // the stations it learns from otherwise (unlabelled target values are inputs too)
-        let norm = match method {
-            Method::TargetOnly | Method::Persistence => Norm::fit(&data, &tst, lab_from..sp.train.end)?,
-            _ => Norm::fit(&data, &teach, sp.train.clone())?,
+        // Equal conditions: every method sees the same target days. The domain classifier's
+        // unlabelled target windows are the target's last `unlabelled_days` training days —
+        // by default the labelled ones (`Task::nearest`), so the adversary gets no target data
+        // the plain network lacks; more is the unsupervised-adaptation setting, said in the
+        // task.
+        let unl_from = sp.train.end.saturating_sub(task.unlabelled_days.max(task.target_days)).max(sp.train.start);
+        let target_unlabelled = if method.adversary() == Adversary::None {
+            Vec::new()
+        } else {
+            windows(&data, &tst, unl_from..sp.train.end, &task.spec)
         };
+        // normalised by what the method learns from: the target's labelled days, and the
+        // sources' training period
+        let mut parts = vec![(tst.as_slice(), lab_from..sp.train.end)];
+        let src_stations: Vec<usize> = teach[tst.len()..].to_vec();
+        if method.uses_sources() {
+            parts.push((src_stations.as_slice(), sp.train.clone()));
+        }
+        let norm = Norm::fit_parts(&data, &parts)?;
         Ok(Prepared { data, task, method, norm, source, target_labelled, target_unlabelled })
     }
 
@@ -223,22 +246,27 @@ impl Prepared {
         }
     }
 
-    /// Rank `rank`'s batch of iteration `iter`.
+    /// Rank `rank`'s batch of iteration `iter`. Each part has its own stream of (seed,
+    /// iteration, rank, part), so every method draws the same source windows, the same target
+    /// windows (target-only: more of the same stream) and the same unlabelled ones.
     pub fn batch(&self, fit: &FitConfig, iter: u64, rank: usize) -> Batch {
-        let mut rng = Rng::new(&[fit.seed, iter, rank as u64]);
+        let stream = |part: u64| Rng::new(&[fit.seed, iter, rank as u64, part]);
         let mut b = Batch::default();
         let (d, n, spec) = (&*self.data, &self.norm, &self.task.spec);
         let k = self.task.sources.len() as u32;
         let n_src = if self.source.is_empty() { 0 } else { fit.batch * 3 / 4 };
+        let mut rng = stream(1);
         for _ in 0..n_src {
             let (w, s) = self.source[rng.below(self.source.len())];
             b.push(d, n, spec, w, true, s);
         }
+        let mut rng = stream(2);
         for _ in n_src..fit.batch {
             let w = self.target_labelled[rng.below(self.target_labelled.len())];
             b.push(d, n, spec, w, true, k);
         }
         if !self.target_unlabelled.is_empty() {
+            let mut rng = stream(3);
             for _ in 0..fit.batch / 2 {
                 let w = self.target_unlabelled[rng.below(self.target_unlabelled.len())];
                 b.push(d, n, spec, w, false, k);

@@ -90,3 +90,43 @@ fn mutated_streams_are_errors_not_panics() {
     }
     assert_eq!(errors, 80);
 }
+
+#[test]
+fn every_method_sees_the_same_target_days_and_draws_the_same_windows() {
+    use ironweave_airq::train::{FitConfig, Method, Prepared, Task};
+    use std::sync::Arc;
+    let d = Arc::new(AirData::load(None).unwrap_or_else(|e| panic!("{e}")));
+    let split = Split::by_years(d.days).unwrap();
+    let prep = |m: Method| {
+        let mut t = Task::nearest(&d, "Niedersachsen", Some(2), Some("Rheinland-Pfalz"), split.clone()).unwrap();
+        t.target_days = 90;
+        Prepared::new(d.clone(), t, m).unwrap()
+    };
+    let (plain, adv, per) = (prep(Method::NoClassifier), prep(Method::MultiClass), prep(Method::PerSource));
+    // the adversaries' unlabelled target windows are those of the labelled days (by default)
+    assert!(!adv.target_unlabelled.is_empty());
+    assert!(
+        adv.target_unlabelled == adv.target_labelled,
+        "the domain classifier sees target days the plain network does not: {} unlabelled windows, {} labelled",
+        adv.target_unlabelled.len(),
+        adv.target_labelled.len()
+    );
+    // one normalisation for every method that learns from the sources
+    assert_eq!(plain.norm, adv.norm);
+    assert_eq!(plain.norm, per.norm);
+    // the same labelled windows in every batch; the adversaries' unlabelled ones come after
+    let fit = FitConfig { batch: 16, ..FitConfig::default() };
+    for (it, rank) in [(1, 0), (7, 3)] {
+        let (a, b) = (plain.batch(&fit, it, rank), adv.batch(&fit, it, rank));
+        assert_eq!((a.n, b.n), (16, 24));
+        assert_eq!(a.x[..], b.x[..a.x.len()]);
+        assert_eq!(a.y[..], b.y[..a.y.len()]);
+        assert!(b.mask[a.mask.len()..].iter().all(|&m| m == 0.0), "unlabelled windows are masked");
+    }
+    // more unlabelled days on request (the unsupervised-adaptation setting)
+    let mut t = Task::nearest(&d, "Niedersachsen", Some(2), Some("Rheinland-Pfalz"), split.clone()).unwrap();
+    t.target_days = 90;
+    t.unlabelled_days = 730;
+    let wide = Prepared::new(d.clone(), t, Method::MultiClass).unwrap();
+    assert!(wide.target_unlabelled.len() > 4 * wide.target_labelled.len());
+}
