@@ -35,7 +35,7 @@ fn check(adversary: Adversary) {
     let cfg = NetConfig { lookback: 5, horizon: 2, conv: 4, hidden: 3, sources: 2, adversary };
     let vm = VarMap::new();
     let net = Net::new(&vm, cfg, 7).unwrap();
-    let lambda = 0.6;
+    let lambda = 1.0;
     net.set_lambda(lambda);
     let b = batch(&cfg, 6);
     let x = Tensor::from_slice(&b.x, (b.n, cfg.lookback, CHANNELS), &Device::Cpu).unwrap();
