@@ -283,23 +283,11 @@ impl Staged for Net {
 /// stream over all variables in name order, a domain classifier's `disc*` variables shifted
 /// the recurrent layers' draws).
 pub fn init_by_name(vm: &VarMap, seed: u64) -> Result<()> {
-    let vars: Vec<(String, candle_core::Var)> = {
-        let data = vm.data().lock().map_err(|_| crate::Error::Config("the variable map's lock is poisoned".into()))?;
-        data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
-    };
-    for (name, var) in vars {
+    ironweave::candle::init_uniform_per_variable(vm, |name| {
         // FNV-1a of the name
         let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
-        let mut rng = crate::Rng::new(&[seed, h]);
-        let t = var.as_tensor();
-        let dims = t.dims().to_vec();
-        let n = t.elem_count();
-        let fan_in = if dims.len() >= 2 { n / dims[0].max(1) } else { n };
-        let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
-        let vals: Vec<f32> =
-            (0..n).map(|_| (((rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * bound) as f32).collect();
-        var.set(&Tensor::from_vec(vals, dims.as_slice(), t.device())?)?;
-    }
+        crate::Rng::new(&[seed, h]).0
+    })?;
     Ok(())
 }
 

@@ -201,11 +201,11 @@ impl Prepared {
             return Err(Error::Config(format!("the target {} has no labelled training windows", data.states[task.target].name)));
         }
         let mut source = Vec::new();
-        let mut teach = tst.clone();
+        let mut src_stations = Vec::new();
         if method.uses_sources() {
             for (i, &s) in task.sources.iter().enumerate() {
                 let st = Task::stations_of(&data, s);
-                teach.extend(&st);
+                src_stations.extend(&st);
                 source.extend(windows(&data, &st, sp.train.clone(), &task.spec).into_iter().map(|w| (w, i as u32)));
             }
             if source.is_empty() {
@@ -225,12 +225,8 @@ impl Prepared {
         };
         // normalised by what the method learns from: the target's labelled days, and the
         // sources' training period
-        let mut parts = vec![(tst.as_slice(), lab_from..sp.train.end)];
-        let src_stations: Vec<usize> = teach[tst.len()..].to_vec();
-        if method.uses_sources() {
-            parts.push((src_stations.as_slice(), sp.train.clone()));
-        }
-        let norm = Norm::fit_parts(&data, &parts)?;
+        let norm =
+            Norm::fit_parts(&data, &[(tst.as_slice(), lab_from..sp.train.end), (src_stations.as_slice(), sp.train.clone())])?;
         Ok(Prepared { data, task, method, norm, source, target_labelled, target_unlabelled })
     }
 

@@ -48,7 +48,7 @@
 mod staged;
 mod trainer;
 
-pub use staged::{init_uniform, Staged, Whole};
+pub use staged::{init_uniform, init_uniform_per_variable, Staged, Whole};
 pub use trainer::Trainer;
 
 use ironweave_sdp::ddp::{self, GradSyncStats};

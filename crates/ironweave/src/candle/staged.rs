@@ -55,17 +55,34 @@ pub fn init_uniform(varmap: &VarMap, seed: u64) -> Result<()> {
     named.sort_by(|a, b| a.0.cmp(&b.0));
     let mut rng = ironweave_units::SplitMix64::new(seed);
     for (name, var) in named {
-        let t = var.as_tensor();
-        if t.dtype() != DType::F32 {
-            return Err(Error::Invalid(format!("`{name}` is {:?}: init_uniform sets f32 variables", t.dtype())));
-        }
-        let dims = t.dims().to_vec();
-        let n = t.elem_count();
-        let fan_in = if dims.len() >= 2 { n / dims[0].max(1) } else { n };
-        let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
-        let vals: Vec<f32> = (0..n).map(|_| ((2.0 * rng.unit() - 1.0) * bound) as f32).collect();
-        var.set(&Tensor::from_vec(vals, dims.as_slice(), t.device())?)?;
+        fill_uniform(&name, &var, &mut rng)?;
     }
+    Ok(())
+}
+
+/// [`init_uniform`] with each variable drawn from its own generator, `rng_of(name)`: a
+/// variable's initial values then do not depend on which other variables exist (models that
+/// differ in one head start from the same weights everywhere else).
+pub fn init_uniform_per_variable(varmap: &VarMap, mut rng_of: impl FnMut(&str) -> ironweave_units::SplitMix64) -> Result<()> {
+    let named: Vec<(String, Var)> = varmap.data().locked().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    for (name, var) in named {
+        fill_uniform(&name, &var, &mut rng_of(&name))?;
+    }
+    Ok(())
+}
+
+/// Sets `var` uniform in `±1/sqrt(fan_in)` from `rng`.
+fn fill_uniform(name: &str, var: &Var, rng: &mut ironweave_units::SplitMix64) -> Result<()> {
+    let t = var.as_tensor();
+    if t.dtype() != DType::F32 {
+        return Err(Error::Invalid(format!("`{name}` is {:?}: init_uniform sets f32 variables", t.dtype())));
+    }
+    let dims = t.dims().to_vec();
+    let n = t.elem_count();
+    let fan_in = if dims.len() >= 2 { n / dims[0].max(1) } else { n };
+    let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+    let vals: Vec<f32> = (0..n).map(|_| ((2.0 * rng.unit() - 1.0) * bound) as f32).collect();
+    var.set(&Tensor::from_vec(vals, dims.as_slice(), t.device())?)?;
     Ok(())
 }
 
