@@ -33,6 +33,12 @@ fn bench_sdp_rows_carry_their_links_and_predictions() {
     assert!(link("hybrid", "b") > 1e6 && link("hybrid", "a") < 1e5, "{text}");
     assert!(link("hybrid (a)", "a") > 1e6 && link("hybrid (a)", "b") < 1e5, "{text}");
     assert!(link("hsdp", "a") > 1e6 && link("hsdp", "b") > 1e6, "{text}");
+    // hsdp ran on the links its plan assigned (the planner solves both assignments)
+    let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(base.join("runs/plan.json")).unwrap()).unwrap();
+    let (inter, rail) = (plan["plan"]["inter_link"].as_str().unwrap(), plan["plan"]["rail_link"].as_str().unwrap());
+    assert_ne!(inter, rail);
+    let ran = |i: usize| row("hsdp")["links"][i].as_str().unwrap().rsplit(':').next().unwrap().to_string();
+    assert_eq!((ran(0), ran(1)), (inter.to_string(), rail.to_string()), "{text}");
     // a quarter of the state under full, half under hybrid, in between under hsdp
     let state = |n: &str| row(n)["state_bytes_per_rank"].as_f64().unwrap();
     assert!((state("full (a)") / state("replicated") - 0.25).abs() < 0.01);

@@ -415,3 +415,52 @@ fn soak_keeps_memory_and_descriptors_flat() {
     assert!((b - a).abs() <= 0.05 * a, "resident memory {a} at iteration 50, {b} at 150");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Emulated compute under sharded data parallelism: the report says the mode, each rank's
+/// device-busy share and its host work per iteration (the compute lane's time beyond the
+/// device's operations, which the simulator does not model): one entry per rank, each a part of
+/// the iteration.
+#[test]
+fn emulated_sdp_reports_device_busy_and_host_work_per_rank() {
+    let base = std::env::temp_dir().join(format!("ironweave-emulated-sdp-{}", std::process::id()));
+    std::fs::create_dir_all(&base).unwrap();
+    let root = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."));
+    let cfg = base.join("gpt-sdp-small.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "name = \"gpt-sdp-small\"\n[model]\nlayers = 4\nhidden = 64\nheads = 4\nseq = 32\nexperts = 1\ntop_k = 1\n\
+             capacity_factor = 1.0\nmoe_every = 1000\nffn_mult = 4\n[train]\nbatch = 2\nlr = 1e-3\nweight_decay = 0.01\n\
+             seed = 42\niters = 5\n[data]\npath = {:?}\n",
+            root.join("data/kjv-genesis-esther.txt").display().to_string()
+        ),
+    )
+    .unwrap();
+    let dir = base.join("run");
+    let out = Command::new(env!("CARGO_BIN_EXE_ironweave"))
+        .current_dir(root)
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .args(["--ranks", "2", "--sdp", "full", "--ckpt", "none", "--compute", "emulated", "--device", "a100"])
+        .args(["--dilation", "20000", "--quiet", "--report-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    assert!(r["compute"].as_str().unwrap().starts_with("emulated A100"), "{r}");
+    let iters: Vec<f64> = r["iter_time_s"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    let longest = iters.iter().copied().fold(0.0, f64::max);
+    for key in ["device_busy_share", "host_compute_s"] {
+        let v = r[key].as_array().unwrap_or_else(|| panic!("no {key}: {r}"));
+        assert_eq!(v.len(), 2, "{key}: one entry per rank: {r}");
+        for x in v {
+            let x = x.as_f64().unwrap();
+            let bound = if key == "device_busy_share" { 1.0 + 1e-6 } else { longest };
+            let low_ok = if key == "device_busy_share" { x > 0.0 } else { x >= 0.0 };
+            assert!(low_ok && x <= bound, "{key} {x} outside its range (bound {bound}): {r}");
+        }
+    }
+    std::fs::remove_dir_all(&base).ok();
+}

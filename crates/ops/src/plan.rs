@@ -303,6 +303,16 @@ pub fn sdp(
         "  part gathered over {} (node-sharded; its shards' gradients all-reduced across nodes over {}) and over {} (sharded over all devices)",
         plan.links.0, plan.rail_link, plan.links.1
     );
+    if let Some(other) = plan.other_assignment_iter_s {
+        println!(
+            "  link assignment: {} (both solved; the other predicts {})",
+            match plan.assignment {
+                ironweave_plan::sdp::LinkAssignment::GlobalOnFastest => "all-device part on the fastest inter-node link",
+                ironweave_plan::sdp::LinkAssignment::RailOnFastest => "cross-node all-reduce on the fastest inter-node link",
+            },
+            ms(other)
+        );
+    }
     let names: Vec<String> = plan.layers.iter().map(|l| l.name.clone()).collect();
     let keys: Vec<u64> = plan.layers.iter().map(|l| (l.node_fraction * 1e4).round() as u64).collect();
     println!("  layers            node-sharded  all-sharded");

@@ -142,6 +142,12 @@ pub struct ComputeCounters {
     /// core, every process): a bed whose links are the bottleneck keeps it low.
     #[serde(default)]
     pub cpu_busy_share: Option<f64>,
+    /// Emulated compute (sharded and tensor-parallel workloads): each rank's host work per
+    /// steady iteration, seconds of real (undilated) time its compute lane spent beyond the
+    /// device's operations — the optimizer's CPU over the real state, parameters put in place.
+    /// Neither the device model nor the simulator has it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_compute_s: Vec<f64>,
 }
 
 impl ComputeCounters {
@@ -158,6 +164,9 @@ impl ComputeCounters {
                 .map(|k| runs.iter().map(|r| r.device_busy_share.get(k).copied().unwrap_or(0.0)).sum::<f64>() / n)
                 .collect(),
             cpu_busy_share: (!cpu.is_empty()).then(|| cpu.iter().sum::<f64>() / cpu.len() as f64),
+            host_compute_s: (0..first.host_compute_s.len())
+                .map(|k| runs.iter().map(|r| r.host_compute_s.get(k).copied().unwrap_or(0.0)).sum::<f64>() / n)
+                .collect(),
         }
     }
 

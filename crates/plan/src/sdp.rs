@@ -163,6 +163,16 @@ pub struct SdpPlan {
     /// link unless the cluster has a second one).
     #[serde(default)]
     pub rail_link: String,
+    /// The inter-node link the all-device part's gathers and reduce-scatters cross (its name in
+    /// the cluster description; what `train --sdp-links full=...` names).
+    #[serde(default)]
+    pub inter_link: String,
+    /// Which inter-node link each part took: the planner solves both and keeps the faster.
+    #[serde(default)]
+    pub assignment: LinkAssignment,
+    /// The predicted iteration of the best plan under the other assignment, where there is one.
+    #[serde(default)]
+    pub other_assignment_iter_s: Option<f64>,
     /// Per layer.
     pub layers: Vec<SdpLayerPlan>,
     /// Predicted iteration time.
@@ -175,7 +185,7 @@ pub struct SdpPlan {
     pub memory_budget_gib: f64,
     /// FSDP FULL_SHARD (ZeRO-3): everything over the single inter-node path.
     pub fsdp: SdpBaseline,
-    /// FSDP HYBRID_SHARD: everything node-sharded.
+    /// FSDP HYBRID_SHARD: everything node-sharded (its cross-node all-reduce on the fastest link).
     pub hybrid: SdpBaseline,
     /// Traffic share moved off the inter-node path, by bytes.
     pub node_fraction_overall: f64,
@@ -185,8 +195,34 @@ pub struct SdpPlan {
     pub speedup_vs_fsdp: f64,
 }
 
-/// Build the per-layer costs.
+/// Which inter-node link each part's cross-node traffic takes on a cluster with two or more
+/// (with one, both parts share it and the two assignments are the same).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LinkAssignment {
+    /// The all-device part's gathers and reduce-scatters on the fastest inter-node link, the
+    /// node part's cross-node all-reduce on the second.
+    #[default]
+    GlobalOnFastest,
+    /// The opposite: the all-reduce on the fastest, the all-device part on the second. It wins
+    /// where the all-device part moves few bytes per parameter moved off the node part (the
+    /// all-device part's traffic per parameter is `(N-1)/N` of three collectives, the node
+    /// part's cross-node all-reduce `2 (n-1)/n / d` of one).
+    RailOnFastest,
+}
+
+impl LinkAssignment {
+    /// Both, the default first.
+    pub const ALL: [LinkAssignment; 2] = [LinkAssignment::GlobalOnFastest, LinkAssignment::RailOnFastest];
+}
+
+/// Build the per-layer costs, the all-device part on the fastest inter-node link.
 pub fn layers(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>) -> Result<Vec<SdpLayer>> {
+    layers_on(model, cluster, cm, LinkAssignment::GlobalOnFastest)
+}
+
+/// Build the per-layer costs with the parts' inter-node traffic assigned as `assign` says.
+pub fn layers_on(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, assign: LinkAssignment) -> Result<Vec<SdpLayer>> {
     model.validate()?;
     cluster.validate()?;
     let n = cluster.devices();
@@ -195,11 +231,16 @@ pub fn layers(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>) -> R
     let elem = model.dtype.size() as f64;
     let state = state_bytes_per_param(model.dtype);
     let bf = 3.0 + if model.activation_recompute { 1.0 } else { 0.0 };
-    let global = cm.global_group();
     let node = cm.node_group();
-    // the node part's cross-node all-reduce takes the second inter-node link if there is one
-    let rail = cm.second_rail_group();
-    let separate_rail = cluster.nodes > 1 && cluster.inter_links().len() >= 2;
+    // the node part's cross-node all-reduce takes the other inter-node link if there is one
+    let inter = cluster.inter_links();
+    let separate_rail = cluster.nodes > 1 && inter.len() >= 2;
+    let (global, rail) = match assign {
+        LinkAssignment::RailOnFastest if separate_rail => {
+            (cm.group_via(n, d, inter.get(1).copied()), cm.group_via(cluster.nodes, 1, inter.first().copied()))
+        }
+        _ => (cm.global_group(), cm.second_rail_group()),
+    };
     let intra_bw = node.bytes_per_s;
     let mut out = Vec::new();
     for l in 0..=model.layers {
@@ -287,25 +328,105 @@ pub fn part_fractions_from_json(json: &[u8], layers: usize) -> Result<Vec<f64>> 
     Ok(out)
 }
 
-/// Plan with HiGHS.
+/// Plan with HiGHS: on a cluster with two inter-node links, both [`LinkAssignment`]s are
+/// solved and the faster plan kept. The baselines are each at its best: FULL_SHARD on the
+/// fastest link, HYBRID_SHARD's cross-node all-reduce on the fastest link.
 pub fn plan(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: &SdpOptions) -> Result<SdpPlan> {
     if !(opts.mem_fraction > 0.0 && opts.mem_fraction <= 1.0) {
         return Err(PlanError::invalid("SDP options", "mem_fraction must be in (0, 1]"));
     }
-    let ls = layers(model, cluster, cm)?;
-    let fixed = fixed_memory(model, cluster, &ls);
+    let assignments: &[LinkAssignment] =
+        if cluster.nodes > 1 && cluster.inter_links().len() >= 2 { &LinkAssignment::ALL } else { &LinkAssignment::ALL[..1] };
     let budget = cluster.device_memory_bytes() * opts.mem_fraction - opts.reserve_gib * GIB;
-    let min_mem: f64 = fixed + ls.iter().map(|l| l.global_mem.min(l.node_mem)).sum::<f64>();
-    if min_mem > budget {
-        return Err(PlanError::Infeasible {
-            why: format!(
-                "even fully sharded over all devices the model needs {:.1} GiB per device, the budget is {:.1} GiB",
-                min_mem / GIB,
-                budget / GIB
-            ),
-            hint: "use more devices, activation recompute, or a smaller batch".into(),
-        });
+    let mut best: Option<(LinkAssignment, Vec<SdpLayer>, Vec<f64>, f64)> = None;
+    let mut solved: Vec<(LinkAssignment, f64)> = Vec::new();
+    let mut hybrid_best: Option<SdpBaseline> = None;
+    let mut fsdp: Option<SdpBaseline> = None;
+    for &assign in assignments {
+        let ls = layers_on(model, cluster, cm, assign)?;
+        let fixed = fixed_memory(model, cluster, &ls);
+        let min_mem: f64 = fixed + ls.iter().map(|l| l.global_mem.min(l.node_mem)).sum::<f64>();
+        if min_mem > budget {
+            return Err(PlanError::Infeasible {
+                why: format!(
+                    "even fully sharded over all devices the model needs {:.1} GiB per device, the budget is {:.1} GiB",
+                    min_mem / GIB,
+                    budget / GIB
+                ),
+                hint: "use more devices, activation recompute, or a smaller batch".into(),
+            });
+        }
+        let gv = solve(&ls, budget - fixed, opts)?;
+        let iter: f64 = ls.iter().zip(&gv).map(|(l, &x)| l.time(x)).sum();
+        solved.push((assign, iter));
+        let baseline = |name: &str, x: f64| {
+            let m = fixed + ls.iter().map(|l| l.mem(x)).sum::<f64>();
+            SdpBaseline {
+                name: name.into(),
+                iter_s: ls.iter().map(|l| l.time(x)).sum(),
+                memory_gib: m / GIB,
+                fits: m <= budget * (1.0 + 1e-9),
+            }
+        };
+        if assign == LinkAssignment::GlobalOnFastest {
+            fsdp = Some(baseline("FSDP FULL_SHARD (single inter-node path)", 1.0));
+        }
+        let h = baseline("FSDP HYBRID_SHARD (node-sharded, replicated across nodes)", 0.0);
+        if hybrid_best.as_ref().is_none_or(|b| h.iter_s < b.iter_s) {
+            hybrid_best = Some(h);
+        }
+        // the default wins ties: a second assignment must be faster by more than rounding
+        if best.as_ref().is_none_or(|b| iter < b.3 * (1.0 - 1e-9)) {
+            best = Some((assign, ls, gv, iter));
+        }
     }
+    let (assignment, ls, gv, iter) = best.expect("at least one assignment");
+    let (fsdp, hybrid) = (fsdp.expect("the default assignment is always solved"), hybrid_best.expect("solved"));
+    let fixed = fixed_memory(model, cluster, &ls);
+    let layer_plans: Vec<SdpLayerPlan> = ls
+        .iter()
+        .zip(&gv)
+        .map(|(l, &x)| SdpLayerPlan { name: l.name.clone(), global_fraction: x, node_fraction: 1.0 - x, time_s: l.time(x) })
+        .collect();
+    let mem_used = fixed + ls.iter().zip(&gv).map(|(l, &x)| l.mem(x)).sum::<f64>();
+    let best_baseline = [&fsdp, &hybrid].into_iter().filter(|b| b.fits).map(|b| b.iter_s).fold(f64::INFINITY, f64::min);
+    let total_bytes: f64 = ls.iter().map(|l| l.params).sum();
+    let node_share = ls.iter().zip(&gv).map(|(l, &x)| l.params * (1.0 - x)).sum::<f64>() / total_bytes;
+    let intra_name = cm.node_group().links.first().cloned().unwrap_or_default();
+    let inter = cluster.inter_links();
+    let (global_path, rail_path, inter_link) = match assignment {
+        LinkAssignment::RailOnFastest => (
+            cm.group_via(cluster.devices(), cluster.devices_per_node, inter.get(1).copied()),
+            cm.group_via(cluster.nodes, 1, inter.first().copied()),
+            inter.get(1).map(|l| l.name.clone()),
+        ),
+        LinkAssignment::GlobalOnFastest => (cm.global_group(), cm.second_rail_group(), inter.first().map(|l| l.name.clone())),
+    };
+    Ok(SdpPlan {
+        model: model.name.clone(),
+        cluster: cluster.name.clone(),
+        devices: cluster.devices(),
+        links: (intra_name, global_path.links.join("+")),
+        rail_link: rail_path.links.join("+"),
+        inter_link: inter_link.unwrap_or_default(),
+        assignment,
+        other_assignment_iter_s: solved.iter().find(|(a, _)| *a != assignment).map(|(_, t)| *t),
+        layers: layer_plans,
+        predicted_iter_s: iter,
+        compute_s: ls.iter().map(|l| l.compute_s).sum(),
+        memory_gib: mem_used / GIB,
+        memory_budget_gib: budget / GIB,
+        speedup_vs_best_baseline: best_baseline / iter,
+        speedup_vs_fsdp: fsdp.iter_s / iter,
+        fsdp,
+        hybrid,
+        node_fraction_overall: node_share,
+    })
+}
+
+/// The MILP for one assignment's layers: each layer's all-device fraction, with `room` bytes of
+/// memory for the sharded state.
+fn solve(ls: &[SdpLayer], room: f64, opts: &SdpOptions) -> Result<Vec<f64>> {
     const T: f64 = 1e3;
     let mut vars = ProblemVariables::new();
     let g: Vec<_> = ls.iter().map(|_| vars.add(variable().min(0.0).max(1.0))).collect();
@@ -348,7 +469,7 @@ pub fn plan(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: 
         }
         mem += (l.global_mem / GIB) * g[i] + (l.node_mem / GIB) * (1.0 - g[i]);
     }
-    model_lp.add_constraint(mem.leq((budget - fixed) / GIB));
+    model_lp.add_constraint(mem.leq(room / GIB));
     let sol = model_lp.solve().map_err(|e| PlanError::Solver(e.to_string()))?;
     let gv: Vec<f64> = g.iter().map(|v| sol.value(*v).clamp(0.0, 1.0)).collect();
     // Snap solver noise so fractions are exact where the answer is a corner.
@@ -364,45 +485,5 @@ pub fn plan(model: &ModelDesc, cluster: &ClusterDesc, cm: &CostModel<'_>, opts: 
             }
         })
         .collect();
-    let layer_plans: Vec<SdpLayerPlan> = ls
-        .iter()
-        .zip(&gv)
-        .map(|(l, &x)| SdpLayerPlan { name: l.name.clone(), global_fraction: x, node_fraction: 1.0 - x, time_s: l.time(x) })
-        .collect();
-    let iter: f64 = layer_plans.iter().map(|l| l.time_s).sum();
-    let mem_used = fixed + ls.iter().zip(&gv).map(|(l, &x)| l.mem(x)).sum::<f64>();
-    let baseline = |name: &str, x: f64| {
-        let m = fixed + ls.iter().map(|l| l.mem(x)).sum::<f64>();
-        SdpBaseline {
-            name: name.into(),
-            iter_s: ls.iter().map(|l| l.time(x)).sum(),
-            memory_gib: m / GIB,
-            fits: m <= budget * (1.0 + 1e-9),
-        }
-    };
-    let fsdp = baseline("FSDP FULL_SHARD (single inter-node path)", 1.0);
-    let hybrid = baseline("FSDP HYBRID_SHARD (node-sharded, replicated across nodes)", 0.0);
-    let best = [&fsdp, &hybrid].into_iter().filter(|b| b.fits).map(|b| b.iter_s).fold(f64::INFINITY, f64::min);
-    let total_bytes: f64 = ls.iter().map(|l| l.params).sum();
-    let node_share = ls.iter().zip(&gv).map(|(l, &x)| l.params * (1.0 - x)).sum::<f64>() / total_bytes;
-    let intra_name = cm.node_group().links.first().cloned().unwrap_or_default();
-    let inter_name = cm.global_group().links.join("+");
-    let rail_link = cm.second_rail_group().links.join("+");
-    Ok(SdpPlan {
-        model: model.name.clone(),
-        cluster: cluster.name.clone(),
-        devices: cluster.devices(),
-        links: (intra_name, inter_name),
-        rail_link,
-        layers: layer_plans,
-        predicted_iter_s: iter,
-        compute_s: ls.iter().map(|l| l.compute_s).sum(),
-        memory_gib: mem_used / GIB,
-        memory_budget_gib: budget / GIB,
-        speedup_vs_best_baseline: best / iter,
-        speedup_vs_fsdp: fsdp.iter_s / iter,
-        fsdp,
-        hybrid,
-        node_fraction_overall: node_share,
-    })
+    Ok(gv)
 }

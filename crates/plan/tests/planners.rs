@@ -192,15 +192,38 @@ fn hsdp_drives_both_inter_node_links() {
     let c = ClusterDesc::from_toml_str(&read("configs/clusters/emulated-2host-2link.toml")).unwrap();
     let cm = CostModel::new(&c);
     let plan = sdp::plan(&m, &c, &cm, &sdp::SdpOptions::default()).unwrap();
-    assert_eq!((plan.links.1.as_str(), plan.rail_link.as_str()), ("a+host", "b"));
-    for l in &plan.layers {
-        assert!(l.global_fraction > 0.3 && l.global_fraction < 0.9, "{}: {}", l.name, l.global_fraction);
-    }
+    // both assignments solved; on this bed the cross-node all-reduce takes the faster link a
+    // (the all-device part moves 3 x 3/4 of a layer's bytes per parameter over the link, the
+    // node part's all-reduce 2 x 1/2 / 2), so the faster plan is the swapped one
+    assert_eq!(plan.assignment, sdp::LinkAssignment::RailOnFastest);
+    assert_eq!((plan.links.1.as_str(), plan.rail_link.as_str(), plan.inter_link.as_str()), ("b+host", "a", "b"));
+    let other = plan.other_assignment_iter_s.expect("two inter-node links: both solved");
+    assert!(plan.predicted_iter_s < other, "{} vs {other}", plan.predicted_iter_s);
     assert!(plan.predicted_iter_s < plan.fsdp.iter_s && plan.predicted_iter_s < plan.hybrid.iter_s);
-    let ls = sdp::layers(&m, &c, &cm).unwrap();
-    assert!(ls.iter().all(|l| l.separate_rail));
-    let sum: f64 = ls.iter().zip(&plan.layers).map(|(l, p)| l.time(p.global_fraction)).sum();
+    let swapped = sdp::layers_on(&m, &c, &cm, plan.assignment).unwrap();
+    let sum: f64 = swapped.iter().zip(&plan.layers).map(|(l, p)| l.time(p.global_fraction)).sum();
     assert!((sum - plan.predicted_iter_s).abs() < 1e-12);
+    // the baselines each at its best: HYBRID_SHARD's all-reduce on the faster link
+    let hybrid_a: f64 = swapped.iter().map(|l| l.time(0.0)).sum();
+    assert!((plan.hybrid.iter_s - hybrid_a).abs() < 1e-12);
+    // the default assignment, solved alone on its layers, splits each layer between the links
+    let ls = sdp::layers(&m, &c, &cm).unwrap();
+    let only_default = {
+        let mut fast_b = c.clone();
+        // a cluster where b is the faster link: the default assignment there is this bed's
+        // swapped one, so the same plan comes out with the names exchanged
+        for l in fast_b.links.iter_mut() {
+            if l.name == "b" {
+                l.bandwidth_gbyte_s *= 1000.0;
+            }
+        }
+        sdp::plan(&m, &fast_b, &CostModel::new(&fast_b), &sdp::SdpOptions::default()).unwrap()
+    };
+    assert_eq!(only_default.inter_link, "b");
+    for l in &only_default.layers {
+        assert!(l.global_fraction > 0.0 && l.global_fraction <= 1.0, "{}: {}", l.name, l.global_fraction);
+    }
+    assert!(ls.iter().all(|l| l.separate_rail));
     // one phase by hand: a layer all-device sharded keeps link a busy for a third of its
     // collectives in the forward, two thirds in the backward; the node part's all-reduce only
     // in the backward, on b

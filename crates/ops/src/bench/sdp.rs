@@ -119,7 +119,8 @@ const VARIANTS: [Variant; 7] = [
     Variant { name: "full (striped a+b)", sdp: "full", links: Some("full=a+b,inter=b") },
     Variant { name: "hybrid", sdp: "hybrid", links: Some("full=a,inter=b") },
     Variant { name: "hybrid (a)", sdp: "hybrid", links: Some("full=b,inter=a") },
-    Variant { name: "hsdp", sdp: "hsdp", links: Some("full=a,inter=b") },
+    // links: the plan's (see `run_all`)
+    Variant { name: "hsdp", sdp: "hsdp", links: None },
 ];
 
 /// Index of the hsdp row in [`VARIANTS`].
@@ -236,9 +237,11 @@ fn run_all(a: &SdpBenchArgs, topo: &crate::cluster::Topology, model: &ModelDesc)
             progress.step(
                 i as u64 + 1,
                 &format!(
-                    "planned ({}): {:.1}% of the parameters sharded within the host, predicted {:.1} ms",
+                    "planned ({}): {:.1}% of the parameters sharded within the host, the all-rank part on {} and the cross-host all-reduce on {}, predicted {:.1} ms",
                     plan_path.display(),
                     plan.node_fraction_overall * 100.0,
+                    plan.inter_link,
+                    plan.rail_link,
                     plan.predicted_iter_s * 1e3
                 ),
             );
@@ -255,7 +258,11 @@ fn run_all(a: &SdpBenchArgs, topo: &crate::cluster::Topology, model: &ModelDesc)
             quiet: true,
             sdp: Some(v.sdp.into()),
             sdp_plan: (v.sdp == "hsdp").then(|| plan_path.clone()),
-            sdp_links: v.links.map(String::from),
+            // hsdp's parts on the links its plan assigned them (the planner solves both ways)
+            sdp_links: match (&planned, v.sdp) {
+                (Some((_, _, plan)), "hsdp") => Some(format!("full={},inter={}", plan.inter_link, plan.rail_link)),
+                _ => v.links.map(String::from),
+            },
             compute: a.compute.clone(),
             ..TrainArgs::new(&a.config)
         };

@@ -178,14 +178,18 @@ fn run_sdp(a: &SimArgs) -> Result<()> {
     let mut cm = CostModel::new(&c);
     cm.profile = prof.as_ref();
     let plan = psdp::plan(&m, &c, &cm, &psdp::SdpOptions::default())?;
+    // each row on its own link assignment: FULL_SHARD on the fastest inter-node link,
+    // HYBRID_SHARD's all-reduce on the fastest, HSDP on the one its plan chose
     let layers = psdp::layers(&m, &c, &cm)?;
     let nl = layers.len();
     let mut runs = vec![sdp::simulate(&layers, &m, &cm, &vec![1.0; nl], "FSDP FULL_SHARD (single inter-node path)")?];
     if plan.hybrid.fits {
-        runs.push(sdp::simulate(&layers, &m, &cm, &vec![0.0; nl], "FSDP HYBRID_SHARD")?);
+        let hybrid = psdp::layers_on(&m, &c, &cm, psdp::LinkAssignment::RailOnFastest)?;
+        runs.push(sdp::simulate(&hybrid, &m, &cm, &vec![0.0; nl], "FSDP HYBRID_SHARD")?);
     }
     let g: Vec<f64> = plan.layers.iter().map(|l| l.global_fraction).collect();
-    runs.push(sdp::simulate(&layers, &m, &cm, &g, "HSDP plan")?);
+    let planned = psdp::layers_on(&m, &c, &cm, plan.assignment)?;
+    runs.push(sdp::simulate(&planned, &m, &cm, &g, "HSDP plan")?);
     let hsdp = runs.last().expect("pushed").simulated_s;
     println!("Sharded data parallelism: {} on {} ({} devices), one iteration", m.name, c.name, c.devices());
     if !plan.hybrid.fits {

@@ -170,7 +170,8 @@ impl ComputeArgs {
     /// [`ComputeArgs::load`] for a run launched from `file`, then refuses, before any rank
     /// starts, a bed whose state would not fit in this machine's memory: each of `ranks` ranks
     /// holds the parameters and Adam moments of the model split `shards` ways (1: the whole
-    /// model, as a sharded or tensor-parallel rank builds it before keeping its part).
+    /// model, as a sharded or tensor-parallel rank builds it before keeping its part);
+    /// `replicas` is the checkpoint's replica count, `None` when the run does not checkpoint.
     pub fn load_fitting(
         &self,
         file: &Path,
@@ -178,7 +179,7 @@ impl ComputeArgs {
         ranks: usize,
         iters: u64,
         shards: usize,
-        replicas: u32,
+        replicas: Option<u32>,
     ) -> Result<Option<ironweave_train::emulated::Emulated>> {
         let emu = self.load(cfg, ranks, iters)?;
         if let Some(emu) = &emu {
@@ -191,12 +192,21 @@ impl ComputeArgs {
 
 /// Refuses an emulated bed whose ranks' state would not fit in this machine's memory, before
 /// any rank starts: `state` bytes of parameters and Adam moments per rank, with gradients (a
-/// third of it), the checkpoint engine's snapshot buffers and, for each of `replicas - 1`
-/// peers, the replicas it keeps of them (at most: the committed iteration, a newer one and the
-/// one arriving).
-fn check_memory(file: &Path, model: &str, ranks: usize, state: f64, replicas: u32) -> Result<()> {
-    let held = ironweave_ckpt::SNAPSHOT_BUFFERS as f64
-        + (replicas.max(1) - 1) as f64 * (ironweave_ckpt::engine::replicate::KEPT_REPLICAS + 1) as f64;
+/// third of it) and, when the run checkpoints (`replicas` is `Some`), the checkpoint engine's
+/// snapshot buffers and, for each of `replicas - 1` peers, the replicas it keeps of them (at
+/// most: the committed iteration, a newer one and the one arriving).
+fn check_memory(file: &Path, model: &str, ranks: usize, state: f64, replicas: Option<u32>) -> Result<()> {
+    let held = match replicas {
+        None => 0.0,
+        Some(r) => {
+            ironweave_ckpt::SNAPSHOT_BUFFERS as f64
+                + (r.max(1) - 1) as f64 * (ironweave_ckpt::engine::replicate::KEPT_REPLICAS + 1) as f64
+        }
+    };
+    let held_what = match replicas {
+        None => "no checkpoint".to_string(),
+        Some(r) => format!("up to {} snapshots and the replicas of {} peer(s)", ironweave_ckpt::SNAPSHOT_BUFFERS, r.max(1) - 1),
+    };
     let need = ranks as f64 * state * (1.0 + 1.0 / 3.0 + held);
     let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
         t.lines()
@@ -207,12 +217,10 @@ fn check_memory(file: &Path, model: &str, ranks: usize, state: f64, replicas: u3
     if let Some(avail) = avail {
         if need > 0.9 * avail {
             bail!(
-                "{}: model `{model}` on {ranks} ranks needs about {:.1} GiB of host memory for emulated compute ({:.0} MiB of parameters and Adam moments per rank, with gradients, up to {} snapshots and the replicas of {} peer(s)), more than 90% of the {:.1} GiB available: lower [model] layers, hidden or experts, or run fewer ranks",
+                "{}: model `{model}` on {ranks} ranks needs about {:.1} GiB of host memory for emulated compute ({:.0} MiB of parameters and Adam moments per rank, with gradients, {held_what}), more than 90% of the {:.1} GiB available: lower [model] layers, hidden or experts, or run fewer ranks",
                 file.display(),
                 need / (1u64 << 30) as f64,
                 state / (1u64 << 20) as f64,
-                ironweave_ckpt::SNAPSHOT_BUFFERS,
-                replicas.max(1) - 1,
                 avail / (1u64 << 30) as f64
             );
         }

@@ -20,17 +20,25 @@ pub struct BusyMeter {
     cpu_mark: Option<(u64, u64)>,
     /// Rank 0: the machine's busy share over the steady iterations so far.
     cpu_share: Option<f64>,
+    /// Emulated compute, the steady iterations: the compute lane's seconds beyond the device's
+    /// (host work in real time), and the iterations counted.
+    host: (f64, u64),
 }
 
 impl BusyMeter {
-    /// Records iteration `iter` (1-based) of `dt` seconds on rank `rank`; returns the seconds
-    /// the device was busy in it (None: real compute). Takes the device's count, so call it
-    /// once per iteration.
-    pub fn iteration(&mut self, emu: Option<&Emulated>, iter: u64, dt: f64, rank: usize) -> Option<f64> {
+    /// Records iteration `iter` (1-based) of `dt` seconds on rank `rank`, whose compute lane
+    /// was busy `compute_s` seconds (where the workload times it); returns the seconds the
+    /// device was busy in it (None: real compute). Takes the device's count, so call it once
+    /// per iteration.
+    pub fn iteration(&mut self, emu: Option<&Emulated>, iter: u64, dt: f64, rank: usize, compute_s: Option<f64>) -> Option<f64> {
         let busy = emu.map(|e| e.device.take_busy().0.as_secs_f64());
         if let (Some(b), true) = (busy, iter > WARM_UP) {
             self.device.0 += b;
             self.device.1 += dt;
+            if let Some(c) = compute_s {
+                self.host.0 += (c - b).max(0.0);
+                self.host.1 += 1;
+            }
         }
         // a restarted rank 0 measures from its own third iteration on
         if rank == 0 {
@@ -55,6 +63,25 @@ impl BusyMeter {
         shares[comm.rank()] = if t > 0.0 { (b / t * 1e6).round() as i64 } else { 0 };
         comm.all_reduce(&mut shares, ReduceOp::Sum)?;
         Ok((shares.into_iter().map(|x| x as f64 / 1e6).collect(), self.cpu_share))
+    }
+}
+
+impl BusyMeter {
+    /// Emulated compute: each rank's host work per steady iteration, seconds — the time its
+    /// compute lane spent beyond the device's modelled operations (the optimizer's CPU over the
+    /// real state, parameters put in place, pseudo-gradients): real time, not dilated, and not
+    /// in the device model or the simulator. Empty under real compute or where the workload
+    /// does not time its compute lane. Collective: every rank calls it.
+    pub fn finish_host(&self, comm: &Communicator, emulated: bool) -> Result<Vec<f64>> {
+        if !emulated {
+            return Ok(Vec::new());
+        }
+        // microseconds per iteration, each rank in its own slot
+        let mut us = vec![0i64; comm.size()];
+        let (s, n) = self.host;
+        us[comm.rank()] = if n > 0 { (s / n as f64 * 1e6).round() as i64 } else { 0 };
+        comm.all_reduce(&mut us, ReduceOp::Sum)?;
+        Ok(us.into_iter().map(|x| x as f64 / 1e6).collect())
     }
 }
 

@@ -157,7 +157,7 @@ impl Worker for MoeWorker {
 
     fn on_iteration(&mut self, it: &Iteration<'_, StepReport>) -> Result<(), BoxError> {
         let (s, ir, dt) = (it.output, it.ckpt, it.elapsed.as_secs_f64());
-        let busy = self.busy.iteration(self.emulated.as_ref(), it.iter, dt, self.rank);
+        let busy = self.busy.iteration(self.emulated.as_ref(), it.iter, dt, self.rank, None);
         if self.rank != 0 {
             return Ok(());
         }
@@ -395,7 +395,7 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     let chosen = ironweave::Backend::pick(backend)?;
     chosen.usable().with_context(|| format!("--backend {chosen} cannot run here (`ironweave doctor` says more)"))?;
     let (cfg, _) = load_config(config)?;
-    parse_strategy(strategy)?;
+    let choice = parse_strategy(strategy)?;
     // the host's storage bandwidth, shared by its ranks
     let per_host = if a.topology.is_some() { a.ranks_per_host.max(1) } else { ranks.max(1) };
     let storage_per_rank = match &a.storage_rate {
@@ -426,7 +426,14 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
     }
     // emulated compute: the device profile and the routing trace are read and checked, and the
     // state must fit in this machine's memory, before any rank starts
-    let emulated = a.compute.load_fitting(config, &cfg, ranks, iters.unwrap_or(cfg.train.iters), ranks, a.replicas)?;
+    let emulated = a.compute.load_fitting(
+        config,
+        &cfg,
+        ranks,
+        iters.unwrap_or(cfg.train.iters),
+        ranks,
+        (choice.strategy != Strategy::None).then_some(a.replicas),
+    )?;
     std::fs::create_dir_all(report_dir).with_context(|| format!("creating {}", report_dir.display()))?;
     if let Some(from) = &a.resume_from {
         crate::train::args::check_resume_from(from, report_dir)?;

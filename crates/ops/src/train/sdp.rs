@@ -194,7 +194,7 @@ impl Worker for SdpWorker<'_> {
 
     fn on_iteration(&mut self, it: &Iteration<'_, SdpStep>) -> Result<(), BoxError> {
         let (s, dt) = (it.output, it.elapsed.as_secs_f64());
-        let busy = self.busy.iteration(self.emulated.as_ref(), it.iter, dt, self.rank);
+        let busy = self.busy.iteration(self.emulated.as_ref(), it.iter, dt, self.rank, Some(s.compute_s()));
         if self.rank != 0 {
             return Ok(());
         }
@@ -296,6 +296,7 @@ pub fn worker(a: &SdpWorkerArgs) -> Result<()> {
     rep.process_cpu_ns = cpu[1] as u64;
     rep.compute.mode = compute;
     (rep.compute.device_busy_share, rep.compute.cpu_busy_share) = w.busy.finish(&comm, w.emulated.is_some())?;
+    rep.compute.host_compute_s = w.busy.finish_host(&comm, w.emulated.is_some())?;
     let last_spans = std::mem::take(&mut w.last_spans);
     // every rank's lanes of the last iteration to rank 0 (empty if it ran before a restart)
     let bytes = serde_json::to_vec(&last_spans)?;
@@ -358,8 +359,16 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         (None, _) => Vec::new(),
     };
     // emulated compute: the device profile is read and the state must fit, before any rank
-    // starts (each rank builds the whole model once before it keeps its shards)
-    a.compute.load_fitting(&a.config, &cfg, a.ranks, a.iters.unwrap_or(cfg.train.iters), 1, 1)?;
+    // starts (each rank builds the whole model once before it keeps its shards; the
+    // checkpoint's buffers and replicas counted at the whole model's size, an upper bound)
+    a.compute.load_fitting(
+        &a.config,
+        &cfg,
+        a.ranks,
+        a.iters.unwrap_or(cfg.train.iters),
+        1,
+        (choice.strategy != CkptStrategy::None).then_some(a.replicas),
+    )?;
     // on one machine without a topology, --ranks-per-host still groups the ranks into
     // (logical) hosts; by default they all form one
     let rph = if a.topology.is_some() || a.ranks_per_host > 1 { a.ranks_per_host.max(1) } else { a.ranks.max(1) };

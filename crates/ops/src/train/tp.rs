@@ -114,7 +114,7 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
             None => tr.step()?,
         };
         let dt = t0.elapsed().as_secs_f64();
-        let device_busy = busy.iteration(emulated.as_ref(), it, dt, rank);
+        let device_busy = busy.iteration(emulated.as_ref(), it, dt, rank, Some(s.stats.compute_s));
         let st = &s.stats;
         rep.iter_time_s.push(dt);
         rep.loss.push(s.loss);
@@ -174,6 +174,7 @@ pub fn worker(a: &TpWorkerArgs) -> Result<()> {
     rep.tail_comm_s.iter_mut().for_each(|x| *x /= norm);
     rep.compute.mode = a.compute.describe(emulated.as_ref());
     (rep.compute.device_busy_share, rep.compute.cpu_busy_share) = busy.finish(&comm, emulated.is_some())?;
+    rep.compute.host_compute_s = busy.finish_host(&comm, emulated.is_some())?;
     // every rank's digest and lanes to rank 0
     rep.final_state_sha256 = ironweave::elastic::job_state_sha256(&comm, &tr.state_digest())?;
     let bytes = serde_json::to_vec(&last_spans)?;
@@ -228,8 +229,8 @@ pub fn run(a: &TrainArgs) -> Result<i32> {
         bail!("--fail is not supported with --tp: tensor-parallel runs do not checkpoint yet");
     }
     // emulated compute: the device profile is read and the state must fit, before any rank
-    // starts (each rank builds the whole model once before it keeps its shards)
-    a.compute.load_fitting(&a.config, &cfg, a.ranks, a.iters.unwrap_or(cfg.train.iters), 1, 1)?;
+    // starts (each rank builds the whole model once before it keeps its shards; no checkpoint)
+    a.compute.load_fitting(&a.config, &cfg, a.ranks, a.iters.unwrap_or(cfg.train.iters), 1, None)?;
     std::fs::create_dir_all(&a.report_dir).with_context(|| format!("creating {}", a.report_dir.display()))?;
     let _ = std::fs::remove_file(a.report_dir.join("report.json"));
     let args = TpWorkerArgs {
