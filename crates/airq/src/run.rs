@@ -77,8 +77,8 @@ pub fn prepare(cfg: &RunConfig, method: Method) -> Result<Prepared> {
 
 /// Runs rank `job.rank()` of the job to the end; `print` gets progress lines.
 pub fn run(cfg: &RunConfig, print: fn(&str)) -> Result<RunOutcome> {
-    if cfg.method == Method::Persistence {
-        return Err(Error::Config("persistence is not trained: choose a network method".into()));
+    if !cfg.method.trained() {
+        return Err(Error::Config(format!("{} is not trained: choose a network method", cfg.method.name())));
     }
     let engine = EngineConfig { strategy: Strategy::Capricorn, ..Default::default() };
     let job = Job::from_env(Config::new(cfg.fit.iterations, engine)).map_err(|e| {

