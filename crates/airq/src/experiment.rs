@@ -37,6 +37,13 @@ pub struct Grid {
     /// the data must have been loaded [`AirData::with_beijing`].
     #[serde(default)]
     pub irrelevant: bool,
+    /// The adversaries' final reversal weights to try (`[1.0]`: the paper's schedule alone);
+    /// with several, each adversary's table row is the one whose mean target RMSE over seeds
+    /// on the validation years is lowest ([`choose_lambda`]), never chosen on the test years.
+    pub lambdas: Vec<f64>,
+    /// The domains are the stations grouped by level and winter peak
+    /// ([`crate::domains`]), not the states; the data must have been regrouped.
+    pub by_profile: bool,
 }
 
 impl Grid {
@@ -63,6 +70,17 @@ impl Grid {
             f.hidden,
             methods.join(",")
         ) + if self.irrelevant { ", irrelevant source Beijing" } else { "" }
+            + &self.lambda_setting()
+            + if self.by_profile { ", domains by level and winter peak" } else { "" }
+    }
+
+    fn lambda_setting(&self) -> String {
+        let l: Vec<String> = self.lambdas.iter().map(f64::to_string).collect();
+        match self.lambdas.as_slice() {
+            [x] if *x == 1.0 => String::new(),
+            [_] => format!(", lambda {}", l[0]),
+            _ => format!(", lambda {} chosen on the validation years", l.join(",")),
+        }
     }
 }
 
@@ -77,6 +95,9 @@ pub struct RunResult {
     pub k: String,
     /// Seed.
     pub seed: u64,
+    /// The reversal layer's final weight (adversaries).
+    #[serde(default)]
+    pub lambda: Option<f64>,
     /// Scores.
     pub eval: Evaluation,
     /// The training domain loss over the last tenth of the iterations (adversarial methods).
@@ -94,9 +115,23 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
     if grid.seeds.is_empty() || grid.methods.is_empty() {
         return Err(Error::Config("the grid needs at least one seed and one method".into()));
     }
+    if grid.lambdas.is_empty() || grid.lambdas.iter().any(|l| !l.is_finite() || *l < 0.0) {
+        return Err(Error::Config(format!("--lambdas {:?}: give one or more finite weights ≥ 0", grid.lambdas)));
+    }
+    if grid.by_profile != data.is_by_profile() {
+        return Err(Error::Config(
+            "the grid's domains and the data's differ: regroup the data with AirData::by_profile for a profile grid, only then"
+                .into(),
+        ));
+    }
     // settings that would fail in the middle of the grid fail before its first run
-    if grid.target_days == 0 && grid.methods.contains(&Method::TargetOnly) {
-        return Err(Error::Config("--target-days 0 leaves target-only nothing to learn from: drop it from --methods".into()));
+    for m in [Method::TargetOnly, Method::FineTune] {
+        if grid.target_days == 0 && grid.methods.contains(&m) {
+            return Err(Error::Config(format!(
+                "--target-days 0 leaves {} nothing to learn from the target: drop it from --methods",
+                m.name()
+            )));
+        }
     }
     if grid.target_days == 0
         && grid.unlabelled_days == 0
@@ -110,22 +145,30 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
     let comm = Arc::new(ironweave::transport::inproc::communicators(1)?.remove(0));
     // (method, k, seed): persistence once, target-only once per seed, the closed-form
     // baselines once per k (they do not depend on the seed), the others per k and seed
-    let mut jobs: Vec<(Method, Option<usize>, u64)> = Vec::new();
+    // (method, k, seed, λ): the adversaries once per λ of the grid
+    let mut jobs: Vec<(Method, Option<usize>, u64, Option<f64>)> = Vec::new();
     for &m in &grid.methods {
         match m {
-            Method::Persistence => jobs.push((m, None, 0)),
-            Method::TargetOnly => jobs.extend(grid.seeds.iter().map(|&s| (m, None, s))),
-            Method::Climatology | Method::RidgeAr => jobs.extend(grid.sources.iter().map(|&k| (m, k, 0))),
+            Method::Persistence => jobs.push((m, None, 0, None)),
+            Method::TargetOnly => jobs.extend(grid.seeds.iter().map(|&s| (m, None, s, None))),
+            Method::Climatology | Method::RidgeAr => jobs.extend(grid.sources.iter().map(|&k| (m, k, 0, None))),
+            _ if m.adversary() != crate::model::Adversary::None => {
+                for &k in &grid.sources {
+                    for &l in &grid.lambdas {
+                        jobs.extend(grid.seeds.iter().map(|&s| (m, k, s, Some(l))));
+                    }
+                }
+            }
             _ => {
                 for &k in &grid.sources {
-                    jobs.extend(grid.seeds.iter().map(|&s| (m, k, s)));
+                    jobs.extend(grid.seeds.iter().map(|&s| (m, k, s, None)));
                 }
             }
         }
     }
     let total = jobs.len();
     let mut out = Vec::with_capacity(total);
-    for (i, (m, k, seed)) in jobs.into_iter().enumerate() {
+    for (i, (m, k, seed, lambda)) in jobs.into_iter().enumerate() {
         let t0 = Instant::now();
         let mut task = Task::nearest(&data, &grid.target, k, grid.unseen.as_deref(), split.clone())?;
         if grid.irrelevant {
@@ -149,7 +192,7 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
             let r = RidgeAr::fit(&prep.data, &prep.training_windows(), prep.task.spec.horizon, prep.norm)?;
             (evaluate_with(Forecaster::RidgeAr(&r), &prep)?, None)
         } else {
-            let f = fit(&prep, &comm, &FitConfig { seed, ..grid.fit })?;
+            let f = fit(&prep, &comm, &FitConfig { seed, lambda: lambda.unwrap_or(grid.fit.lambda), ..grid.fit })?;
             let tail = &f.losses[f.losses.len() - (f.losses.len() / 10).max(1)..];
             let dom = (m.adversary() != crate::model::Adversary::None)
                 .then(|| tail.iter().map(|l| f64::from(l.domain)).sum::<f64>() / tail.len() as f64);
@@ -160,6 +203,7 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
             sources,
             k: if m.uses_sources() { k_label(k) } else { "-".into() },
             seed,
+            lambda,
             eval,
             final_domain_loss,
             seconds: t0.elapsed().as_secs_f64(),
@@ -219,7 +263,12 @@ fn paired_cell(d: &[f64]) -> String {
 /// (paired by seed where both were trained); `domain probe` is the balanced accuracy (chance in
 /// brackets) of a linear probe telling the domains apart from the features: the adversary's
 /// counter, measured alike for every network.
+/// With several λ in the grid, each adversary's row is its λ with the lowest mean target RMSE on
+/// the validation years (named in the method cell).
 pub fn table(results: &[RunResult]) -> String {
+    let several = lambdas_of(results).len() > 1;
+    let chosen = choose_lambda(results);
+    let results = chosen.as_slice();
     let pers = results.iter().find(|r| r.method == Method::Persistence).map(|r| r.eval.target.rmse);
     let mut s = String::from(
         "| sources | method | seeds | target RMSE | target MAE | target R² | target RMSE, days 1–3 | vs persistence | Δ RMSE vs no-classifier (95% CI) | sources RMSE | vs source-only | unseen-state RMSE | domain probe (chance) |\n\
@@ -285,9 +334,12 @@ pub fn table(results: &[RunResult]) -> String {
         } else {
             cell(&against(&rs, &k, Method::SourceOnly, &|r| r.eval.sources.map(|x| x.rmse), |a, b| a / b))
         };
+        let name = match rs.first().and_then(|r| r.lambda) {
+            Some(l) if several => format!("{} (λ {l})", m.name()),
+            _ => m.name().to_string(),
+        };
         s += &format!(
-            "| {k} | {} | {} | {} | {} | {} | {} | {ratio} | {delta} | {} | {vs_src} | {} | {dom} |\n",
-            m.name(),
+            "| {k} | {name} | {} | {} | {} | {} | {} | {ratio} | {delta} | {} | {vs_src} | {} | {dom} |\n",
             rs.len(),
             cell(&rmse),
             cell(&f(&|r| Some(r.eval.target.mae))),
@@ -300,12 +352,75 @@ pub fn table(results: &[RunResult]) -> String {
     s
 }
 
+/// The distinct λ of the adversaries' runs, ascending.
+fn lambdas_of(results: &[RunResult]) -> Vec<f64> {
+    let mut l: Vec<f64> = results.iter().filter_map(|r| r.lambda).collect();
+    l.sort_by(f64::total_cmp);
+    l.dedup();
+    l
+}
+
+/// Mean target RMSE on the validation years of the runs of (k, method, λ).
+fn val_rmse(results: &[RunResult], k: &str, m: Method, l: f64) -> f64 {
+    let v: Vec<f64> =
+        results.iter().filter(|r| r.k == k && r.method == m && r.lambda == Some(l)).map(|r| r.eval.target_val.rmse).collect();
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// The runs the tables show: every run without a λ, and of each adversary (per source count)
+/// only the runs of its λ with the lowest mean target RMSE on the validation years (ties: the
+/// smaller λ). The test years play no part in the choice.
+pub fn choose_lambda(results: &[RunResult]) -> Vec<RunResult> {
+    let best = |k: &str, m: Method| -> Option<f64> {
+        let mut ls: Vec<f64> = results.iter().filter(|r| r.k == k && r.method == m).filter_map(|r| r.lambda).collect();
+        ls.sort_by(f64::total_cmp);
+        ls.dedup();
+        ls.into_iter().min_by(|&a, &b| val_rmse(results, k, m, a).total_cmp(&val_rmse(results, k, m, b)))
+    };
+    results.iter().filter(|r| r.lambda.is_none() || r.lambda == best(&r.k, r.method)).cloned().collect()
+}
+
+/// With several λ: every adversary's mean target RMSE per λ on the validation years (what
+/// chose) and on the test years (what the table reports for the chosen one).
+pub fn lambda_table(results: &[RunResult]) -> String {
+    let mut s = String::from(
+        "| sources | method | λ | seeds | target RMSE, validation years | target RMSE, test years | chosen |\n|---|---|---|---|---|---|---|\n",
+    );
+    let chosen = choose_lambda(results);
+    let mut keys: Vec<(String, Method, u64)> = Vec::new();
+    for r in results {
+        if let Some(l) = r.lambda {
+            if !keys.contains(&(r.k.clone(), r.method, l.to_bits())) {
+                keys.push((r.k.clone(), r.method, l.to_bits()));
+            }
+        }
+    }
+    for (k, m, lb) in keys {
+        let l = f64::from_bits(lb);
+        let rs: Vec<&RunResult> = results.iter().filter(|r| r.k == k && r.method == m && r.lambda == Some(l)).collect();
+        let val: Vec<f64> = rs.iter().map(|r| r.eval.target_val.rmse).collect();
+        let test: Vec<f64> = rs.iter().map(|r| r.eval.target.rmse).collect();
+        let is = chosen.iter().any(|r| r.k == k && r.method == m && r.lambda == Some(l));
+        s += &format!(
+            "| {k} | {} | {l} | {} | {} | {} | {} |\n",
+            m.name(),
+            rs.len(),
+            cell(&val),
+            cell(&test),
+            if is { "yes" } else { "" }
+        );
+    }
+    s
+}
+
 /// Claim (b): what adding the irrelevant source changed, per (sources, method) — the target
 /// RMSE of each seed with it minus without it, with the 95% interval of the mean change; and
 /// that change minus no-classifier's (paired by seed): below zero, the method suffers less
 /// from the irrelevant source than the plain network, which is what the paper claims of the
 /// adversaries.
 pub fn change_table(without: &[RunResult], with: &[RunResult]) -> String {
+    let (without, with) = (choose_lambda(without), choose_lambda(with));
+    let (without, with) = (without.as_slice(), with.as_slice());
     let mut s = String::from(
         "| sources | method | seeds | target RMSE without | with | change (95% CI) | change minus no-classifier's (95% CI) |\n\
          |---|---|---|---|---|---|---|\n",
@@ -350,6 +465,147 @@ pub fn change_table(without: &[RunResult], with: &[RunResult]) -> String {
     s
 }
 
+/// One adversary in one setting: its gain over the network without a classifier against the
+/// domain information in that network's features.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GainPoint {
+    /// The experiment: target, labelled days, domains.
+    pub setting: String,
+    /// Source count label.
+    pub k: String,
+    /// `grl-multiclass` or `grl-per-source`.
+    pub method: String,
+    /// Its λ (chosen on the validation years where the run tried several).
+    pub lambda: Option<f64>,
+    /// No-classifier's probe balanced accuracy minus chance, mean over seeds: how much the
+    /// plain network's features say about the domain.
+    pub probe_excess: f64,
+    /// No-classifier's target RMSE minus the adversary's, paired by seed, mean (above 0: the
+    /// adversary is better).
+    pub gain: f64,
+    /// The 95% t half-width of `gain`.
+    pub half_width: f64,
+    /// Seeds paired.
+    pub seeds: usize,
+}
+
+/// The [`GainPoint`]s of one `results.json` of `airq experiment`.
+pub fn gain_points(json: &str) -> Result<Vec<GainPoint>> {
+    let bad = |what: &str| Error::Data(format!("not the results.json of `airq experiment`: {what}"));
+    let v: serde_json::Value = serde_json::from_str(json).map_err(|e| bad(&e.to_string()))?;
+    let g = &v["grid"];
+    let target = g["target"].as_str().ok_or_else(|| bad("no grid.target"))?;
+    let days = g["target_days"].as_u64().ok_or_else(|| bad("no grid.target_days"))?;
+    let unl = g["unlabelled_days"].as_u64().unwrap_or(0);
+    let mut setting = format!("{target}, {days} labelled days");
+    if days == 0 {
+        setting += &format!(" ({unl} unlabelled)");
+    }
+    if g["irrelevant"].as_bool() == Some(true) {
+        setting += ", + Beijing";
+    }
+    if g["by_profile"].as_bool() == Some(true) {
+        setting += ", profile domains";
+    }
+    struct Run {
+        method: String,
+        k: String,
+        seed: u64,
+        lambda: Option<f64>,
+        test: f64,
+        val: f64,
+        probe: Option<f64>,
+    }
+    let runs: Vec<Run> = v["results"]
+        .as_array()
+        .ok_or_else(|| bad("no results"))?
+        .iter()
+        .map(|r| -> Result<Run> {
+            let f = |x: &serde_json::Value| x.as_f64().unwrap_or(f64::NAN);
+            Ok(Run {
+                method: r["method"].as_str().ok_or_else(|| bad("a result without a method"))?.to_string(),
+                k: r["k"].as_str().ok_or_else(|| bad("a result without k"))?.to_string(),
+                seed: r["seed"].as_u64().ok_or_else(|| bad("a result without a seed"))?,
+                lambda: r["lambda"].as_f64(),
+                test: f(&r["eval"]["target"]["rmse"]),
+                val: f(&r["eval"]["target_val"]["rmse"]),
+                probe: r["eval"]["probe"]
+                    .is_object()
+                    .then(|| f(&r["eval"]["probe"]["balanced_accuracy"]) - f(&r["eval"]["probe"]["chance"])),
+            })
+        })
+        .collect::<Result<_>>()?;
+    let mut out = Vec::new();
+    let mut keys: Vec<(String, String)> = Vec::new();
+    for r in &runs {
+        if r.lambda.is_some() && !keys.contains(&(r.k.clone(), r.method.clone())) {
+            keys.push((r.k.clone(), r.method.clone()));
+        }
+    }
+    for (k, m) in keys {
+        let plain: Vec<&Run> = runs.iter().filter(|r| r.k == k && r.method == "NoClassifier").collect();
+        let probes: Vec<f64> = plain.iter().filter_map(|r| r.probe).collect();
+        if plain.is_empty() || probes.is_empty() {
+            continue;
+        }
+        let mut ls: Vec<f64> = runs.iter().filter(|r| r.k == k && r.method == m).filter_map(|r| r.lambda).collect();
+        ls.sort_by(f64::total_cmp);
+        ls.dedup();
+        let val = |l: f64| {
+            let v: Vec<f64> = runs.iter().filter(|r| r.k == k && r.method == m && r.lambda == Some(l)).map(|r| r.val).collect();
+            v.iter().sum::<f64>() / v.len().max(1) as f64
+        };
+        let Some(l) = ls.into_iter().min_by(|&a, &b| val(a).total_cmp(&val(b))) else { continue };
+        let d: Vec<f64> = runs
+            .iter()
+            .filter(|r| r.k == k && r.method == m && r.lambda == Some(l))
+            .filter_map(|r| plain.iter().find(|p| p.seed == r.seed).map(|p| p.test - r.test))
+            .collect();
+        if d.is_empty() {
+            continue;
+        }
+        let (gain, sd) = mean_sd(&d);
+        let name = match m.as_str() {
+            "MultiClass" => Method::MultiClass.name(),
+            "PerSource" => Method::PerSource.name(),
+            o => return Err(bad(&format!("an adversary `{o}`"))),
+        };
+        out.push(GainPoint {
+            setting: setting.clone(),
+            k,
+            method: name.to_string(),
+            lambda: Some(l),
+            probe_excess: probes.iter().sum::<f64>() / probes.len() as f64,
+            gain,
+            half_width: if d.len() > 1 { t95(d.len() - 1) * sd / (d.len() as f64).sqrt() } else { 0.0 },
+            seeds: d.len(),
+        });
+    }
+    Ok(out)
+}
+
+/// The points of [`gain_points`] as a markdown table.
+pub fn gain_table(points: &[GainPoint]) -> String {
+    let mut s = String::from(
+        "| setting | sources | method | λ | seeds | probe above chance (no-classifier) | gain over no-classifier, µg/m³ (95% CI) |\n|---|---|---|---|---|---|---|\n",
+    );
+    for p in points {
+        s += &format!(
+            "| {} | {} | {} | {} | {} | {:+.3} | {:+.2} [{:+.2}, {:+.2}] |\n",
+            p.setting,
+            p.k,
+            p.method,
+            p.lambda.map_or("–".into(), |l| l.to_string()),
+            p.seeds,
+            p.probe_excess,
+            p.gain,
+            p.gain - p.half_width,
+            p.gain + p.half_width
+        );
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -362,6 +618,7 @@ mod tests {
             sources: vec![],
             k: k.into(),
             seed,
+            lambda: m.adversary().ne(&crate::model::Adversary::None).then_some(1.0),
             eval: Evaluation { target: t, ..Default::default() },
             final_domain_loss: None,
             seconds: 0.0,
@@ -405,5 +662,48 @@ mod tests {
         assert!(row("ridge-ar").contains("| -0.50 |"), "{t}");
         // unpaired, the spread of the methods (sd 2) would hide what pairing shows
         assert!(row("no-classifier").contains("12.00 ± 2.00"), "{t}");
+    }
+
+    #[test]
+    fn lambda_is_chosen_on_the_validation_years() {
+        let run = |l: f64, seed: u64, val: f64, test: f64| {
+            let mut x = r(Method::MultiClass, "all", seed, test);
+            x.lambda = Some(l);
+            x.eval.target_val.rmse = val;
+            x
+        };
+        // λ 0.1 is better on the validation years, λ 1 on the test years: 0.1 is shown
+        let rs = [run(0.1, 1, 5.0, 9.0), run(0.1, 2, 5.2, 9.0), run(1.0, 1, 6.0, 8.0), run(1.0, 2, 6.0, 8.0)];
+        let c = choose_lambda(&rs);
+        assert_eq!(c.len(), 2);
+        assert!(c.iter().all(|x| x.lambda == Some(0.1)));
+        let t = table(&rs);
+        assert!(t.contains("| all | grl-multiclass (λ 0.1) | 2 | 9.00 ± 0.00 |"), "{t}");
+        let lt = lambda_table(&rs);
+        assert!(lt.contains("| all | grl-multiclass | 0.1 | 2 | 5.10 ± 0.14 | 9.00 ± 0.00 | yes |"), "{lt}");
+        assert!(lt.contains("| all | grl-multiclass | 1 | 2 | 6.00 ± 0.00 | 8.00 ± 0.00 |  |"), "{lt}");
+    }
+
+    #[test]
+    fn gain_points_pair_the_adversary_with_the_plain_network() {
+        let mut rs = vec![r(Method::NoClassifier, "2", 1, 10.0), r(Method::NoClassifier, "2", 2, 12.0)];
+        for x in &mut rs {
+            x.eval.probe = Some(crate::train::DomainScore { balanced_accuracy: 0.40, chance: 0.33, windows: 1 });
+        }
+        rs.push(r(Method::PerSource, "2", 1, 9.0));
+        rs.push(r(Method::PerSource, "2", 2, 12.0));
+        let json = serde_json::json!({
+            "grid": {"target": "Niedersachsen", "target_days": 365, "unlabelled_days": 0, "irrelevant": false, "by_profile": true},
+            "results": rs,
+        })
+        .to_string();
+        let p = gain_points(&json).unwrap();
+        assert_eq!(p.len(), 1);
+        assert_eq!((p[0].method.as_str(), p[0].k.as_str(), p[0].seeds), ("grl-per-source", "2", 2));
+        assert!((p[0].gain - 0.5).abs() < 1e-12 && (p[0].probe_excess - 0.07).abs() < 1e-12, "{p:?}");
+        assert_eq!(p[0].setting, "Niedersachsen, 365 labelled days, profile domains");
+        // half-width: t(1) · sd(1, 0) / sqrt 2
+        assert!((p[0].half_width - 12.706 * 0.5f64.sqrt() / 2f64.sqrt()).abs() < 1e-9, "{p:?}");
+        assert!(gain_points("{}").unwrap_err().to_string().contains("airq experiment"));
     }
 }

@@ -24,6 +24,7 @@
 pub mod baselines;
 pub mod beijing;
 pub mod data;
+pub mod domains;
 pub mod experiment;
 pub mod model;
 pub mod pipeline;

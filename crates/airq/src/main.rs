@@ -81,6 +81,9 @@ enum Cmd {
         /// The AirBase data file.
         #[arg(long)]
         data: Option<PathBuf>,
+        /// Count by `states` or by `profile` domains (see `experiment --domains`).
+        #[arg(long, default_value = "states")]
+        domains: String,
     },
     /// Train one model as a rank of a job: `ironweave launch -n 4 -- airq train ...`; rank 0
     /// scores it and writes OUT/report.html.
@@ -135,6 +138,26 @@ enum Cmd {
         /// under $IRONWEAVE_DATA_DIR if set].
         #[arg(long)]
         beijing: Option<PathBuf>,
+        /// The adversaries' final reversal weights to try; with several, each adversary's row
+        /// is its weight with the lowest target RMSE on the validation years (2006–2007).
+        #[arg(long, default_value = "1", value_delimiter = ',')]
+        lambdas: Vec<f64>,
+        /// Domains: `states`, or `profile` (the stations grouped by level and winter peak:
+        /// low-flat, low-winter, high-flat, high-winter; give --target one of them and
+        /// --unseen none).
+        #[arg(long, default_value = "states")]
+        domains: String,
+    },
+    /// The adversaries' gain over the network without a classifier against the domain
+    /// information in that network's features, from experiments' results.json: an SVG and
+    /// the points as a table.
+    GainPlot {
+        /// results.json files written by `airq experiment`.
+        #[arg(required = true)]
+        results: Vec<PathBuf>,
+        /// The SVG to write.
+        #[arg(long, default_value = "target/airq-gain-vs-probe.svg")]
+        out: PathBuf,
     },
     /// Renders OUT/report.html again from OUT/report.json.
     Report {
@@ -156,12 +179,22 @@ fn main() {
 
 fn real_main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
-        Cmd::Data { data } => {
-            let d = AirData::load(data.as_deref())?;
+        Cmd::Data { data, domains } => {
+            let mut d = AirData::load(data.as_deref())?;
+            match domains.as_str() {
+                "states" => {}
+                "profile" => {
+                    let train = ironweave_airq::pipeline::Split::by_years(d.days)?.train;
+                    let before = d.stations.len();
+                    d = d.by_profile(train)?;
+                    println!("profile domains: {} of {before} stations have a profile", d.stations.len());
+                }
+                o => anyhow::bail!("--domains {o}: `states` or `profile`"),
+            }
             println!("{} stations, {} days from {} to {}", d.stations.len(), d.days, d.date(0), d.date(d.days - 1));
             let obs = d.pm10.iter().filter(|v| v.is_finite()).count();
             println!("{obs} of {} values observed ({:.1}%)", d.pm10.len(), 100.0 * obs as f64 / d.pm10.len() as f64);
-            println!("{:<26} {:>8} {:>10}", "state", "stations", "observed");
+            println!("{:<26} {:>8} {:>10}", "domain", "stations", "observed");
             for s in d.states_with_stations() {
                 let st: Vec<usize> = (0..d.stations.len()).filter(|&i| d.stations[i].state == s).collect();
                 let o: usize = st.iter().map(|&i| d.series(i).iter().filter(|v| v.is_finite()).count()).sum();
@@ -200,7 +233,12 @@ fn real_main() -> anyhow::Result<()> {
             }
             println!("rank {}: done, {} recoveries, final state {}", o.rank, o.recoveries, o.final_state);
         }
-        Cmd::Experiment { common, sources, seeds, methods, out, dry_run, irrelevant_source, beijing } => {
+        Cmd::Experiment { common, sources, seeds, methods, out, dry_run, irrelevant_source, beijing, lambdas, domains } => {
+            let by_profile = match domains.as_str() {
+                "states" => false,
+                "profile" => true,
+                o => anyhow::bail!("--domains {o}: `states` or `profile`"),
+            };
             let irrelevant = match irrelevant_source.as_deref() {
                 None => false,
                 Some("beijing") => true,
@@ -216,6 +254,8 @@ fn real_main() -> anyhow::Result<()> {
                 target_days: common.target_days,
                 unlabelled_days: common.unlabelled_days,
                 irrelevant,
+                lambdas,
+                by_profile,
             };
             if dry_run {
                 println!("{}", grid.settings());
@@ -224,6 +264,10 @@ fn real_main() -> anyhow::Result<()> {
             let mut data = AirData::load(common.data.as_deref())?;
             if irrelevant {
                 data = data.with_beijing(beijing.as_deref())?;
+            }
+            if by_profile {
+                let train = ironweave_airq::pipeline::Split::by_years(data.days)?.train;
+                data = data.by_profile(train)?;
             }
             let data = Arc::new(data);
             let t0 = std::time::Instant::now();
@@ -252,6 +296,12 @@ fn real_main() -> anyhow::Result<()> {
             let results = experiment::run(data, &grid, progress)?;
             std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
             let mut table = format!("{}\n\n{}", grid.settings(), experiment::table(&results));
+            if grid.lambdas.len() > 1 {
+                table += &format!(
+                    "\nλ chosen on the target's validation years (2006–2007):\n\n{}",
+                    experiment::lambda_table(&results)
+                );
+            }
             if let Some(w) = &without {
                 table += &format!(
                     "\nwithout the irrelevant source (the same run):\n\n{}\nwhat adding it changed (target RMSE, paired by seed):\n\n{}",
@@ -268,6 +318,22 @@ fn real_main() -> anyhow::Result<()> {
             std::fs::write(out.join("table.md"), &table)?;
             println!("{table}");
             println!("results: {}", out.join("results.json").display());
+        }
+        Cmd::GainPlot { results, out } => {
+            let mut points = Vec::new();
+            for p in &results {
+                let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+                points.extend(
+                    experiment::gain_points(&text).with_context(|| format!("{} (written by `airq experiment`)", p.display()))?,
+                );
+            }
+            if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            }
+            std::fs::write(&out, ironweave_airq::report::gain_svg(&points))
+                .with_context(|| format!("writing {}", out.display()))?;
+            println!("{}", experiment::gain_table(&points));
+            println!("plot: {}", out.display());
         }
         Cmd::Report { dir } => {
             let j = dir.join("report.json");

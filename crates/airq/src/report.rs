@@ -349,6 +349,97 @@ pub fn render(d: &ReportData) -> String {
     s + "</body></html>\n"
 }
 
+/// A standalone SVG of [`crate::experiment::GainPoint`]s: each adversary's gain over the
+/// network without a classifier (µg/m³, with its 95% interval) against how far a linear probe
+/// tells the domains apart from that network's features (balanced accuracy minus chance).
+/// Strategy 1 circles, strategy 2 squares; the colour is the setting. Above the zero line the
+/// adversary helped.
+pub fn gain_svg(points: &[crate::experiment::GainPoint]) -> String {
+    let (w, h, l, r, t, b) = (760.0, 420.0, 64.0, 20.0, 24.0, 110.0);
+    let fin = |v: f64| if v.is_finite() { v } else { 0.0 };
+    let xmax = points.iter().map(|p| fin(p.probe_excess)).fold(0.05f64, f64::max) * 1.1;
+    let xmin = points.iter().map(|p| fin(p.probe_excess)).fold(0.0f64, f64::min);
+    let ylo = points.iter().map(|p| fin(p.gain - p.half_width)).fold(-0.1f64, f64::min);
+    let yhi = points.iter().map(|p| fin(p.gain + p.half_width)).fold(0.1f64, f64::max);
+    let x = |v: f64| l + (w - l - r) * (fin(v) - xmin) / (xmax - xmin);
+    let y = |v: f64| t + (h - t - b) * (1.0 - (fin(v) - ylo) / (yhi - ylo));
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\">\
+         <rect width=\"{w}\" height=\"{h}\" fill=\"#fff\"/>\
+         <rect x=\"{l}\" y=\"{t}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#444\"/>",
+        w - l - r,
+        h - t - b
+    );
+    for k in 0..=4 {
+        let v = ylo + (yhi - ylo) * f64::from(k) / 4.0;
+        let _ = write!(s, "<text x=\"{}\" y=\"{:.1}\" font-size=\"11\" text-anchor=\"end\">{v:+.2}</text>", l - 4.0, y(v) + 4.0);
+        let u = xmin + (xmax - xmin) * f64::from(k) / 4.0;
+        let _ = write!(s, "<text x=\"{:.1}\" y=\"{}\" font-size=\"11\" text-anchor=\"middle\">{u:.3}</text>", x(u), h - b + 14.0);
+    }
+    let _ = write!(
+        s,
+        "<line x1=\"{l}\" x2=\"{}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#888\" stroke-dasharray=\"4 3\"/>",
+        w - r,
+        y(0.0),
+        y(0.0)
+    );
+    let _ = write!(
+        s,
+        "<text x=\"{:.1}\" y=\"{}\" font-size=\"12\" text-anchor=\"middle\">probe balanced accuracy above chance, network without a classifier</text>\
+         <text x=\"14\" y=\"{:.1}\" font-size=\"12\" text-anchor=\"middle\" transform=\"rotate(-90 14 {:.1})\">adversary's gain over it, µg/m³ (95% CI)</text>",
+        (l + w - r) / 2.0,
+        h - b + 30.0,
+        (t + h - b) / 2.0,
+        (t + h - b) / 2.0
+    );
+    let mut settings: Vec<&str> = Vec::new();
+    for p in points {
+        if !settings.contains(&p.setting.as_str()) {
+            settings.push(&p.setting);
+        }
+    }
+    for p in points {
+        let c = PALETTE[settings.iter().position(|x| *x == p.setting).unwrap_or(0) % PALETTE.len()];
+        let (cx, cy) = (x(p.probe_excess), y(p.gain));
+        let tip = esc(&format!("{}, sources {}, {}: {:+.2} ± {:.2}", p.setting, p.k, p.method, p.gain, p.half_width));
+        let _ = write!(
+            s,
+            "<g><title>{tip}</title><line x1=\"{cx:.1}\" x2=\"{cx:.1}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"{c}\"/>",
+            y(p.gain - p.half_width),
+            y(p.gain + p.half_width)
+        );
+        if p.method == crate::train::Method::MultiClass.name() {
+            let _ = write!(s, "<circle cx=\"{cx:.1}\" cy=\"{cy:.1}\" r=\"4\" fill=\"{c}\"/></g>");
+        } else {
+            let _ = write!(s, "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"8\" height=\"8\" fill=\"{c}\"/></g>", cx - 4.0, cy - 4.0);
+        }
+    }
+    for (i, name) in settings.iter().enumerate() {
+        let (lx, ly) = (l + 250.0 * (i % 3) as f64, h - b + 52.0 + 16.0 * (i / 3) as f64);
+        let _ = write!(
+            s,
+            "<rect x=\"{lx}\" y=\"{}\" width=\"10\" height=\"10\" fill=\"{}\"/><text x=\"{}\" y=\"{ly}\" font-size=\"11\">{}</text>",
+            ly - 9.0,
+            PALETTE[i % PALETTE.len()],
+            lx + 14.0,
+            esc(name)
+        );
+    }
+    let ly = h - b + 52.0 + 16.0 * (settings.len().div_ceil(3)) as f64;
+    let _ = write!(
+        s,
+        "<circle cx=\"{}\" cy=\"{}\" r=\"4\" fill=\"#444\"/><text x=\"{}\" y=\"{ly}\" font-size=\"11\">strategy 1 (multi-class)</text>\
+         <rect x=\"{}\" y=\"{}\" width=\"8\" height=\"8\" fill=\"#444\"/><text x=\"{}\" y=\"{ly}\" font-size=\"11\">strategy 2 (per source)</text>",
+        l + 5.0,
+        ly - 4.0,
+        l + 14.0,
+        l + 246.0,
+        ly - 8.0,
+        l + 264.0
+    );
+    s + "</svg>\n"
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -374,5 +465,25 @@ mod tests {
         assert!(h.contains("a &lt;b&gt; &amp; c"));
         assert_eq!(h.matches("class=\"station\"").count(), 1);
         assert_eq!(h.matches("<svg").count(), 3);
+    }
+
+    #[test]
+    fn the_gain_plot_has_a_mark_per_point_and_escapes_text() {
+        let p = |m: &str, setting: &str| crate::experiment::GainPoint {
+            setting: setting.into(),
+            k: "all".into(),
+            method: m.into(),
+            lambda: Some(1.0),
+            probe_excess: 0.04,
+            gain: -0.05,
+            half_width: 0.03,
+            seeds: 5,
+        };
+        let svg = gain_svg(&[p("grl-multiclass", "A <b>"), p("grl-per-source", "A <b>"), p("grl-per-source", "B")]);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert_eq!(svg.matches("<title>").count(), 3);
+        assert!(svg.contains("A &lt;b&gt;") && !svg.contains("<b>"));
+        // one circle per strategy-1 point plus the legend's
+        assert_eq!(svg.matches("<circle").count(), 2);
     }
 }

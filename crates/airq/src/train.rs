@@ -41,6 +41,10 @@ pub enum Method {
     SourceOnly,
     /// The network without a domain classifier, trained on sources and the target's days.
     NoClassifier,
+    /// The network without a domain classifier, pretrained on the sources alone for the first
+    /// three quarters of the iterations, then fine-tuned on the target's labelled days alone
+    /// (the same optimizer carried on).
+    FineTune,
     /// Strategy 1: reversal layer and one multi-class domain classifier.
     MultiClass,
     /// Strategy 2: reversal layer and one discriminator per source domain.
@@ -49,12 +53,13 @@ pub enum Method {
 
 impl Method {
     /// Every method, baselines first.
-    pub const ALL: [Method; 8] = [
+    pub const ALL: [Method; 9] = [
         Method::Persistence,
         Method::Climatology,
         Method::RidgeAr,
         Method::TargetOnly,
         Method::SourceOnly,
+        Method::FineTune,
         Method::NoClassifier,
         Method::MultiClass,
         Method::PerSource,
@@ -69,6 +74,7 @@ impl Method {
             Method::TargetOnly => "target-only",
             Method::SourceOnly => "source-only",
             Method::NoClassifier => "no-classifier",
+            Method::FineTune => "fine-tune",
             Method::MultiClass => "grl-multiclass",
             Method::PerSource => "grl-per-source",
         }
@@ -194,12 +200,21 @@ pub struct FitConfig {
     pub conv: usize,
     /// Recurrent units per direction.
     pub hidden: usize,
+    /// The reversal layer's final weight: λ rises from 0 towards this ([`lambda_schedule`]
+    /// scaled).
+    pub lambda: f64,
 }
 
 impl Default for FitConfig {
     fn default() -> Self {
-        FitConfig { iterations: 300, batch: 64, lr: 3e-3, seed: 1, conv: 16, hidden: 16 }
+        FitConfig { iterations: 300, batch: 64, lr: 3e-3, seed: 1, conv: 16, hidden: 16, lambda: 1.0 }
     }
+}
+
+/// The last pretraining iteration of [`Method::FineTune`]: three quarters of the run on the
+/// sources, the rest on the target.
+pub fn fine_tune_from(fit: &FitConfig) -> u64 {
+    fit.iterations * 3 / 4
 }
 
 /// A method on a task, with its windows drawn and its normalisation fitted.
@@ -236,10 +251,12 @@ impl Prepared {
             sp.train.end
         };
         let target_labelled = windows(&data, &tst, lab_from..sp.train.end, &task.spec);
-        if target_labelled.is_empty() && method == Method::TargetOnly {
+        if target_labelled.is_empty() && matches!(method, Method::TargetOnly | Method::FineTune) {
             return Err(Error::Config(format!(
-                "target-only learns from the target's labelled days, and {} has none ({} labelled days): give --target-days above 0",
-                data.states[task.target].name, task.target_days
+                "{} learns from the target's labelled days, and {} has none ({} labelled days): give --target-days above 0",
+                method.name(),
+                data.states[task.target].name,
+                task.target_days
             )));
         }
         let mut source = Vec::new();
@@ -316,6 +333,14 @@ impl Prepared {
         let n_src = match (self.source.is_empty(), self.target_labelled.is_empty()) {
             (true, _) => 0,
             (false, true) => fit.batch,
+            // pretrain on the sources, then fine-tune on the target
+            (false, false) if self.method == Method::FineTune => {
+                if iter <= fine_tune_from(fit) {
+                    fit.batch
+                } else {
+                    0
+                }
+            }
             (false, false) => fit.batch * 3 / 4,
         };
         let mut rng = stream(1);
@@ -352,7 +377,7 @@ pub struct Losses {
 
 /// One step of `trainer` on `net` with rank `rank`'s batch of iteration `iter` (collective).
 pub fn train_step(trainer: &mut Trainer, net: &Net, prep: &Prepared, fit: &FitConfig, iter: u64, rank: usize) -> Result<Losses> {
-    net.set_lambda(lambda_schedule(iter as f64 / fit.iterations.max(1) as f64));
+    net.set_lambda(fit.lambda * lambda_schedule(iter as f64 / fit.iterations.max(1) as f64));
     let batch = prep.batch(fit, iter, rank);
     let x = net.input(&batch)?;
     let parts = std::cell::Cell::new((0f32, 0f32));

@@ -127,3 +127,83 @@ fn the_irrelevant_source_is_added_and_compared_in_the_same_run() {
     assert!(!ok && e.contains("beijing"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn lambda_grid_fine_tune_and_profile_domains_run_and_plot() {
+    let dir = out("profile");
+    let (ok, text) = airq(&[
+        "experiment",
+        "--domains",
+        "profile",
+        "--target",
+        "low-winter",
+        "--unseen",
+        "none",
+        "--sources",
+        "all",
+        "--methods",
+        "no-classifier,fine-tune,grl-per-source",
+        "--lambdas",
+        "0.1,1",
+        "--seeds",
+        "1,2",
+        "--iterations",
+        "4",
+        "--out",
+        &dir,
+    ]);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("domains by level and winter peak") && text.contains("lambda 0.1,1 chosen on the validation years"),
+        "{text}"
+    );
+    row(&text, "fine-tune");
+    // the adversary's row names the λ the validation years chose; the λ table shows both
+    assert!(text.contains("| all | grl-per-source (λ "), "{text}");
+    let lt = text.split("λ chosen on the target's validation years").nth(1).unwrap();
+    let rows: Vec<&str> = lt.lines().filter(|l| l.starts_with("| all | grl-per-source |")).collect();
+    assert_eq!(rows.len(), 2, "{lt}");
+    assert_eq!(rows.iter().filter(|l| l.contains("| yes |")).count(), 1, "{lt}");
+    // the sources are the other three profile domains
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(format!("{dir}/results.json")).unwrap()).unwrap();
+    let src = v["results"][0]["sources"].as_array().unwrap();
+    assert_eq!(src.len(), 3, "{v}");
+    assert!(src.iter().all(|s| ["low-flat", "high-flat", "high-winter"].contains(&s.as_str().unwrap())), "{src:?}");
+    let svg = format!("{dir}/gain.svg");
+    let (ok, g) = airq(&["gain-plot", &format!("{dir}/results.json"), "--out", &svg]);
+    assert!(ok, "{g}");
+    assert!(g.contains("| low-winter, 365 labelled days, profile domains | all | grl-per-source |"), "{g}");
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<title>"));
+    let (ok, e) = airq(&["gain-plot", "/no/such/results.json"]);
+    assert!(!ok && e.contains("/no/such/results.json"), "{e}");
+    let (ok, e) = airq(&["experiment", "--domains", "profile", "--seeds", "1"]);
+    assert!(!ok && e.contains("low-flat"), "a state as target of profile domains names the domains: {e}");
+    let (ok, e) = airq(&["experiment", "--lambdas=-1", "--seeds", "1", "--methods", "grl-multiclass", "--sources", "1"]);
+    assert!(!ok && e.contains("--lambdas"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn fine_tune_pretrains_on_the_sources_then_learns_the_target_alone() {
+    use ironweave_airq::data::AirData;
+    use ironweave_airq::pipeline::Split;
+    use ironweave_airq::train::{fine_tune_from, FitConfig, Method, Prepared, Task};
+    let data = std::sync::Arc::new(AirData::load(None).unwrap());
+    let split = Split::by_years(data.days).unwrap();
+    let task = Task::nearest(&data, "Niedersachsen", Some(2), None, split).unwrap();
+    let prep = Prepared::new(data, task, Method::FineTune).unwrap();
+    let fit = FitConfig { iterations: 400, ..FitConfig::default() };
+    let last = fine_tune_from(&fit);
+    assert_eq!(last, 300);
+    // domain labels: 0 and 1 the sources, 2 the target
+    for (iter, want_target) in [(1, false), (last, false), (last + 1, true), (400, true)] {
+        let b = prep.batch(&fit, iter, 0);
+        assert_eq!(b.n, fit.batch, "no unlabelled windows without an adversary");
+        assert!(b.domain.iter().all(|&d| (d == 2) == want_target), "iteration {iter}: {:?}", b.domain);
+    }
+    // with no labelled target days there is nothing to fine-tune on
+    let mut t0 = Task::nearest(&prep.data, "Niedersachsen", Some(2), None, prep.task.split.clone()).unwrap();
+    t0.target_days = 0;
+    let e = Prepared::new(prep.data.clone(), t0, Method::FineTune).unwrap_err().to_string();
+    assert!(e.contains("fine-tune") && e.contains("--target-days"), "{e}");
+}

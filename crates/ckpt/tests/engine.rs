@@ -339,10 +339,19 @@ fn the_replica_path_counts_its_cpu_per_byte() {
         e.commit(true).unwrap();
         use std::sync::atomic::Ordering::Relaxed;
         let c = e.counters();
-        (c.replica_bytes.load(Relaxed), c.replica_send_cpu_ns.load(Relaxed), c.replica_recv_cpu_ns.load(Relaxed))
+        (
+            c.replica_bytes.load(Relaxed),
+            c.replica_send_cpu_ns.load(Relaxed),
+            c.replica_recv_cpu_ns.load(Relaxed),
+            c.snapshots_skipped.load(Relaxed),
+        )
     });
-    for (rank, (bytes, send, recv)) in out.into_iter().enumerate() {
-        assert!(bytes >= 4 * registry().total, "rank {rank} sent {bytes} bytes");
+    for (rank, (bytes, send, recv, skipped)) in out.into_iter().enumerate() {
+        // a snapshot whose buffers are all still held by unacknowledged ones is skipped (on a
+        // loaded machine the acknowledgements can lag a non-blocking commit); every other one
+        // is sent whole
+        assert!(skipped < 4, "rank {rank}: every snapshot skipped");
+        assert!(bytes >= (4 - skipped) * registry().total, "rank {rank} sent {bytes} bytes, {skipped} snapshots skipped");
         assert!(send > 0, "rank {rank}: the senders' CPU was not counted");
         assert!(recv > 0, "rank {rank}: the receivers' CPU was not counted");
     }
