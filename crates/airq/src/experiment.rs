@@ -526,7 +526,11 @@ pub fn gain_points(json: &str) -> Result<Vec<GainPoint>> {
                 method: r["method"].as_str().ok_or_else(|| bad("a result without a method"))?.to_string(),
                 k: r["k"].as_str().ok_or_else(|| bad("a result without k"))?.to_string(),
                 seed: r["seed"].as_u64().ok_or_else(|| bad("a result without a seed"))?,
-                lambda: r["lambda"].as_f64(),
+                // results written before `--lambdas` carry no λ: the adversaries then ran at 1
+                lambda: r["lambda"].as_f64().or_else(|| {
+                    let m = r["method"].as_str();
+                    (m == Some("MultiClass") || m == Some("PerSource")).then_some(1.0)
+                }),
                 test: f(&r["eval"]["target"]["rmse"]),
                 val: f(&r["eval"]["target_val"]["rmse"]),
                 probe: r["eval"]["probe"]
@@ -705,5 +709,12 @@ mod tests {
         // half-width: t(1) · sd(1, 0) / sqrt 2
         assert!((p[0].half_width - 12.706 * 0.5f64.sqrt() / 2f64.sqrt()).abs() < 1e-9, "{p:?}");
         assert!(gain_points("{}").unwrap_err().to_string().contains("airq experiment"));
+        // a results.json from before `--lambdas` has no λ: its adversaries ran at 1
+        let mut old: serde_json::Value = serde_json::from_str(&json).unwrap();
+        for r in old["results"].as_array_mut().unwrap() {
+            r.as_object_mut().unwrap().remove("lambda");
+        }
+        let p = gain_points(&old.to_string()).unwrap();
+        assert_eq!((p.len(), p[0].lambda), (1, Some(1.0)));
     }
 }

@@ -43,7 +43,7 @@ pub enum Method {
     NoClassifier,
     /// The network without a domain classifier, pretrained on the sources alone for the first
     /// three quarters of the iterations, then fine-tuned on the target's labelled days alone
-    /// (the same optimizer carried on).
+    /// at a tenth of the learning rate (the optimizer's moments carried on).
     FineTune,
     /// Strategy 1: reversal layer and one multi-class domain classifier.
     MultiClass,
@@ -210,6 +210,9 @@ impl Default for FitConfig {
         FitConfig { iterations: 300, batch: 64, lr: 3e-3, seed: 1, conv: 16, hidden: 16, lambda: 1.0 }
     }
 }
+
+/// [`Method::FineTune`]'s learning rate in its fine-tuning phase, as a share of [`FitConfig::lr`].
+pub const FINE_TUNE_LR: f64 = 0.1;
 
 /// The last pretraining iteration of [`Method::FineTune`]: three quarters of the run on the
 /// sources, the rest on the target.
@@ -378,6 +381,11 @@ pub struct Losses {
 /// One step of `trainer` on `net` with rank `rank`'s batch of iteration `iter` (collective).
 pub fn train_step(trainer: &mut Trainer, net: &Net, prep: &Prepared, fit: &FitConfig, iter: u64, rank: usize) -> Result<Losses> {
     net.set_lambda(fit.lambda * lambda_schedule(iter as f64 / fit.iterations.max(1) as f64));
+    if prep.method == Method::FineTune {
+        // fine-tuning at a tenth of the rate, the usual practice; set every step, so a run
+        // restored in either phase has it right
+        trainer.set_lr(if iter > fine_tune_from(fit) { fit.lr * FINE_TUNE_LR } else { fit.lr })?;
+    }
     let batch = prep.batch(fit, iter, rank);
     let x = net.input(&batch)?;
     let parts = std::cell::Cell::new((0f32, 0f32));

@@ -168,6 +168,12 @@ impl std::fmt::Debug for ShardEngine {
 }
 
 impl ShardEngine {
+    /// The learning rate of the next steps (a schedule, or a fine-tuning phase); the moments
+    /// and the step count carry on.
+    pub fn set_lr(&mut self, lr: f64) {
+        self.adam.lr = lr;
+    }
+
     /// Shard `layers` (each layer's full initial parameters, the same on every rank) under
     /// `strategy`; `fractions[l]` is the share of layer `l` sharded over all ranks under `hsdp`
     /// (ignored otherwise; the plan's `x`).

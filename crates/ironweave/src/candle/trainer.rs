@@ -360,6 +360,19 @@ impl Trainer {
         Ok(StepStats { loss: lv[0], sync })
     }
 
+    /// Sets the learning rate of the next steps (a schedule, or a fine-tuning phase): the
+    /// moments and the step count carry on. Every rank sets the same rate before the same step.
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        if !lr.is_finite() || lr < 0.0 {
+            return Err(Error::Invalid(format!("learning rate {lr}: give a finite rate ≥ 0")));
+        }
+        self.cfg.adam.lr = lr;
+        if let Holder::Sharded { engine, .. } = &mut self.holder {
+            engine.set_lr(lr);
+        }
+        Ok(())
+    }
+
     /// Gathers every sharded unit and writes it into the model's variables (collective).
     fn gather_into_vars(&mut self) -> Result<()> {
         let Holder::Sharded { engine, .. } = &self.holder else { return Ok(()) };
@@ -574,6 +587,37 @@ mod tests {
             assert_ne!(before, moved, "rank {r}: the later steps changed the state (else the test proves nothing)");
             assert_eq!((after, *steps), (before, 3), "rank {r}: the host state is iteration 3's again");
             assert_eq!(restored, weight, "rank {r}: the model's variables hold iteration 3's weights again");
+        }
+    }
+
+    #[test]
+    fn a_learning_rate_of_zero_holds_the_weights_and_a_bad_one_is_refused() {
+        for layout in [Layout::DataParallel, Layout::sharded(ironweave_sdp::Strategy::Full, 2)] {
+            let out = on_world(2, |_, comm| {
+                let vm = VarMap::new();
+                let lin = model(&vm);
+                let mut t = Trainer::new(&vm, &comm, layout.clone(), TrainerConfig::default()).unwrap();
+                let x = Tensor::ones((4, 3), DType::F32, &Device::Cpu).unwrap();
+                let step = |t: &mut Trainer| {
+                    t.step(&Whole(&lin), &x, |y| y.sqr()?.mean_all()).unwrap();
+                    to_host(lin.weight()).unwrap()
+                };
+                step(&mut t);
+                // sharded, the variables show the weights gathered at a step's start: compare
+                // two steps at rate 0, then two at a rate above it
+                t.set_lr(0.0).unwrap();
+                let moved = step(&mut t);
+                let held = step(&mut t);
+                t.set_lr(1e-3).unwrap();
+                step(&mut t);
+                let again = step(&mut t);
+                (moved, held, again, t.set_lr(f64::NAN).map_err(|e| e.to_string()))
+            });
+            for (moved, held, again, bad) in out {
+                assert_eq!(moved, held, "{layout:?}: no step at rate 0");
+                assert_ne!(held, again, "{layout:?}: steps again at a rate above 0");
+                assert!(bad.is_err_and(|e| e.contains("learning rate")), "{layout:?}");
+            }
         }
     }
 }
