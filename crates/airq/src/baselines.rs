@@ -168,7 +168,7 @@ impl RidgeAr {
 
 /// Solves `a x = b` for a symmetric positive definite `n × n` matrix `a` (row-major) by
 /// Cholesky; `None` if it is not positive definite.
-fn solve_spd(a: &mut [f64], b: &[f64], n: usize) -> Option<Vec<f64>> {
+pub(crate) fn solve_spd(a: &mut [f64], b: &[f64], n: usize) -> Option<Vec<f64>> {
     // a = L L', L stored in the lower triangle of a
     for j in 0..n {
         let mut s = a[j * n + j];

@@ -72,7 +72,7 @@ pub fn daily_pm25(text: &str) -> Result<Vec<f32>> {
 }
 
 /// Days since 1970-01-01 of a civil date (Howard Hinnant's days-from-civil).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+pub(crate) fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     let y = if m <= 2 { y - 1 } else { y };
     let era = y.div_euclid(400);
     let yoe = y - era * 400;

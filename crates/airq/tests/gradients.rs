@@ -32,7 +32,7 @@ fn losses(net: &Net, x: &Tensor, b: &Batch) -> (f64, f64) {
 }
 
 fn check(adversary: Adversary) {
-    let cfg = NetConfig { lookback: 5, horizon: 2, conv: 4, hidden: 3, sources: 2, adversary };
+    let cfg = NetConfig { lookback: 5, horizon: 2, channels: CHANNELS, conv: 4, hidden: 3, sources: 2, adversary };
     let vm = VarMap::new();
     let net = Net::new(&vm, cfg, 7).unwrap();
     let lambda = 1.0;
