@@ -108,6 +108,9 @@ pub struct RunResult {
     pub final_domain_loss: Option<f64>,
     /// Wall time of training and scoring, seconds.
     pub seconds: f64,
+    /// The learned weight of each source (`grl-weighted`), in the order of `sources`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_weights: Option<Vec<f64>>,
 }
 
 fn k_label(k: Option<usize>) -> String {
@@ -187,6 +190,7 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
         let sources =
             if m.uses_sources() { task.sources.iter().map(|&s| data.states[s].name.clone()).collect() } else { Vec::new() };
         let prep = Prepared::new(data.clone(), task, m)?;
+        let mut source_weights = None;
         let (eval, final_domain_loss) = if m == Method::Persistence {
             (evaluate(None, &prep)?, None)
         } else if m == Method::Climatology {
@@ -200,6 +204,7 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
             let tail = &f.losses[f.losses.len() - (f.losses.len() / 10).max(1)..];
             let dom = (m.adversary() != crate::model::Adversary::None)
                 .then(|| tail.iter().map(|l| f64::from(l.domain)).sum::<f64>() / tail.len() as f64);
+            source_weights = f.net.source_weights();
             (evaluate(Some(&f.net), &prep)?, dom)
         };
         let r = RunResult {
@@ -211,6 +216,7 @@ pub fn run(data: Arc<AirData>, grid: &Grid, mut progress: impl FnMut(usize, usiz
             eval,
             final_domain_loss,
             seconds: t0.elapsed().as_secs_f64(),
+            source_weights,
         };
         progress(i + 1, total, &r);
         out.push(r);
@@ -469,6 +475,38 @@ pub fn change_table(without: &[RunResult], with: &[RunResult]) -> String {
     s
 }
 
+/// The learned source weights of `grl-weighted` (empty when no result has any): a row per
+/// source count, each source's weight as mean ± sd over seeds, heaviest first (they average 1).
+pub fn weights_table(results: &[RunResult]) -> String {
+    let mut s = String::new();
+    let mut ks: Vec<&str> = Vec::new();
+    for r in results.iter().filter(|r| r.source_weights.is_some()) {
+        if !ks.contains(&r.k.as_str()) {
+            ks.push(&r.k);
+        }
+    }
+    if ks.is_empty() {
+        return s;
+    }
+    s += "| sources | method | seeds | learned weight per source, mean ± sd over seeds (they average 1) |\n|---|---|---|---|\n";
+    for k in ks {
+        let rs: Vec<&RunResult> = results.iter().filter(|r| r.k == k && r.source_weights.is_some()).collect();
+        let mut per: Vec<(String, Vec<f64>)> = Vec::new();
+        for r in &rs {
+            for (name, w) in r.sources.iter().zip(r.source_weights.iter().flatten()) {
+                match per.iter_mut().find(|(n, _)| n == name) {
+                    Some((_, v)) => v.push(*w),
+                    None => per.push((name.clone(), vec![*w])),
+                }
+            }
+        }
+        per.sort_by(|a, b| mean_sd(&b.1).0.total_cmp(&mean_sd(&a.1).0));
+        let cells: Vec<String> = per.iter().map(|(n, v)| format!("{n} {}", cell(v))).collect();
+        s += &format!("| {k} | {} | {} | {} |\n", Method::Weighted.name(), rs.len(), cells.join("; "));
+    }
+    s
+}
+
 /// One adversary in one setting: its gain over the network without a classifier against the
 /// domain information in that network's features.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -533,7 +571,7 @@ pub fn gain_points(json: &str) -> Result<Vec<GainPoint>> {
                 // results written before `--lambdas` carry no λ: the adversaries then ran at 1
                 lambda: r["lambda"].as_f64().or_else(|| {
                     let m = r["method"].as_str();
-                    (m == Some("MultiClass") || m == Some("PerSource")).then_some(1.0)
+                    matches!(m, Some("MultiClass" | "PerSource" | "Weighted")).then_some(1.0)
                 }),
                 test: f(&r["eval"]["target"]["rmse"]),
                 val: f(&r["eval"]["target_val"]["rmse"]),
@@ -576,6 +614,7 @@ pub fn gain_points(json: &str) -> Result<Vec<GainPoint>> {
         let name = match m.as_str() {
             "MultiClass" => Method::MultiClass.name(),
             "PerSource" => Method::PerSource.name(),
+            "Weighted" => Method::Weighted.name(),
             o => return Err(bad(&format!("an adversary `{o}`"))),
         };
         out.push(GainPoint {
@@ -630,6 +669,7 @@ mod tests {
             eval: Evaluation { target: t, ..Default::default() },
             final_domain_loss: None,
             seconds: 0.0,
+            source_weights: None,
         }
     }
 
@@ -720,5 +760,18 @@ mod tests {
         }
         let p = gain_points(&old.to_string()).unwrap();
         assert_eq!((p.len(), p[0].lambda), (1, Some(1.0)));
+    }
+
+    #[test]
+    fn the_weights_table_lists_each_source_heaviest_first() {
+        let mut a = r(Method::Weighted, "2", 1, 9.0);
+        a.sources = vec!["Hessen".into(), "Beijing".into()];
+        a.source_weights = Some(vec![1.9, 0.1]);
+        let mut b = a.clone();
+        b.seed = 2;
+        b.source_weights = Some(vec![1.7, 0.3]);
+        let t = weights_table(&[a, b, r(Method::PerSource, "2", 1, 9.0)]);
+        assert!(t.contains("| 2 | grl-weighted | 2 | Hessen 1.80 ± 0.14; Beijing 0.20 ± 0.14 |"), "{t}");
+        assert!(weights_table(&[r(Method::PerSource, "2", 1, 9.0)]).is_empty());
     }
 }

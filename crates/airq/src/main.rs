@@ -336,12 +336,20 @@ fn real_main() -> anyhow::Result<()> {
                     experiment::lambda_table(&results)
                 );
             }
+            let weights = experiment::weights_table(&results);
+            if !weights.is_empty() {
+                table += &format!("\nlearned source weights (grl-weighted):\n\n{weights}");
+            }
             if let Some(w) = &without {
                 table += &format!(
                     "\nwithout the irrelevant source (the same run):\n\n{}\nwhat adding it changed (target RMSE, paired by seed):\n\n{}",
                     experiment::table(w),
                     experiment::change_table(w, &results)
                 );
+                let weights = experiment::weights_table(w);
+                if !weights.is_empty() {
+                    table += &format!("\nlearned source weights without it:\n\n{weights}");
+                }
             }
             std::fs::write(
                 out.join("results.json"),

@@ -25,7 +25,7 @@
 //! The whole forward is one [`Staged`] stage: the output is `[forecast (horizon) | domain
 //! logits]`, and the loss ([`Net::loss`]) splits it.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::rnn::{GRUConfig, LSTMConfig, GRU, LSTM, RNN};
@@ -124,7 +124,18 @@ pub struct Net {
     head2: Linear,
     disc: Vec<(Linear, Linear)>,
     lambda: Cell<f64>,
+    /// Per source: the running mean of its discriminator's loss (strategy 2 with learned
+    /// source weights, [`Net::weigh_sources`]).
+    source_losses: RefCell<Option<Vec<f64>>>,
 }
+
+/// How sharply the learned source weights follow the discriminators' losses: weight ∝
+/// exp(loss / this). A discriminator at chance has loss ln 2 ≈ 0.69; one that tells its source
+/// from the target perfectly, 0 — at 0.1, the first source's weight is e^6.9 ≈ 1,000 times the
+/// second's.
+pub const WEIGHT_TEMPERATURE: f64 = 0.1;
+/// The running mean's step: about the last 1 / this iterations count.
+pub const WEIGHT_SMOOTHING: f64 = 0.05;
 
 impl Net {
     /// Builds the layers in `vm` (initialised from `seed`, deterministically).
@@ -153,6 +164,7 @@ impl Net {
             head2: linear(32, cfg.horizon, vb.pp("head.l2"))?,
             disc,
             lambda: Cell::new(0.0),
+            source_losses: RefCell::new(None),
         };
         init_by_name(vm, seed)?;
         Ok(net)
@@ -166,6 +178,26 @@ impl Net {
     /// Sets the reversal layer's weight for the next forward.
     pub fn set_lambda(&self, l: f64) {
         self.lambda.set(l);
+    }
+
+    /// Learns a weight per source from its discriminator's loss (strategy 2 only): a source
+    /// whose discriminator tells it from the target easily (low loss) counts less in the
+    /// regression loss, one that looks like the target more. The weights are
+    /// `k · softmax(L̄ / WEIGHT_TEMPERATURE)` over the `k` sources, `L̄` each discriminator's
+    /// running mean loss (starting at ln 2, chance); they average 1 and carry no gradient.
+    pub fn weigh_sources(&self) -> Result<()> {
+        if self.cfg.adversary != Adversary::PerSource || self.cfg.sources == 0 {
+            return Err(crate::Error::Config(
+                "learned source weights need one discriminator per source (grl-per-source's network)".into(),
+            ));
+        }
+        *self.source_losses.borrow_mut() = Some(vec![std::f64::consts::LN_2; self.cfg.sources]);
+        Ok(())
+    }
+
+    /// The learned source weights (`None` unless [`Net::weigh_sources`]).
+    pub fn source_weights(&self) -> Option<Vec<f64>> {
+        self.source_losses.borrow().as_deref().map(weights_of)
     }
 
     /// Domain logits per window.
@@ -222,7 +254,20 @@ impl Net {
         let pred = out.narrow(1, 0, h)?;
         let y = Tensor::from_slice(&batch.y, (n, h), dev)?;
         let mask = Tensor::from_slice(&batch.mask, (n, h), dev)?;
-        let count = batch.mask.iter().sum::<f32>().max(1.0);
+        // learned source weights scale each source window's share of the regression loss
+        let weights = self.source_weights();
+        let row_mask: Vec<f32> = match &weights {
+            Some(w) => batch
+                .mask
+                .iter()
+                .enumerate()
+                .map(|(i, &m)| m * w.get(batch.domain[i / h] as usize).map_or(1.0, |&x| x as f32))
+                .collect(),
+            None => batch.mask.clone(),
+        };
+        let mask = if weights.is_some() { Tensor::from_slice(&row_mask, (n, h), dev)? } else { mask };
+        let sum = row_mask.iter().sum::<f32>();
+        let count = if weights.is_some() { sum.max(1e-6) } else { sum.max(1.0) };
         let reg = ((pred - y)?.sqr()? * &mask)?.sum_all()?.affine(1.0 / f64::from(count), 0.0)?;
         let dom = match self.cfg.adversary {
             Adversary::None => None,
@@ -249,6 +294,19 @@ impl Net {
                 let t = Tensor::from_vec(t, (n, k), dev)?;
                 // binary cross-entropy with logits, stable: max(z, 0) − z·t + log(1 + e^(−|z|))
                 let bce = ((z.relu()? - (&z * &t)?)? + (z.abs()?.neg()?.exp()? + 1.0)?.log()?)?;
+                if let Some(avg) = self.source_losses.borrow_mut().as_mut() {
+                    // each discriminator's loss over its source's windows and the target's
+                    let (b, wv): (Vec<Vec<f32>>, Vec<Vec<f32>>) = (bce.to_vec2()?, w.to_vec2()?);
+                    for (i, a) in avg.iter_mut().enumerate() {
+                        let (num, den) = b
+                            .iter()
+                            .zip(&wv)
+                            .fold((0f64, 0f64), |(s, c), (br, wr)| (s + f64::from(br[i] * wr[i]), c + f64::from(wr[i])));
+                        if den > 0.0 {
+                            *a += WEIGHT_SMOOTHING * (num / den - *a);
+                        }
+                    }
+                }
                 Some((bce * w)?.sum_all()?.affine(1.0 / n as f64, 0.0)?)
             }
         };
@@ -277,6 +335,14 @@ impl Staged for Net {
             None => Ok(pred),
         }
     }
+}
+
+/// `k · softmax(losses / WEIGHT_TEMPERATURE)`: the source weights of [`Net::weigh_sources`].
+pub fn weights_of(losses: &[f64]) -> Vec<f64> {
+    let top = losses.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = losses.iter().map(|l| ((l - top) / WEIGHT_TEMPERATURE).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    e.iter().map(|x| x * losses.len() as f64 / sum).collect()
 }
 
 /// Sets every variable of `vm` uniform in ±1/√fan-in from its own stream, seeded by `seed` and
@@ -356,5 +422,42 @@ mod tests {
     fn lambda_rises_from_zero_towards_one() {
         assert_eq!(lambda_schedule(0.0), 0.0);
         assert!(lambda_schedule(0.5) > 0.98 && lambda_schedule(1.0) < 1.0);
+    }
+
+    #[test]
+    fn learned_source_weights_follow_the_discriminators_losses() {
+        // at chance everywhere: all 1; a source told apart perfectly: near 0, the other near 2
+        assert_eq!(weights_of(&[0.5, 0.5, 0.5]), vec![1.0, 1.0, 1.0]);
+        let w = weights_of(&[std::f64::consts::LN_2, 0.0]);
+        assert!((w.iter().sum::<f64>() - 2.0).abs() < 1e-12 && w[1] < 0.002 && w[0] > 1.99, "{w:?}");
+        let cfg = |adversary| NetConfig {
+            lookback: 4,
+            horizon: 1,
+            channels: crate::pipeline::CHANNELS,
+            conv: 4,
+            hidden: 3,
+            sources: 2,
+            adversary,
+        };
+        let vm = VarMap::new();
+        assert!(Net::new(&vm, cfg(Adversary::MultiClass), 1).unwrap().weigh_sources().is_err());
+        let vm = VarMap::new();
+        let net = Net::new(&vm, cfg(Adversary::PerSource), 1).unwrap();
+        assert_eq!(net.source_weights(), None);
+        net.weigh_sources().unwrap();
+        assert_eq!(net.source_weights(), Some(vec![1.0, 1.0]));
+        // a batch of a window per source and one of the target: the losses move the weights,
+        // which still average 1
+        let b = Batch {
+            n: 3,
+            x: (0..3 * 4 * crate::pipeline::CHANNELS).map(|i| (i % 7) as f32 * 0.3 - 1.0).collect(),
+            y: vec![0.5, -0.5, 0.0],
+            mask: vec![1.0, 1.0, 0.0],
+            domain: vec![0, 1, 2],
+        };
+        let out = net.forward_stage(0, &net.input(&b).unwrap()).unwrap();
+        net.loss(&out, &b).unwrap();
+        let w = net.source_weights().unwrap();
+        assert!(w != vec![1.0, 1.0] && (w[0] + w[1] - 2.0).abs() < 1e-9, "{w:?}");
     }
 }

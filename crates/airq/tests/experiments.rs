@@ -96,7 +96,7 @@ fn the_irrelevant_source_is_added_and_compared_in_the_same_run() {
         "--irrelevant-source",
         "beijing",
         "--methods",
-        "no-classifier,grl-per-source",
+        "no-classifier,grl-per-source,grl-weighted",
         "--sources",
         "1",
         "--seeds",
@@ -109,6 +109,23 @@ fn the_irrelevant_source_is_added_and_compared_in_the_same_run() {
     let (ok, text) = airq(&args);
     assert!(ok, "{text}");
     assert!(text.contains("irrelevant source Beijing") && text.contains("what adding it changed"), "{text}");
+    // the learned weights, with and without Beijing: Beijing among the sources, they average 1
+    let weights_after = |head: &str| -> String {
+        let part = text.split(head).nth(1).unwrap_or_else(|| panic!("no `{head}`: {text}"));
+        part.lines().find(|l| l.starts_with("| 1 | grl-weighted | 2 |")).unwrap().to_string()
+    };
+    let with = weights_after("learned source weights (grl-weighted):");
+    let cells: Vec<f64> = with
+        .split('|')
+        .nth(4)
+        .unwrap()
+        .split(';')
+        .map(|c| c.trim().rsplit(' ').nth(2).unwrap().parse::<f64>().unwrap())
+        .collect();
+    assert!(with.contains("Beijing") && cells.len() == 2, "{with}");
+    assert!((cells.iter().sum::<f64>() / 2.0 - 1.0).abs() < 0.02, "{cells:?}");
+    // one German source alone: its weight is 1
+    assert!(weights_after("learned source weights without it:").ends_with(" 1.00 ± 0.00 |"), "{text}");
     let changes = text.split("what adding it changed").nth(1).unwrap();
     assert!(row(changes, "grl-per-source")[7].contains('['), "the adversary's change against the plain network's: {changes}");
     // every run of the grid learned from the Beijing station, none of the comparison grid's did
