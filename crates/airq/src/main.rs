@@ -73,6 +73,16 @@ impl Common {
     }
 }
 
+/// Writes an experiment's OUT/table.md and OUT/report.html (its tables, a plot each) and
+/// prints the tables.
+fn write_tables(out: &std::path::Path, title: &str, table: &str) -> anyhow::Result<()> {
+    std::fs::write(out.join("table.md"), table)?;
+    std::fs::write(out.join("report.html"), ironweave_airq::report::page_from_table_md(title, table))?;
+    println!("{table}");
+    println!("results: {}, report: {}", out.join("results.json").display(), out.join("report.html").display());
+    Ok(())
+}
+
 fn parse_k(s: &str) -> anyhow::Result<Option<usize>> {
     if s == "all" {
         Ok(None)
@@ -357,10 +367,7 @@ fn real_main() -> anyhow::Result<()> {
                     &serde_json::json!({"grid": grid, "results": results, "without_irrelevant": without}),
                 )?,
             )?;
-            std::fs::write(out.join("table.md"), &table)?;
-            std::fs::write(out.join("report.html"), ironweave_airq::report::page_from_table_md("airq experiment", &table))?;
-            println!("{table}");
-            println!("results: {}, report: {}", out.join("results.json").display(), out.join("report.html").display());
+            write_tables(&out, "airq experiment", &table)?;
         }
         Cmd::Hourly { inputs, seeds, iterations, optim, beijing, out, dry_run } => {
             let grid = hourly::HourlyGrid {
@@ -393,10 +400,7 @@ fn real_main() -> anyhow::Result<()> {
                 out.join("results.json"),
                 serde_json::to_string_pretty(&serde_json::json!({"grid": grid, "results": results}))?,
             )?;
-            std::fs::write(out.join("table.md"), &table)?;
-            std::fs::write(out.join("report.html"), ironweave_airq::report::page_from_table_md("airq hourly", &table))?;
-            println!("{table}");
-            println!("results: {}, report: {}", out.join("results.json").display(), out.join("report.html").display());
+            write_tables(&out, "airq hourly", &table)?;
         }
         Cmd::GainPlot { results, out } => {
             let mut points = Vec::new();

@@ -253,7 +253,6 @@ impl Net {
         let dev = out.device();
         let pred = out.narrow(1, 0, h)?;
         let y = Tensor::from_slice(&batch.y, (n, h), dev)?;
-        let mask = Tensor::from_slice(&batch.mask, (n, h), dev)?;
         // learned source weights scale each source window's share of the regression loss
         let weights = self.source_weights();
         let row_mask: Vec<f32> = match &weights {
@@ -265,7 +264,7 @@ impl Net {
                 .collect(),
             None => batch.mask.clone(),
         };
-        let mask = if weights.is_some() { Tensor::from_slice(&row_mask, (n, h), dev)? } else { mask };
+        let mask = Tensor::from_slice(&row_mask, (n, h), dev)?;
         let sum = row_mask.iter().sum::<f32>();
         let count = if weights.is_some() { sum.max(1e-6) } else { sum.max(1.0) };
         let reg = ((pred - y)?.sqr()? * &mask)?.sum_all()?.affine(1.0 / f64::from(count), 0.0)?;
