@@ -105,9 +105,8 @@ impl RidgeAr {
         let h = horizon;
         let (mean, std) = (f64::from(norm.mean), f64::from(norm.std));
         let p = FEATURES + 1;
-        // per horizon day: the normal equations X'X and X'y over the windows observed that day
-        let mut xtx = vec![vec![0f64; p * p]; h];
-        let mut xty = vec![vec![0f64; p]; h];
+        // per horizon day: the normal equations over the windows observed that day
+        let mut eqs: Vec<NormalEquations> = (0..h).map(|_| NormalEquations::new(p, 1)).collect();
         let mut f = [0f64; FEATURES];
         let mut row = vec![0f64; p];
         for &w in training {
@@ -115,33 +114,25 @@ impl RidgeAr {
             row[0] = 1.0;
             row[1..].copy_from_slice(&f);
             let x = d.series(usize::from(w.station));
-            for k in 0..h {
+            for (k, eq) in eqs.iter_mut().enumerate() {
                 let y = x[w.day as usize + 1 + k];
-                if !y.is_finite() {
-                    continue;
-                }
-                let y = (f64::from(y) - mean) / std;
-                for i in 0..p {
-                    xty[k][i] += row[i] * y;
-                    for j in 0..p {
-                        xtx[k][i * p + j] += row[i] * row[j];
-                    }
+                if y.is_finite() {
+                    eq.add(&row, &[(f64::from(y) - mean) / std]);
                 }
             }
         }
-        let weights = (0..h)
-            .map(|k| {
-                let mut a = xtx[k].clone();
-                if a[0] == 0.0 {
+        let weights = eqs
+            .into_iter()
+            .enumerate()
+            .map(|(k, eq)| {
+                if eq.rows() == 0 {
                     return Err(Error::Config(format!(
                         "ridge autoregression: no observed training target {} day(s) ahead",
                         k + 1
                     )));
                 }
-                for i in 1..p {
-                    a[i * p + i] += RIDGE_PENALTY;
-                }
-                solve_spd(&mut a, &xty[k], p)
+                eq.solve_ridge(RIDGE_PENALTY)
+                    .and_then(|mut w| w.pop())
                     .ok_or_else(|| Error::Config("ridge autoregression: singular normal equations".into()))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -163,6 +154,66 @@ impl RidgeAr {
                     .collect()
             })
             .collect()
+    }
+}
+
+/// The normal equations of least-squares fits that share their rows and differ in their
+/// targets: X'X (its upper triangle accumulated) and X'y per target. The daily ridge (one
+/// target per horizon day, each over the windows observed that day) and the hourly ridge (one
+/// system, a target per lead) both accumulate here.
+#[derive(Debug, Clone)]
+pub(crate) struct NormalEquations {
+    p: usize,
+    xtx: Vec<f64>,
+    xty: Vec<Vec<f64>>,
+    rows: usize,
+}
+
+impl NormalEquations {
+    /// Empty equations for `p` weights (the first an intercept) and `targets` targets.
+    pub(crate) fn new(p: usize, targets: usize) -> NormalEquations {
+        NormalEquations { p, xtx: vec![0.0; p * p], xty: vec![vec![0.0; p]; targets], rows: 0 }
+    }
+
+    /// Adds one row `x` (length p) with a value `ys[t]` per target.
+    pub(crate) fn add(&mut self, x: &[f64], ys: &[f64]) {
+        let p = self.p;
+        for i in 0..p {
+            let xi = x[i];
+            if xi == 0.0 {
+                continue;
+            }
+            let row = &mut self.xtx[i * p..(i + 1) * p];
+            for j in i..p {
+                row[j] += xi * x[j];
+            }
+        }
+        for (b, &y) in self.xty.iter_mut().zip(ys) {
+            for i in 0..p {
+                b[i] += x[i] * y;
+            }
+        }
+        self.rows += 1;
+    }
+
+    /// Rows added.
+    pub(crate) fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The ridge weights of each target: `penalty` on every weight but the intercept; `None`
+    /// if the system is singular.
+    pub(crate) fn solve_ridge(mut self, penalty: f64) -> Option<Vec<Vec<f64>>> {
+        let p = self.p;
+        for i in 0..p {
+            for j in 0..i {
+                self.xtx[i * p + j] = self.xtx[j * p + i];
+            }
+            if i > 0 {
+                self.xtx[i * p + i] += penalty;
+            }
+        }
+        self.xty.iter().map(|b| solve_spd(&mut self.xtx.clone(), b, p)).collect()
     }
 }
 

@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use crate::baselines::{Climatology, RidgeAr};
 use crate::data::AirData;
+use crate::metrics::LeadMetrics;
 use crate::pipeline::Split;
 use crate::train::{evaluate, evaluate_with, fit, Evaluation, FitConfig, Forecaster, Method, Prepared, Task};
 use crate::{Error, Result};
@@ -284,18 +285,7 @@ pub fn table(results: &[RunResult]) -> String {
         "| sources | method | seeds | target RMSE | target MAE | target R² | target RMSE, days 1–3 | vs persistence | Δ RMSE vs no-classifier (95% CI) | sources RMSE | vs source-only | unseen-state RMSE | domain probe (chance) |\n\
          |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
-    let mut keys: Vec<(String, Method)> = Vec::new();
-    for r in results {
-        if !keys.contains(&(r.k.clone(), r.method)) {
-            keys.push((r.k.clone(), r.method));
-        }
-    }
-    let order = |k: &str| match k {
-        "-" => 0,
-        "all" => usize::MAX,
-        n => n.parse().unwrap_or(usize::MAX - 1),
-    };
-    keys.sort_by_key(|(k, m)| (order(k), Method::ALL.iter().position(|x| x == m)));
+    let keys = row_keys(results);
     let find = |k: &str, m: Method, seed: Option<u64>| -> Vec<&RunResult> {
         results.iter().filter(|r| r.k == k && r.method == m && seed.is_none_or(|s| r.seed == s)).collect()
     };
@@ -342,7 +332,7 @@ pub fn table(results: &[RunResult]) -> String {
         let vs_src = if m == Method::SourceOnly || k == "-" {
             "–".into()
         } else {
-            cell(&against(&rs, &k, Method::SourceOnly, &|r| r.eval.sources.map(|x| x.rmse), |a, b| a / b))
+            cell(&against(&rs, &k, Method::SourceOnly, &|r| r.eval.sources.as_ref().map(|x| x.rmse), |a, b| a / b))
         };
         let name = match rs.first().and_then(|r| r.lambda) {
             Some(l) if several => format!("{} (λ {l})", m.name()),
@@ -355,9 +345,69 @@ pub fn table(results: &[RunResult]) -> String {
             cell(&f(&|r| Some(r.eval.target.mae))),
             cell(&f(&|r| Some(r.eval.target.r2))),
             cell(&f(&|r| Some(r.eval.target.rmse_horizon))),
-            cell(&f(&|r| r.eval.sources.map(|x| x.rmse))),
-            cell(&f(&|r| r.eval.unseen.map(|x| x.rmse))),
+            cell(&f(&|r| r.eval.sources.as_ref().map(|x| x.rmse))),
+            cell(&f(&|r| r.eval.unseen.as_ref().map(|x| x.rmse))),
         );
+    }
+    s
+}
+
+/// The (source count, method) pairs of `results` in table order: baselines without sources
+/// first, then by source count, methods in [`Method::ALL`]'s order.
+fn row_keys(results: &[RunResult]) -> Vec<(String, Method)> {
+    let mut keys: Vec<(String, Method)> = Vec::new();
+    for r in results {
+        if !keys.contains(&(r.k.clone(), r.method)) {
+            keys.push((r.k.clone(), r.method));
+        }
+    }
+    let order = |k: &str| match k {
+        "-" => 0,
+        "all" => usize::MAX,
+        n => n.parse().unwrap_or(usize::MAX - 1),
+    };
+    keys.sort_by_key(|(k, m)| (order(k), Method::ALL.iter().position(|x| x == m)));
+    keys
+}
+
+/// The target's test scores per horizon day: RMSE, MAE and R² (means over seeds) and the
+/// RMSE's ratio to persistence's on the same day, one row per (method, source count) as in
+/// [`table`] (λ chosen the same way). Empty when no run scored per day (results written
+/// before the scores were kept per day).
+pub fn horizon_table(results: &[RunResult]) -> String {
+    let chosen = choose_lambda(results);
+    let results = chosen.as_slice();
+    let horizon = results.iter().map(|r| r.eval.target.days.len()).max().unwrap_or(0);
+    if horizon == 0 {
+        return String::new();
+    }
+    let pers: Vec<Option<f64>> = (0..horizon)
+        .map(|h| results.iter().find(|r| r.method == Method::Persistence).and_then(|r| r.eval.target.days.get(h)).map(|d| d.rmse))
+        .collect();
+    let mut s = String::from("| sources | method | seeds |");
+    let mut rule = String::from("|---|---|---|");
+    for h in 1..=horizon {
+        s += &format!(" day {h} RMSE | day {h} MAE | day {h} R² | day {h} vs persistence |");
+        rule += "---|---|---|---|";
+    }
+    s += &format!("\n{rule}\n");
+    let mean = |v: &[f64]| if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 };
+    for (k, m) in row_keys(results) {
+        let rs: Vec<&RunResult> = results.iter().filter(|r| r.k == k && r.method == m).collect();
+        s += &format!("| {k} | {} | {} |", m.name(), rs.len());
+        for (h, p) in pers.iter().enumerate() {
+            let get = |f: fn(&LeadMetrics) -> f64| {
+                mean(&rs.iter().filter_map(|r| r.eval.target.days.get(h).map(f)).collect::<Vec<_>>())
+            };
+            let rmse = get(|d| d.rmse);
+            let vs = match p {
+                Some(p) if *p > 0.0 && rmse.is_finite() => format!("{:.2}", rmse / p),
+                _ => "–".into(),
+            };
+            let num = |x: f64| if x.is_finite() { format!("{x:.2}") } else { "–".into() };
+            s += &format!(" {} | {} | {} | {vs} |", num(rmse), num(get(|d| d.mae)), num(get(|d| d.r2)));
+        }
+        s += "\n";
     }
     s
 }
@@ -659,7 +709,12 @@ mod tests {
     use crate::train::{Evaluation, Metrics};
 
     fn r(m: Method, k: &str, seed: u64, rmse: f64) -> RunResult {
-        let t = Metrics { rmse, mae: rmse / 2.0, rmse_horizon: rmse, r2: 0.5, n: 10 };
+        // two horizon days: tomorrow's scores, then the day after's (RMSE 1.5x)
+        let days = vec![
+            LeadMetrics { lead: 1, rmse, mae: rmse / 2.0, r2: 0.5, n: 10 },
+            LeadMetrics { lead: 2, rmse: rmse * 1.5, mae: rmse, r2: 0.25, n: 10 },
+        ];
+        let t = Metrics { rmse, mae: rmse / 2.0, rmse_horizon: rmse, r2: 0.5, n: 10, days };
         RunResult {
             method: m,
             sources: vec![],
@@ -671,6 +726,30 @@ mod tests {
             seconds: 0.0,
             source_weights: None,
         }
+    }
+
+    #[test]
+    fn the_horizon_table_gives_each_day_s_means_and_ratio_to_persistence_s_same_day() {
+        let rs = [
+            r(Method::Persistence, "-", 0, 10.0),
+            r(Method::MultiClass, "all", 1, 8.0),
+            r(Method::MultiClass, "all", 2, 10.0),
+            r(Method::NoClassifier, "all", 1, 9.0),
+        ];
+        let t = horizon_table(&rs);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(
+            lines[0],
+            "| sources | method | seeds | day 1 RMSE | day 1 MAE | day 1 R² | day 1 vs persistence | day 2 RMSE | day 2 MAE | day 2 R² | day 2 vs persistence |"
+        );
+        assert_eq!(lines[2], "| - | persistence | 1 | 10.00 | 5.00 | 0.50 | 1.00 | 15.00 | 10.00 | 0.25 | 1.00 |");
+        // multiclass: day 1 RMSE (8 + 10) / 2 = 9, day 2 (12 + 15) / 2 = 13.5 against 15
+        assert_eq!(lines[4], "| all | grl-multiclass | 2 | 9.00 | 4.50 | 0.50 | 0.90 | 13.50 | 9.00 | 0.25 | 0.90 |");
+        assert_eq!(lines.len(), 5);
+        // results kept before the scores were kept per day have no such table
+        let mut old = r(Method::NoClassifier, "1", 1, 9.0);
+        old.eval.target.days.clear();
+        assert!(horizon_table(&[old]).is_empty());
     }
 
     #[test]

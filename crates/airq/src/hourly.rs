@@ -18,7 +18,9 @@ use candle_nn::VarMap;
 use ironweave::candle::{Layout, Trainer};
 use serde::{Deserialize, Serialize};
 
+use crate::baselines::NormalEquations;
 use crate::beijing::{days_from_civil, default_path, FILE, PACKAGE};
+use crate::metrics::ErrorSums;
 use crate::model::{Adversary, Net, NetConfig};
 use crate::pipeline::Batch;
 use crate::train::FitConfig;
@@ -249,20 +251,7 @@ impl Hourly {
     }
 }
 
-/// Errors at one lead, µg/m³.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct LeadMetrics {
-    /// Hours ahead.
-    pub lead: usize,
-    /// Root mean squared error.
-    pub rmse: f64,
-    /// Mean absolute error.
-    pub mae: f64,
-    /// 1 − squared error / variance of the observations scored.
-    pub r2: f64,
-    /// Observed targets scored.
-    pub n: usize,
-}
+pub use crate::metrics::LeadMetrics;
 
 /// Scores `preds` (`[window][lead]`, µg/m³) of windows `ts` at every lead.
 pub fn score(h: &Hourly, ts: &[usize], preds: &[Vec<f32>]) -> Vec<LeadMetrics> {
@@ -270,28 +259,14 @@ pub fn score(h: &Hourly, ts: &[usize], preds: &[Vec<f32>]) -> Vec<LeadMetrics> {
         .iter()
         .enumerate()
         .map(|(k, &lead)| {
-            let (mut se, mut ae, mut n, mut so, mut so2) = (0f64, 0f64, 0usize, 0f64, 0f64);
+            let mut sums = ErrorSums::default();
             for (&t, p) in ts.iter().zip(preds) {
                 let obs = h.pm[t + lead];
-                if !obs.is_finite() {
-                    continue;
+                if obs.is_finite() {
+                    sums.add(p[k], obs);
                 }
-                let e = f64::from(p[k] - obs);
-                se += e * e;
-                ae += e.abs();
-                n += 1;
-                so += f64::from(obs);
-                so2 += f64::from(obs).powi(2);
             }
-            let sst = so2 - so * so / n.max(1) as f64;
-            let d = |x: f64| if n == 0 { f64::NAN } else { x / n as f64 };
-            LeadMetrics {
-                lead,
-                rmse: d(se).sqrt(),
-                mae: d(ae),
-                r2: if n > 1 && sst > 0.0 { 1.0 - se / sst } else { f64::NAN },
-                n,
-            }
+            sums.at(lead)
         })
         .collect()
 }
@@ -310,11 +285,11 @@ impl HourlyRidge {
     /// Fits on `train`.
     pub fn fit(h: &Hourly, norm: &HourlyNorm, inputs: Inputs, train: &[usize]) -> Result<HourlyRidge> {
         let p = 1 + LOOKBACK * inputs.channels();
-        // the normal equations: X'X (upper triangle accumulated, then mirrored) and X'y per lead
-        let mut xtx = vec![0f64; p * p];
-        let mut xty = vec![vec![0f64; p]; LEADS.len()];
+        // one system, a target per lead, over the windows whose every lead is observed
+        let mut eq = NormalEquations::new(p, LEADS.len());
         let mut x = Vec::with_capacity(p);
-        let mut rows = 0usize;
+        let mut row = vec![0f64; p];
+        let mut ys = [0f64; LEADS.len()];
         for &t in train {
             if LEADS.iter().any(|l| !h.pm[t + l].is_finite()) {
                 continue;
@@ -322,42 +297,18 @@ impl HourlyRidge {
             x.clear();
             x.push(1.0f32);
             h.input(norm, inputs, t, &mut x);
-            for i in 0..p {
-                let xi = f64::from(x[i]);
-                if xi == 0.0 {
-                    continue;
-                }
-                let row = &mut xtx[i * p..(i + 1) * p];
-                for j in i..p {
-                    row[j] += xi * f64::from(x[j]);
-                }
+            row.iter_mut().zip(&x).for_each(|(r, &v)| *r = f64::from(v));
+            for (y, l) in ys.iter_mut().zip(LEADS) {
+                *y = f64::from((h.pm[t + l] - norm.pm.0) / norm.pm.1);
             }
-            for (k, l) in LEADS.iter().enumerate() {
-                let y = f64::from((h.pm[t + l] - norm.pm.0) / norm.pm.1);
-                for i in 0..p {
-                    xty[k][i] += f64::from(x[i]) * y;
-                }
-            }
-            rows += 1;
+            eq.add(&row, &ys);
         }
-        if rows <= p {
-            return Err(Error::Config(format!("hourly ridge: {rows} complete training windows for {p} weights")));
+        if eq.rows() <= p {
+            return Err(Error::Config(format!("hourly ridge: {} complete training windows for {p} weights", eq.rows())));
         }
-        for i in 0..p {
-            for j in 0..i {
-                xtx[i * p + j] = xtx[j * p + i];
-            }
-            if i > 0 {
-                xtx[i * p + i] += crate::baselines::RIDGE_PENALTY;
-            }
-        }
-        let weights = xty
-            .iter()
-            .map(|b| {
-                crate::baselines::solve_spd(&mut xtx.clone(), b, p)
-                    .ok_or_else(|| Error::Config("hourly ridge: singular normal equations".into()))
-            })
-            .collect::<Result<_>>()?;
+        let weights = eq
+            .solve_ridge(crate::baselines::RIDGE_PENALTY)
+            .ok_or_else(|| Error::Config("hourly ridge: singular normal equations".into()))?;
         Ok(HourlyRidge { inputs, weights })
     }
 

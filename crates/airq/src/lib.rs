@@ -28,6 +28,7 @@ pub mod data;
 pub mod domains;
 pub mod experiment;
 pub mod hourly;
+pub mod metrics;
 pub mod model;
 pub mod pipeline;
 pub mod rdata;

@@ -340,6 +340,10 @@ fn real_main() -> anyhow::Result<()> {
             let results = experiment::run(data, &grid, progress)?;
             std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
             let mut table = format!("{}\n\n{}", grid.settings(), experiment::table(&results));
+            let days = experiment::horizon_table(&results);
+            if !days.is_empty() {
+                table += &format!("\nthe target's test scores per horizon day (means over seeds):\n\n{days}");
+            }
             if grid.lambdas.len() > 1 {
                 table += &format!(
                     "\nλ chosen on the target's validation years (2006–2007):\n\n{}",

@@ -60,7 +60,7 @@ impl ReportData {
             persistence.target.mae,
             eval.target.n
         ));
-        if let (Some(s), Some(p)) = (eval.sources, persistence.sources) {
+        if let (Some(s), Some(p)) = (&eval.sources, &persistence.sources) {
             summary.push(format!("sources test RMSE {:.2} (persistence {:.2})", s.rmse, p.rmse));
         }
         if let Some(dm) = eval.domain {
@@ -75,7 +75,7 @@ impl ReportData {
                 pr.balanced_accuracy, pr.chance
             ));
         }
-        if let (Some(u), Some(p)) = (eval.unseen, persistence.unseen) {
+        if let (Some(u), Some(p)) = (&eval.unseen, &persistence.unseen) {
             summary.push(format!("never-seen state test RMSE {:.2} (persistence {:.2})", u.rmse, p.rmse));
         }
         // the target station with the most forecasts

@@ -20,6 +20,7 @@ use ironweave::Communicator;
 use serde::Serialize;
 
 use crate::data::AirData;
+use crate::metrics::{ErrorSums, LeadMetrics};
 use crate::model::{lambda_schedule, Adversary, Net, NetConfig};
 use crate::pipeline::{windows, Batch, Norm, Split, Window, WindowSpec};
 use crate::{Error, Result, Rng};
@@ -458,7 +459,7 @@ pub fn fit(prep: &Prepared, comm: &Arc<Communicator>, cfg: &FitConfig) -> Result
 }
 
 /// Errors of a forecast, in µg/m³.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Metrics {
     /// Root mean squared error of tomorrow's forecast.
     pub rmse: f64,
@@ -472,6 +473,9 @@ pub struct Metrics {
     pub r2: f64,
     /// Observed targets scored (tomorrow).
     pub n: usize,
+    /// RMSE, MAE and R² of each horizon day (lead 1 = tomorrow).
+    #[serde(default)]
+    pub days: Vec<LeadMetrics>,
 }
 
 /// Rows of `per_chunk(input, features)` over `ws` in chunks of 1024 windows: every pass of a
@@ -530,35 +534,26 @@ pub fn predict_with(f: Forecaster<'_>, prep: &Prepared, ws: &[Window]) -> Result
 
 /// Scores `preds` on `ws` against the observed values.
 pub fn score(data: &AirData, ws: &[Window], preds: &[Vec<f32>]) -> Metrics {
-    let (mut se, mut ae, mut n, mut se_h, mut n_h) = (0f64, 0f64, 0usize, 0f64, 0usize);
-    let (mut so, mut so2) = (0f64, 0f64);
+    let horizon = preds.iter().map(Vec::len).max().unwrap_or(0);
+    let mut days = vec![ErrorSums::default(); horizon];
     for (w, p) in ws.iter().zip(preds) {
         let x = data.series(usize::from(w.station));
         for (h, &ph) in p.iter().enumerate() {
             let obs = x[w.day as usize + 1 + h];
-            if !obs.is_finite() {
-                continue;
-            }
-            let e = f64::from(ph - obs);
-            se_h += e * e;
-            n_h += 1;
-            if h == 0 {
-                se += e * e;
-                ae += e.abs();
-                n += 1;
-                so += f64::from(obs);
-                so2 += f64::from(obs) * f64::from(obs);
+            if obs.is_finite() {
+                days[h].add(ph, obs);
             }
         }
     }
-    let d = |x: f64, k: usize| if k == 0 { f64::NAN } else { x / k as f64 };
-    let sst = so2 - so * so / n.max(1) as f64;
-    let r2 = if n > 1 && sst > 0.0 { 1.0 - se / sst } else { f64::NAN };
-    Metrics { rmse: d(se, n).sqrt(), mae: d(ae, n), rmse_horizon: d(se_h, n_h).sqrt(), r2, n }
+    let mut all = ErrorSums::default();
+    days.iter().for_each(|d| all.merge(d));
+    let days: Vec<LeadMetrics> = days.iter().enumerate().map(|(h, d)| d.at(h + 1)).collect();
+    let first = days.first().copied().unwrap_or_else(|| ErrorSums::default().at(1));
+    Metrics { rmse: first.rmse, mae: first.mae, rmse_horizon: all.rmse(), r2: first.r2, n: first.n, days }
 }
 
 /// Where a model was scored.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Evaluation {
     /// The target's test period.
     pub target: Metrics,

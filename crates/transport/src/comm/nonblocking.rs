@@ -7,7 +7,10 @@
 //! meanwhile; several operations can be in flight and their handles waited on in any order.
 //! Owned buffers (not borrowed ones) are what make this safe: a handle dropped early cannot
 //! leave the thread writing into freed memory. Every wait is bounded: by the communicator's
-//! timeout for each operation queued ahead and for this one.
+//! timeout for each operation queued ahead and for this one. Dropping the communicator waits
+//! (bounded the same way) for the thread to finish its queue and drop its `dup`: the link's
+//! goodbye is then sent before the process can exit, so peers never see a closed connection
+//! without one.
 
 use ironweave_units::Locked;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -24,9 +27,13 @@ type Job = Box<dyn FnOnce(&Communicator) + Send>;
 
 /// The collective thread of one communicator.
 pub(crate) struct CollExecutor {
-    tx: Mutex<mpsc::Sender<Job>>,
+    /// `None` once dropping began (closing the queue ends the thread's loop).
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
     /// Operations issued and not finished (to bound waits).
     pending: Arc<AtomicUsize>,
+    /// The communicator's timeout: how long each queued operation may take.
+    timeout: Duration,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for CollExecutor {
@@ -40,7 +47,8 @@ impl CollExecutor {
     /// the communicator (and so the sender) is dropped and the queue is drained.
     pub(crate) fn start(comm: Communicator) -> Result<CollExecutor> {
         let (tx, rx) = mpsc::channel::<Job>();
-        std::thread::Builder::new()
+        let timeout = comm.options().timeout;
+        let thread = std::thread::Builder::new()
             .name(format!("iw-coll-{}", comm.rank()))
             .spawn(move || {
                 for job in rx {
@@ -48,7 +56,7 @@ impl CollExecutor {
                 }
             })
             .map_err(|e| Error::io("starting the collective thread", &e))?;
-        Ok(CollExecutor { tx: Mutex::new(tx), pending: Arc::new(AtomicUsize::new(0)) })
+        Ok(CollExecutor { tx: Mutex::new(Some(tx)), pending: Arc::new(AtomicUsize::new(0)), timeout, thread: Some(thread) })
     }
 
     /// Queues `f`; its result lands in the returned handle.
@@ -69,11 +77,35 @@ impl CollExecutor {
             pending.fetch_sub(1, Ordering::SeqCst);
             done.fill(r);
         });
-        if self.tx.locked().send(job).is_err() {
+        let sent = self.tx.locked().as_ref().is_some_and(|tx| tx.send(job).is_ok());
+        if !sent {
             self.pending.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::Aborted { reason: "the collective thread has stopped".into() });
         }
         Ok(CollHandle { slot, bound: Instant::now() + bound })
+    }
+}
+
+impl Drop for CollExecutor {
+    /// Closes the queue and waits for the thread to run what is queued and drop its `dup` of
+    /// the communicator. Without this the thread could hold the last reference to the links
+    /// while the process exits, and the peers would see the connections close without a
+    /// goodbye (a lost peer) after a job that succeeded.
+    fn drop(&mut self) {
+        self.tx.locked().take();
+        let Some(thread) = self.thread.take() else { return };
+        // dropped by a job on the thread itself: it cannot wait for itself
+        if thread.thread().id() == std::thread::current().id() {
+            return;
+        }
+        let queued = self.pending.load(Ordering::SeqCst) as u32;
+        let until = Instant::now() + self.timeout.saturating_mul(queued) + Duration::from_secs(5);
+        while !thread.is_finished() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if thread.is_finished() {
+            let _ = thread.join();
+        }
     }
 }
 
@@ -177,5 +209,57 @@ impl Communicator {
             c.broadcast(&mut buf, root)?;
             Ok(buf)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{inproc, CommOptions};
+
+    /// Dropping a communicator whose collective thread is busy waits for the thread, so the
+    /// links are released (and a socket link's goodbye sent) before the drop returns. Before,
+    /// the thread's `dup` could hold the last reference while the process exited.
+    #[test]
+    fn dropping_the_communicator_releases_the_links_before_it_returns() {
+        let opts = CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() };
+        let c = Communicator::new(inproc::world(1).pop().into_iter().collect(), opts).unwrap();
+        let links = Arc::downgrade(&c.links);
+        let h = c.executor().unwrap().submit(c.options().timeout, |_| {
+            std::thread::sleep(Duration::from_millis(300));
+            Ok(())
+        });
+        drop(h);
+        drop(c);
+        assert!(links.upgrade().is_none(), "the collective thread still holds the links after the communicator was dropped");
+    }
+
+    /// A job that drops the last reference to its communicator ends its thread without
+    /// waiting for itself.
+    #[test]
+    fn the_last_reference_dropped_on_the_collective_thread_does_not_wait_for_itself() {
+        let opts = CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() };
+        let c = Arc::new(Communicator::new(inproc::world(1).pop().into_iter().collect(), opts).unwrap());
+        let links = Arc::downgrade(&c.links);
+        let (tx, rx) = mpsc::channel();
+        let mine = c.clone();
+        let h = c.iall_reduce(vec![1.0f32], ReduceOp::Sum).unwrap();
+        c.executor()
+            .unwrap()
+            .submit(Duration::from_secs(60), move |_| {
+                // hold the communicator until the caller has let go of its own reference
+                rx.recv().unwrap();
+                drop(mine);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(h.wait().unwrap(), vec![1.0]);
+        drop(c);
+        let t0 = Instant::now();
+        tx.send(()).unwrap();
+        while links.upgrade().is_some() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "the collective thread waited for itself");
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 }
