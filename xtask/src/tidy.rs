@@ -48,7 +48,7 @@ pub const CRATE_LAYERS: &[&[&str]] = &[
     &["ironweave-nccl", "ironweave-sdp", "ironweave-sim"],
     &["ironweave-train", "ironweave"],
     &["ironweave-testkit"],
-    &["ironweave-ops", "ironweave-airq"],
+    &["ironweave-ops", "ironweave-airq", "ironweave-orthonets"],
     &["ironweave-cli", "ironweave-benches", "xtask"],
 ];
 
@@ -773,6 +773,10 @@ pub const FORBIDDEN_DEPS: &[(&str, &[&str], &str)] = &[
         ],
         "the engines own flat buffers; the model is the caller's",
     ),
+    ("candle", &["ironweave-orthonets"], "OrthoNets is an application beside the training runtime"),
+    ("ironweave-t", &["ironweave-orthonets"], "OrthoNets is an application beside the training runtime"),
+    ("ironweave-c", &["ironweave-orthonets"], "OrthoNets is an application beside the training runtime"),
+    ("ironweave-o", &["ironweave-orthonets"], "OrthoNets is an application beside the training runtime"),
     ("tokio", &["*"], "no async runtime in the data path: progress threads and blocking waits"),
     ("async-std", &["*"], "no async runtime in the data path: progress threads and blocking waits"),
 ];

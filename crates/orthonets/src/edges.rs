@@ -1,0 +1,225 @@
+//! Edge lists: TSV/CSV (header optional), STRING's `protein.links` (space-separated, scores
+//! 0–1000), BioGRID's tab-delimited exports and the mouse network committed under
+//! `data/orthonets`. Undirected: duplicates merge, self-loops are dropped and counted.
+
+use std::path::Path;
+use std::time::Instant;
+
+use crate::graph::{BuildCounts, Interner, Network};
+use crate::read::records;
+use crate::{Error, Result};
+
+/// A column, by header name (case-insensitive) or 0-based position.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Col {
+    /// By header name.
+    Name(String),
+    /// By position.
+    Index(usize),
+}
+
+impl Col {
+    /// `3` is a position, anything else a name.
+    pub fn parse(s: &str) -> Col {
+        s.parse().map_or_else(|_| Col::Name(s.to_owned()), Col::Index)
+    }
+}
+
+/// Which columns hold the two proteins and the score.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Columns {
+    /// Found from the header (see [`load`]), else the first two columns and a numeric third.
+    Auto,
+    /// Given.
+    Given { a: Col, b: Col, score: Option<Col> },
+}
+
+/// A network read from a file.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    /// The network.
+    pub net: Network,
+    /// What building it dropped and merged.
+    pub counts: BuildCounts,
+    /// Rows without an identifier on one side (empty or `-`), skipped.
+    pub blank: usize,
+    /// The columns used, in words.
+    pub layout: String,
+    /// Seconds to read and build.
+    pub seconds: f64,
+}
+
+/// Header names recognised for each role, in order of preference (lower case).
+const A_NAMES: &[&str] =
+    &["protein1", "symbol_a", "official symbol interactor a", "source_genesymbol", "gene1", "node1", "interactor_a", "source"];
+const B_NAMES: &[&str] =
+    &["protein2", "symbol_b", "official symbol interactor b", "target_genesymbol", "gene2", "node2", "interactor_b", "target"];
+const SCORE_NAMES: &[&str] = &["combined_score", "score", "weight", "confidence"];
+
+fn find(header: &[String], names: &[&str]) -> Option<usize> {
+    names.iter().find_map(|n| header.iter().position(|h| h.eq_ignore_ascii_case(n)))
+}
+
+/// Reads the edge list at `path`. With [`Columns::Auto`] a first record that names a known
+/// column (`protein1`/`protein2` as STRING, `symbol_a`/`symbol_b`, BioGRID's `Official Symbol
+/// Interactor A`/`B`, `source_genesymbol`/`target_genesymbol`, `gene1`/`gene2`, ...) is a
+/// header and picks the columns, with `combined_score`, `score`, `weight` or `confidence` as
+/// the score; otherwise there is no header, the proteins are the first two columns and a third
+/// numeric column is the score. Scores must lie in [0, 1], except a `combined_score` column,
+/// read as STRING's 0–1000; edges without a score get 1.
+pub fn load(path: &Path, columns: &Columns) -> Result<Loaded> {
+    let t0 = Instant::now();
+    let list = read_pairs(path, columns)?;
+    let mut ids = Interner::default();
+    let pairs = list.pairs.iter().map(|p| (ids.intern(&p.a), ids.intern(&p.b), p.score.unwrap_or(1.0))).collect();
+    let (net, counts) = Network::build(ids, pairs);
+    Ok(Loaded { net, counts, blank: list.blank, layout: list.layout, seconds: t0.elapsed().as_secs_f64() })
+}
+
+/// One row of a pair list.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pair {
+    /// First protein.
+    pub a: String,
+    /// Second protein.
+    pub b: String,
+    /// The row's score, if the list has a score column.
+    pub score: Option<f32>,
+    /// The row's line in the file.
+    pub line: usize,
+}
+
+/// The rows of a pair list as they are (no merging): what [`load`] builds a network from, and
+/// what an overlay classifies.
+#[derive(Debug, Clone)]
+pub struct PairList {
+    /// Rows with both identifiers.
+    pub pairs: Vec<Pair>,
+    /// Rows without an identifier on one side (empty or `-`), skipped.
+    pub blank: usize,
+    /// The columns used, in words.
+    pub layout: String,
+}
+
+/// Reads the rows of the pair list at `path`; the columns are found as [`load`] says.
+pub fn read_pairs(path: &Path, columns: &Columns) -> Result<PairList> {
+    let mut rec = records(path)?;
+    let mut f = Vec::new();
+    if !rec.next_into(&mut f)? {
+        return Err(Error::Format { path: path.into(), detail: "no records: the file is empty or only comments".into() });
+    }
+    if f.len() < 2 {
+        return Err(Error::Format {
+            path: path.into(),
+            detail: format!(
+                "one column on line {} ({:?}): an edge list needs two proteins per line (a, b[, score]), separated by tabs, commas or spaces",
+                rec.line(),
+                f.first().map(String::as_str).unwrap_or("")
+            ),
+        });
+    }
+    let lower: Vec<String> = f.iter().map(|h| h.to_ascii_lowercase()).collect();
+    let by_name = |c: &Col, what: &str| -> Result<usize> {
+        match c {
+            Col::Index(i) => Ok(*i),
+            Col::Name(n) => lower.iter().position(|h| h.eq_ignore_ascii_case(n)).ok_or_else(|| Error::Format {
+                path: path.into(),
+                detail: format!("no column named {n:?} for {what} in the header ({})", f.join(", ")),
+            }),
+        }
+    };
+    let (a, b, score, header) = match columns {
+        Columns::Given { a, b, score } => {
+            let named = matches!(a, Col::Name(_)) || matches!(b, Col::Name(_)) || matches!(score, Some(Col::Name(_)));
+            let s = score.as_ref().map(|c| by_name(c, "the score")).transpose()?;
+            (by_name(a, "protein a")?, by_name(b, "protein b")?, s, named)
+        }
+        Columns::Auto => match (find(&lower, A_NAMES), find(&lower, B_NAMES)) {
+            (Some(a), Some(b)) if a != b => (a, b, find(&lower, SCORE_NAMES), true),
+            _ => (0, 1, (f.len() > 2 && f[2].parse::<f64>().is_ok()).then_some(2), false),
+        },
+    };
+    let scale = match (header, score) {
+        (true, Some(s)) if lower[s] == "combined_score" => 1000.0,
+        _ => 1.0,
+    };
+    let layout = if header {
+        format!(
+            "header; proteins {:?} and {:?}; score {}",
+            f[a],
+            f[b],
+            score.map_or("none (1)".into(), |s| format!("{:?}{}", f[s], if scale > 1.0 { " / 1000" } else { "" }))
+        )
+    } else {
+        format!(
+            "no header; proteins columns {} and {}; score {}",
+            a + 1,
+            b + 1,
+            score.map_or("none (1)".into(), |s| format!("column {}", s + 1))
+        )
+    };
+    // a row may leave its score out (empty or missing): it is then unscored
+    let width = a.max(b) + 1;
+    let mut pairs = Vec::new();
+    let mut blank = 0usize;
+    let mut first = !header;
+    loop {
+        if !first && !rec.next_into(&mut f)? {
+            break;
+        }
+        first = false;
+        if f.len() < width {
+            return Err(rec.error(format!("{} fields, the layout ({layout}) needs {width}", f.len())));
+        }
+        let (x, y) = (f[a].as_str(), f[b].as_str());
+        if x.is_empty() || y.is_empty() || x == "-" || y == "-" {
+            blank += 1;
+            continue;
+        }
+        let s = match score.filter(|&s| f.get(s).is_some_and(|v| !v.is_empty())) {
+            None => None,
+            Some(s) => {
+                let v: f64 = f[s].parse().map_err(|_| rec.error(format!("score {:?} is not a number", f[s])))?;
+                let v = v / scale;
+                if !(0.0..=1.0).contains(&v) {
+                    return Err(rec.error(format!(
+                        "score {:?} is outside [0, 1]{}",
+                        f[s],
+                        if scale > 1.0 {
+                            " after dividing STRING's combined_score by 1000"
+                        } else {
+                            " (STRING's 0-1000 scores are read from a column named combined_score)"
+                        }
+                    )));
+                }
+                Some(v as f32)
+            }
+        };
+        pairs.push(Pair { a: x.to_owned(), b: y.to_owned(), score: s, line: rec.line() });
+    }
+    if pairs.is_empty() {
+        return Err(Error::Format { path: path.into(), detail: format!("no edges: every row lacks an identifier ({layout})") });
+    }
+    Ok(PairList { pairs, blank, layout })
+}
+
+/// The lines of the rows of `path` whose column `col` (header name, case-insensitive) holds
+/// `value`: a filter on a list's other columns (liana's `resource`, BioGRID's system, ...).
+pub fn rows_where(path: &Path, col: &str, value: &str) -> Result<std::collections::HashSet<usize>> {
+    let mut rec = records(path)?;
+    let mut f = Vec::new();
+    if !rec.next_into(&mut f)? {
+        return Err(Error::Format { path: path.into(), detail: "no records: the file is empty or only comments".into() });
+    }
+    let i = f.iter().position(|h| h.eq_ignore_ascii_case(col)).ok_or_else(|| Error::Format {
+        path: path.into(),
+        detail: format!("no column named {col:?} to filter on in the header ({})", f.join(", ")),
+    })?;
+    let mut keep = std::collections::HashSet::new();
+    while rec.next_into(&mut f)? {
+        if f.get(i).is_some_and(|v| v == value) {
+            keep.insert(rec.line());
+        }
+    }
+    Ok(keep)
+}
