@@ -105,19 +105,7 @@ pub struct PairList {
 pub fn read_pairs(path: &Path, columns: &Columns) -> Result<PairList> {
     let mut rec = records(path)?;
     let mut f = Vec::new();
-    if !rec.next_into(&mut f)? {
-        return Err(Error::Format { path: path.into(), detail: "no records: the file is empty or only comments".into() });
-    }
-    if f.len() < 2 {
-        return Err(Error::Format {
-            path: path.into(),
-            detail: format!(
-                "one column on line {} ({:?}): an edge list needs two proteins per line (a, b[, score]), separated by tabs, commas or spaces",
-                rec.line(),
-                f.first().map(String::as_str).unwrap_or("")
-            ),
-        });
-    }
+    rec.first_into(&mut f, "an edge list needs two proteins per line (a, b[, score])")?;
     let lower: Vec<String> = f.iter().map(|h| h.to_ascii_lowercase()).collect();
     let by_name = |c: &Col, what: &str| -> Result<usize> {
         match c {

@@ -147,15 +147,7 @@ pub fn load(path: &Path, net1: &Network, net2: &Network) -> Result<LoadedOrtholo
 fn read_table(path: &Path) -> Result<(Orthology, String, usize)> {
     let mut rec = records(path)?;
     let mut f = Vec::new();
-    if !rec.next_into(&mut f)? {
-        return Err(Error::Format { path: path.into(), detail: "no records: the file is empty or only comments".into() });
-    }
-    if f.len() < 2 {
-        return Err(Error::Format {
-            path: path.into(),
-            detail: "one column: an ortholog table needs a protein of each organism per line (a, b[, type][, weight])".into(),
-        });
-    }
+    rec.first_into(&mut f, "an ortholog table needs a protein of each organism per line (a, b[, type][, weight])")?;
     let lower: Vec<String> = f.iter().map(|h| h.to_ascii_lowercase()).collect();
     let col = |pred: &dyn Fn(&str) -> bool| lower.iter().position(|h| pred(h));
     let a_name = col(&|h| h == "gene name");

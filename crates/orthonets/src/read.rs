@@ -78,6 +78,28 @@ impl Records {
         Error::Parse { path: self.path.clone(), line: self.line, detail: detail.into() }
     }
 
+    /// The first record into `out`: an error if the file has none, or if it has one column
+    /// (`needs` says what a line must hold, e.g. "two proteins per line (a, b[, score])").
+    pub fn first_into(&mut self, out: &mut Vec<String>, needs: &str) -> Result<()> {
+        if !self.next_into(out)? {
+            return Err(Error::Format {
+                path: self.path.clone(),
+                detail: "no records: the file is empty or only comments".into(),
+            });
+        }
+        if out.len() < 2 {
+            return Err(Error::Format {
+                path: self.path.clone(),
+                detail: format!(
+                    "one column on line {} ({:?}): {needs}, separated by tabs, commas or spaces",
+                    self.line,
+                    out.first().map(String::as_str).unwrap_or("")
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// The next record's fields into `out` (cleared first); `false` at the end of the file.
     pub fn next_into(&mut self, out: &mut Vec<String>) -> Result<bool> {
         out.clear();
