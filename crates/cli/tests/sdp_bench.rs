@@ -47,11 +47,16 @@ fn bench_sdp_rows_carry_their_links_and_predictions() {
     }
     let ran = |i: usize| row("hsdp")["links"][i].as_str().unwrap().rsplit(':').next().unwrap().to_string();
     assert_eq!((ran(0), ran(1)), (inter.to_string(), rail.to_string()), "{text}");
-    // a quarter of the state under full, half under hybrid, in between under hsdp
+    // a quarter of the state under full, half under hybrid, in between under hsdp — or
+    // hybrid's half when the plan shards everything within the host (as above)
     let state = |n: &str| row(n)["state_bytes_per_rank"].as_f64().unwrap();
     assert!((state("full (a)") / state("replicated") - 0.25).abs() < 0.01);
     assert!((state("hybrid") / state("replicated") - 0.5).abs() < 0.01);
-    assert!(state("hsdp") > state("full (a)") && state("hsdp") < state("hybrid"));
+    if within < 0.999 {
+        assert!(state("hsdp") > state("full (a)") && state("hsdp") < state("hybrid"), "plan {within}: {text}");
+    } else {
+        assert!((state("hsdp") / state("hybrid") - 1.0).abs() < 0.01, "plan {within}: {text}");
+    }
     // every sharded row has the planner's prediction; the same training everywhere (the sums
     // in another order: within 1e-4)
     for r in rows {
