@@ -99,13 +99,7 @@ impl Drop for CollExecutor {
             return;
         }
         let queued = self.pending.load(Ordering::SeqCst) as u32;
-        let until = Instant::now() + self.timeout.saturating_mul(queued) + Duration::from_secs(5);
-        while !thread.is_finished() && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        if thread.is_finished() {
-            let _ = thread.join();
-        }
+        crate::link::join_until(thread, Instant::now() + self.timeout.saturating_mul(queued) + Duration::from_secs(5));
     }
 }
 
