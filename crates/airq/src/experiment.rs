@@ -391,13 +391,12 @@ pub fn horizon_table(results: &[RunResult]) -> String {
         rule += "---|---|---|---|";
     }
     s += &format!("\n{rule}\n");
-    let mean = |v: &[f64]| if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 };
     for (k, m) in row_keys(results) {
         let rs: Vec<&RunResult> = results.iter().filter(|r| r.k == k && r.method == m).collect();
         s += &format!("| {k} | {} | {} |", m.name(), rs.len());
         for (h, p) in pers.iter().enumerate() {
             let get = |f: fn(&LeadMetrics) -> f64| {
-                mean(&rs.iter().filter_map(|r| r.eval.target.days.get(h).map(f)).collect::<Vec<_>>())
+                mean_sd(&rs.iter().filter_map(|r| r.eval.target.days.get(h).map(f)).collect::<Vec<_>>()).0
             };
             let rmse = get(|d| d.rmse);
             let vs = match p {

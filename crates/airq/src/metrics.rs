@@ -35,11 +35,6 @@ impl ErrorSums {
         self.n += other.n;
     }
 
-    /// Pairs added.
-    pub fn n(&self) -> usize {
-        self.n
-    }
-
     /// Root mean squared error (NaN with nothing added).
     pub fn rmse(&self) -> f64 {
         self.mean(self.se).sqrt()
