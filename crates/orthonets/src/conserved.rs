@@ -4,24 +4,33 @@
 use crate::graph::Network;
 use crate::ortho::Orthology;
 
-/// The best interolog of `a`–`b` (network 1's nodes) in network 2: the ortholog pair with the
-/// highest `weight(a, a') × weight(b, b') × score(a'–b')`, as `(a', b', that product)`.
-pub fn best_interolog(net2: &Network, p: &Projection, a: u32, b: u32) -> Option<(u32, u32, f32)> {
-    let mut best: Option<(u32, u32, f32)> = None;
-    for &(x, wa) in p.to2(a) {
-        for &(y, wb) in p.to2(b) {
+/// Every interacting pair of orthologs of two proteins: for `x` among `oa` and `y` among `ob`
+/// (organism 2's nodes with their ortholog weights), `x ≠ y` and `x`–`y` an edge of `net2`,
+/// the product `weight(x) × weight(y) × score(x–y)`. Each unordered pair once (lower id first,
+/// its highest product), best first. Conserved edges and the interolog test both ask this.
+pub fn interologs(net2: &Network, oa: &[(u32, f32)], ob: &[(u32, f32)]) -> Vec<(u32, u32, f32)> {
+    let mut pairs = Vec::new();
+    for &(x, wa) in oa {
+        for &(y, wb) in ob {
             if x == y {
                 continue;
             }
             if let Some(s) = net2.edge(x, y) {
-                let v = wa * wb * s;
-                if best.is_none_or(|(_, _, bv)| v > bv) {
-                    best = Some((x, y, v));
-                }
+                pairs.push((x.min(y), x.max(y), wa * wb * s));
             }
         }
     }
-    best
+    // one entry per pair, its highest product; then best first
+    pairs.sort_unstable_by(|p, q| (p.0, p.1).cmp(&(q.0, q.1)).then(q.2.total_cmp(&p.2)));
+    pairs.dedup_by_key(|p| (p.0, p.1));
+    pairs.sort_by(|p, q| q.2.total_cmp(&p.2).then((p.0, p.1).cmp(&(q.0, q.1))));
+    pairs
+}
+
+/// The best interolog of `a`–`b` (network 1's nodes) in network 2: the ortholog pair with the
+/// highest `weight(a, a') × weight(b, b') × score(a'–b')`, as `(lower id, higher id, product)`.
+pub fn best_interolog(net2: &Network, p: &Projection, a: u32, b: u32) -> Option<(u32, u32, f32)> {
+    interologs(net2, p.to2(a), p.to2(b)).into_iter().next()
 }
 
 /// How many of network 1's edges are conserved in network 2.
@@ -105,11 +114,15 @@ impl Projection {
 /// than measured in its own organism: almost all of its edges are interologs of the other's,
 /// or it uses the other's identifiers. The interolog test is circular on such a pair.
 pub fn translation_warning(net1: &Network, net2: &Network, p: &Projection) -> Option<String> {
+    translation_warning_given(net1, net2, &conservation(net2, net1, &p.reversed()))
+}
+
+/// [`translation_warning`] with network 2's edges conserved in network 1 already counted.
+pub fn translation_warning_given(net1: &Network, net2: &Network, back: &Conservation) -> Option<String> {
     let same_names = (0..net2.node_count() as u32).filter(|&v| net1.nodes.get(net2.nodes.name(v)).is_some()).count();
     let same = same_names as f64 / net2.node_count().max(1) as f64;
-    let c = conservation(net2, net1, &p.reversed());
-    let translated = c.conserved as f64 / c.edges.max(1) as f64;
-    if same > 0.5 || (translated > 0.9 && c.edges >= 10) {
+    let translated = back.conserved as f64 / back.edges.max(1) as f64;
+    if same > 0.5 || (translated > 0.9 && back.edges >= 10) {
         Some(format!(
             "network 2 looks translated from network 1 rather than measured in its organism ({:.0}% of its nodes carry network 1's identifiers, {:.0}% of its edges are interologs of network 1's): the interolog test is circular on this pair",
             same * 100.0,

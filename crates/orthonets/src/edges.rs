@@ -103,6 +103,13 @@ pub struct PairList {
 
 /// Reads the rows of the pair list at `path`; the columns are found as [`load`] says.
 pub fn read_pairs(path: &Path, columns: &Columns) -> Result<PairList> {
+    read_pairs_where(path, columns, None)
+}
+
+/// [`read_pairs`], keeping only the rows whose column `only.0` (a header name,
+/// case-insensitive) holds `only.1`: a filter on a list's other columns (liana's `resource`,
+/// BioGRID's system, ...), applied in the same pass.
+pub fn read_pairs_where(path: &Path, columns: &Columns, only: Option<(&str, &str)>) -> Result<PairList> {
     let mut rec = records(path)?;
     let mut f = Vec::new();
     rec.first_into(&mut f, "an edge list needs two proteins per line (a, b[, score])")?;
@@ -146,6 +153,20 @@ pub fn read_pairs(path: &Path, columns: &Columns) -> Result<PairList> {
             score.map_or("none (1)".into(), |s| format!("column {}", s + 1))
         )
     };
+    let only = match only {
+        None => None,
+        Some((col, value)) => {
+            let i = lower.iter().position(|h| h.eq_ignore_ascii_case(col)).filter(|_| header).ok_or_else(|| Error::Format {
+                path: path.into(),
+                detail: format!("no column named {col:?} to filter on in the header ({})", f.join(", ")),
+            })?;
+            Some((i, value))
+        }
+    };
+    let layout = match only {
+        Some((i, value)) => format!("{layout}; rows with {} = {value}", f[i]),
+        None => layout,
+    };
     // a row may leave its score out (empty or missing): it is then unscored
     let width = a.max(b) + 1;
     let mut pairs = Vec::new();
@@ -158,6 +179,9 @@ pub fn read_pairs(path: &Path, columns: &Columns) -> Result<PairList> {
         first = false;
         if f.len() < width {
             return Err(rec.error(format!("{} fields, the layout ({layout}) needs {width}", f.len())));
+        }
+        if only.is_some_and(|(i, value)| f.get(i).is_none_or(|v| v != value)) {
+            continue;
         }
         let (x, y) = (f[a].as_str(), f[b].as_str());
         if x.is_empty() || y.is_empty() || x == "-" || y == "-" {
@@ -186,28 +210,12 @@ pub fn read_pairs(path: &Path, columns: &Columns) -> Result<PairList> {
         pairs.push(Pair { a: x.to_owned(), b: y.to_owned(), score: s, line: rec.line() });
     }
     if pairs.is_empty() {
-        return Err(Error::Format { path: path.into(), detail: format!("no edges: every row lacks an identifier ({layout})") });
+        let why = if only.is_some() {
+            "no row passes the filter or every such row lacks an identifier"
+        } else {
+            "every row lacks an identifier"
+        };
+        return Err(Error::Format { path: path.into(), detail: format!("no edges: {why} ({layout})") });
     }
     Ok(PairList { pairs, blank, layout })
-}
-
-/// The lines of the rows of `path` whose column `col` (header name, case-insensitive) holds
-/// `value`: a filter on a list's other columns (liana's `resource`, BioGRID's system, ...).
-pub fn rows_where(path: &Path, col: &str, value: &str) -> Result<std::collections::HashSet<usize>> {
-    let mut rec = records(path)?;
-    let mut f = Vec::new();
-    if !rec.next_into(&mut f)? {
-        return Err(Error::Format { path: path.into(), detail: "no records: the file is empty or only comments".into() });
-    }
-    let i = f.iter().position(|h| h.eq_ignore_ascii_case(col)).ok_or_else(|| Error::Format {
-        path: path.into(),
-        detail: format!("no column named {col:?} to filter on in the header ({})", f.join(", ")),
-    })?;
-    let mut keep = std::collections::HashSet::new();
-    while rec.next_into(&mut f)? {
-        if f.get(i).is_some_and(|v| v == value) {
-            keep.insert(rec.line());
-        }
-    }
-    Ok(keep)
 }

@@ -104,18 +104,10 @@ impl Network {
                 fill[x as usize] += 1;
             }
         }
-        let mut net = Network { nodes, offsets, adj, score };
-        // neighbours sorted per node, so `edge` can search them
-        for v in 0..n {
-            let r = net.range(v as u32);
-            let mut both: Vec<(u32, f32)> =
-                net.adj[r.clone()].iter().copied().zip(net.score[r.clone()].iter().copied()).collect();
-            both.sort_unstable_by_key(|p| p.0);
-            for (k, (u, s)) in r.zip(both) {
-                net.adj[k] = u;
-                net.score[k] = s;
-            }
-        }
+        // Each node's neighbours come out ascending: the pairs are sorted with a < b, so a node
+        // x first receives its smaller neighbours (pairs (y, x), y ascending) and then its
+        // larger ones (pairs (x, z), z ascending); `edge` binary-searches them.
+        let net = Network { nodes, offsets, adj, score };
         (net, counts)
     }
 

@@ -102,41 +102,51 @@ struct Loaded {
     n2: edges::Loaded,
     o: ortho::LoadedOrthology,
     proj: conserved::Projection,
+    /// Network 2's edges conserved in network 1 (the translated-network check needs them too).
+    back: conserved::Conservation,
 }
 
-fn load(i: &Inputs, quiet: bool) -> Result<Loaded> {
+/// Reads the network at `path`, printing what loading found unless `quiet`.
+fn network(name: &str, path: std::path::PathBuf, cols: &Option<String>, quiet: bool) -> Result<edges::Loaded> {
+    let n = edges::load(&path, &columns(cols)?)?;
+    if !quiet {
+        println!(
+            "{name}: {} nodes, {} edges ({} self-loops dropped, {} duplicates merged, {} rows without an identifier) in {:.3} s; {}\n  {}",
+            n.net.node_count(),
+            n.net.edge_count(),
+            n.counts.self_loops,
+            n.counts.duplicates,
+            n.blank,
+            n.seconds,
+            path.display(),
+            n.layout
+        );
+    }
+    Ok(n)
+}
+
+fn network1(i: &Inputs, quiet: bool) -> Result<edges::Loaded> {
     let p1 = match &i.network1 {
         Some(p) => p.clone(),
         None => data::STRING_HUMAN.require()?,
     };
-    let p2 = i.network2.clone().unwrap_or_else(data::biogrid_mouse);
+    network("network 1", p1, &i.columns1, quiet)
+}
+
+fn load(i: &Inputs, quiet: bool) -> Result<Loaded> {
+    let n1 = network1(i, quiet)?;
+    let n2 = network("network 2", i.network2.clone().unwrap_or_else(data::biogrid_mouse), &i.columns2, quiet)?;
     let po = match &i.orthologs {
         Some(p) => p.clone(),
         None => data::BIOMART_HUMAN_MOUSE.require()?,
     };
-    let n1 = edges::load(&p1, &columns(&i.columns1)?)?;
-    let n2 = edges::load(&p2, &columns(&i.columns2)?)?;
-    for (name, p, n) in [("network 1", &p1, &n1), ("network 2", &p2, &n2)] {
-        if !quiet {
-            println!(
-                "{name}: {} nodes, {} edges ({} self-loops dropped, {} duplicates merged, {} rows without an identifier) in {:.3} s; {}\n  {}",
-                n.net.node_count(),
-                n.net.edge_count(),
-                n.counts.self_loops,
-                n.counts.duplicates,
-                n.blank,
-                n.seconds,
-                p.display(),
-                n.layout
-            );
-        }
-    }
     let o = ortho::load(&po, &n1.net, &n2.net)?;
     let proj = conserved::Projection::new(&o.orthology, &n1.net, &n2.net);
-    for w in o.warnings.iter().cloned().chain(conserved::translation_warning(&n1.net, &n2.net, &proj)) {
+    let back = conserved::conservation(&n2.net, &n1.net, &proj.reversed());
+    for w in o.warnings.iter().cloned().chain(conserved::translation_warning_given(&n1.net, &n2.net, &back)) {
         eprintln!("orthonets: warning: {w}");
     }
-    Ok(Loaded { n1, n2, o, proj })
+    Ok(Loaded { n1, n2, o, proj, back })
 }
 
 fn read_list(l: &ListArgs) -> Result<edges::PairList> {
@@ -144,14 +154,12 @@ fn read_list(l: &ListArgs) -> Result<edges::PairList> {
         Some(p) => (p.clone(), false),
         None => (data::LIANA_PAIRS.require()?, true),
     };
-    let mut list = edges::read_pairs(&path, &columns(&l.list_columns)?)?;
     let only = l.only.clone().or_else(|| default.then(|| "resource=consensus".to_owned()));
-    if let Some(only) = only {
-        let (col, val) = only.split_once('=').ok_or_else(|| anyhow::anyhow!("--only {only:?}: give column=value"))?;
-        let keep = edges::rows_where(&path, col, val)?;
-        list.pairs.retain(|p| keep.contains(&p.line));
-        list.layout += &format!("; rows with {col} = {val}");
-    }
+    let only = match &only {
+        Some(o) => Some(o.split_once('=').ok_or_else(|| anyhow::anyhow!("--only {o:?}: give column=value"))?),
+        None => None,
+    };
+    let list = edges::read_pairs_where(&path, &columns(&l.list_columns)?, only)?;
     println!("list: {} rows ({}), {}", list.pairs.len(), list.layout, path.display());
     Ok(list)
 }
@@ -159,7 +167,7 @@ fn read_list(l: &ListArgs) -> Result<edges::PairList> {
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Stats(i) => {
-            let Loaded { n1, n2, o, proj } = load(&i, false)?;
+            let Loaded { n1, n2, o, proj, back } = load(&i, false)?;
             let kinds: Vec<String> = o.orthology.kinds().iter().map(|(k, n)| format!("{n} {}", k.name())).collect();
             println!(
                 "orthology: {} relations ({}) between {} and {} names, {} rows without an ortholog; {}\n  network 1 nodes with an ortholog in network 2: {}; network 2 nodes with one in network 1: {}",
@@ -172,10 +180,9 @@ fn run(cli: Cli) -> Result<()> {
                 proj.mapped1(),
                 proj.mapped2()
             );
-            for (from, to, c) in [
-                ("network 1", "network 2", conserved::conservation(&n1.net, &n2.net, &proj)),
-                ("network 2", "network 1", conserved::conservation(&n2.net, &n1.net, &proj.reversed())),
-            ] {
+            for (from, to, c) in
+                [("network 1", "network 2", conserved::conservation(&n1.net, &n2.net, &proj)), ("network 2", "network 1", back)]
+            {
                 println!(
                     "{from}'s edges conserved in {to}: {} of {} testable ({:.1}%), {} edges in all",
                     c.conserved,
@@ -186,7 +193,8 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Overlay { inputs, list } => {
-            let Loaded { n1, .. } = load(&inputs, true)?;
+            // the overlay needs network 1 only
+            let n1 = network1(&inputs, true)?;
             let pairs = read_list(&list)?;
             let ov = overlay::overlay(&n1.net, &pairs);
             print_overlay(&ov);

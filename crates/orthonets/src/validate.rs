@@ -75,19 +75,7 @@ pub fn evidence(net2: &Network, idx: &OrthologIndex, a: &str, b: &str) -> Eviden
     if oa.is_empty() || ob.is_empty() {
         return Evidence { support: Support::Untestable, score: 0.0, pairs: Vec::new() };
     }
-    let mut pairs = Vec::new();
-    let mut seen = HashSet::new();
-    for &(x, wa) in oa {
-        for &(y, wb) in ob {
-            if x == y || !seen.insert((x.min(y), x.max(y))) {
-                continue;
-            }
-            if let Some(s) = net2.edge(x, y) {
-                pairs.push((x.min(y), x.max(y), wa * wb * s));
-            }
-        }
-    }
-    pairs.sort_by(|p, q| q.2.total_cmp(&p.2).then((p.0, p.1).cmp(&(q.0, q.1))));
+    let pairs = crate::conserved::interologs(net2, oa, ob);
     match pairs.first() {
         Some(&(_, _, s)) => Evidence { support: Support::Supported, score: s, pairs },
         None => Evidence { support: Support::Unsupported, score: 0.0, pairs },

@@ -82,9 +82,7 @@ fn liana_s_consensus_pairs_on_string_and_their_interologs_in_biogrid_mouse() {
     let mouse = edges::load(&data::biogrid_mouse(), &Columns::Auto).unwrap();
     let o = ortho::load(&data::BIOMART_HUMAN_MOUSE.require().unwrap(), &human.net, &mouse.net).unwrap();
     let path = data::LIANA_PAIRS.require().unwrap();
-    let mut list = edges::read_pairs(&path, &Columns::Auto).unwrap();
-    let keep = edges::rows_where(&path, "resource", "consensus").unwrap();
-    list.pairs.retain(|p| keep.contains(&p.line));
+    let list = edges::read_pairs_where(&path, &Columns::Auto, Some(("resource", "consensus"))).unwrap();
     assert_eq!(list.pairs.len(), 4_620);
     let ov = overlay::overlay(&human.net, &list);
     let counts: Vec<usize> = ov.counts().iter().map(|c| c.1).collect();
