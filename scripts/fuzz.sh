@@ -16,7 +16,7 @@ RUNS="${RUNS:-10000000}"
 SECONDS_EACH="${SECONDS_EACH:-900}"
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(frame_decoder ckpt_wire ckpt_files configs plans rdata)
+  targets=(frame_decoder ckpt_wire ckpt_files configs plans rdata orthonets)
 fi
 if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "error: cargo-fuzz is missing: cargo install cargo-fuzz" >&2

@@ -167,3 +167,49 @@ pub fn rdata(data: &[u8]) {
         assert_eq!(again.ok(), Some(format!("{o:?}")), "a second parse differs");
     }
 }
+
+/// OrthoNets' loaders (crates/orthonets): any bytes as a file, read as a pair list and a
+/// network (TSV, CSV, STRING's spaces, PSI-MITAB, gzip), as an ortholog table between two
+/// small networks and as each annotation table. Errors are fine, panics are not; a network
+/// that loads has each edge once, no self-loop and scores in [0, 1].
+pub fn orthonets(data: &[u8]) {
+    use ironweave_orthonets::annot::{Annotations, Sources};
+    use ironweave_orthonets::edges::{self, Columns};
+    use ironweave_orthonets::graph::{Interner, Network};
+    use ironweave_orthonets::ortho;
+    let dir = std::env::temp_dir().join(format!("ironweave-fuzz-orthonets-{}", std::process::id()));
+    if std::fs::create_dir_all(&dir).is_err() {
+        return;
+    }
+    let p = dir.join("input");
+    if std::fs::write(&p, data).is_err() {
+        return;
+    }
+    if let Ok(l) = edges::read_pairs(&p, &Columns::Auto) {
+        assert!(l.pairs.iter().all(|x| !x.a.is_empty() && !x.b.is_empty() && x.score.is_none_or(|s| (0.0..=1.0).contains(&s))));
+    }
+    if let Ok(n) = edges::load(&p, &Columns::Auto) {
+        let e: Vec<(u32, u32, f32)> = n.net.edges().collect();
+        assert_eq!(e.len(), n.net.edge_count());
+        assert!(e.iter().all(|&(a, b, s)| a < b && (0.0..=1.0).contains(&s) && n.net.edge(b, a) == Some(s)));
+    }
+    let net = |names: &[&str]| {
+        let mut ids = Interner::default();
+        let v: Vec<u32> = names.iter().map(|n| ids.intern(n)).collect();
+        Network::build(ids, vec![(v[0], v[1], 1.0), (v[1], v[2], 0.5)]).0
+    };
+    let (h, m) = (net(&["TP53", "MDM2", "EGFR"]), net(&["Trp53", "Mdm2", "Egfr"]));
+    if let Ok(o) = ortho::load(&p, &h, &m) {
+        assert!(o.orthology.relations.iter().all(|r| r.weight > 0.0 && r.weight <= 1.0));
+    }
+    let one = |f: fn(&mut Sources, std::path::PathBuf)| {
+        let mut s = Sources::default();
+        f(&mut s, p.clone());
+        let _ = Annotations::load(&s);
+    };
+    one(|s, p| s.genes = Some(p));
+    one(|s, p| s.go = Some(p));
+    one(|s, p| s.go_terms = Some(p));
+    one(|s, p| s.hpo_genes = Some(p));
+    one(|s, p| s.hpo_diseases = Some(p));
+}

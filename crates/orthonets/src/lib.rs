@@ -21,14 +21,18 @@
 //! # Ok::<(), ironweave_orthonets::Error>(())
 //! ```
 
+pub mod annot;
 pub mod conserved;
 pub mod data;
 pub mod edges;
+pub mod export;
 pub mod graph;
+pub mod html;
 pub mod ortho;
 pub mod overlay;
 pub mod read;
 pub mod validate;
+pub mod view;
 
 use std::path::PathBuf;
 
@@ -46,6 +50,9 @@ pub enum Error {
     /// species).
     #[error("{}: {detail}", path.display())]
     Format { path: PathBuf, detail: String },
+    /// A name asked for (a seed protein) that the input lacks.
+    #[error("{name:?}: {detail}")]
+    Unknown { name: String, detail: String },
 }
 
 /// `Result` with this crate's [`Error`].

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use ironweave_orthonets::edges::{self, Col, Columns};
-use ironweave_orthonets::{conserved, data, ortho, overlay, validate};
+use ironweave_orthonets::{annot, conserved, data, export, html, ortho, overlay, validate, view};
 
 #[derive(Parser, Debug)]
 #[command(name = "orthonets", about = "Two organisms' protein interaction networks side by side, orthology between them")]
@@ -49,6 +49,28 @@ struct ListArgs {
     out: Option<PathBuf>,
 }
 
+#[derive(clap::Args, Debug)]
+struct ViewArgs {
+    /// Organism 1's seed protein (a gene symbol of network 1)
+    #[arg(long)]
+    seed: String,
+    /// Hops around the seed, and around its orthologs in organism 2
+    #[arg(long, default_value_t = 1)]
+    hops: usize,
+    /// At most this many proteins per organism's neighbourhood (those with the strongest edges kept)
+    #[arg(long, default_value_t = 60)]
+    max_nodes: usize,
+    /// The organisms' names, `name1,name2`
+    #[arg(long, default_value = "human,mouse")]
+    organisms: String,
+    /// Leave out the overlaid list
+    #[arg(long)]
+    no_overlay: bool,
+    /// Leave out the annotations (GO terms, gene names, HPO diseases)
+    #[arg(long)]
+    no_annotations: bool,
+}
+
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Nodes, edges, what loading dropped, orthology and conserved edges both ways.
@@ -74,6 +96,32 @@ enum Cmd {
         /// Their seed
         #[arg(long, default_value_t = 1)]
         seed: u64,
+    },
+    /// One self-contained HTML page: a seed protein's neighbourhood in organism 1 and its
+    /// orthologs' in organism 2 side by side, orthology, conserved edges, overlaid pairs and
+    /// annotations (cytoscape.js embedded; open the file in a browser, no server).
+    View {
+        #[command(flatten)]
+        inputs: Inputs,
+        #[command(flatten)]
+        list: ListArgs,
+        #[command(flatten)]
+        view: ViewArgs,
+    },
+    /// The view as GraphML and/or CX2, for Cytoscape, networkx or NDEx.
+    Export {
+        #[command(flatten)]
+        inputs: Inputs,
+        #[command(flatten)]
+        list: ListArgs,
+        #[command(flatten)]
+        view: ViewArgs,
+        /// Write GraphML here
+        #[arg(long)]
+        graphml: Option<PathBuf>,
+        /// Write CX2 (Cytoscape Exchange 2) JSON here
+        #[arg(long)]
+        cx2: Option<PathBuf>,
     },
 }
 
@@ -106,9 +154,21 @@ struct Loaded {
     back: conserved::Conservation,
 }
 
+/// Says on standard error what is being read (with its size) before a load that may take a
+/// while, and how long it took after.
+fn progress<T>(what: &str, path: &std::path::Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let mb = std::fs::metadata(path).map(|m| m.len() as f64 / 1e6).unwrap_or(0.0);
+    eprint!("orthonets: reading {what} ({mb:.1} MB) ... ");
+    let t0 = std::time::Instant::now();
+    let r = f();
+    eprintln!("{}", if r.is_ok() { format!("{:.2} s", t0.elapsed().as_secs_f64()) } else { "failed".into() });
+    r
+}
+
 /// Reads the network at `path`, printing what loading found unless `quiet`.
 fn network(name: &str, path: std::path::PathBuf, cols: &Option<String>, quiet: bool) -> Result<edges::Loaded> {
-    let n = edges::load(&path, &columns(cols)?)?;
+    let cols = columns(cols)?;
+    let n = progress(name, &path, || Ok(edges::load(&path, &cols)?))?;
     if !quiet {
         println!(
             "{name}: {} nodes, {} edges ({} self-loops dropped, {} duplicates merged, {} rows without an identifier) in {:.3} s; {}\n  {}",
@@ -140,7 +200,7 @@ fn load(i: &Inputs, quiet: bool) -> Result<Loaded> {
         Some(p) => p.clone(),
         None => data::BIOMART_HUMAN_MOUSE.require()?,
     };
-    let o = ortho::load(&po, &n1.net, &n2.net)?;
+    let o = progress("orthologs", &po, || Ok(ortho::load(&po, &n1.net, &n2.net)?))?;
     let proj = conserved::Projection::new(&o.orthology, &n1.net, &n2.net);
     let back = conserved::conservation(&n2.net, &n1.net, &proj.reversed());
     for w in o.warnings.iter().cloned().chain(conserved::translation_warning_given(&n1.net, &n2.net, &back)) {
@@ -159,7 +219,8 @@ fn read_list(l: &ListArgs) -> Result<edges::PairList> {
         Some(o) => Some(o.split_once('=').ok_or_else(|| anyhow::anyhow!("--only {o:?}: give column=value"))?),
         None => None,
     };
-    let list = edges::read_pairs_where(&path, &columns(&l.list_columns)?, only)?;
+    let cols = columns(&l.list_columns)?;
+    let list = progress("the list", &path, || Ok(edges::read_pairs_where(&path, &cols, only)?))?;
     println!("list: {} rows ({}), {}", list.pairs.len(), list.layout, path.display());
     Ok(list)
 }
@@ -203,6 +264,26 @@ fn run(cli: Cli) -> Result<()> {
                 println!("wrote {}", out.display());
             }
         }
+        Cmd::View { inputs, list, view } => {
+            let v = build_view(&inputs, &list, &view)?;
+            let out = list.out.clone().unwrap_or_else(|| PathBuf::from(format!("orthonets-{}.html", view.seed)));
+            std::fs::write(&out, html::render(&v))?;
+            println!("wrote {} (open it in a browser)", out.display());
+        }
+        Cmd::Export { inputs, list, view, graphml, cx2 } => {
+            if graphml.is_none() && cx2.is_none() {
+                anyhow::bail!("give --graphml FILE and/or --cx2 FILE");
+            }
+            let v = build_view(&inputs, &list, &view)?;
+            if let Some(p) = &graphml {
+                std::fs::write(p, export::graphml(&v))?;
+                println!("wrote {} (GraphML)", p.display());
+            }
+            if let Some(p) = &cx2 {
+                std::fs::write(p, serde_json::to_string_pretty(&export::cx2(&v))?)?;
+                println!("wrote {} (CX2)", p.display());
+            }
+        }
         Cmd::Validate { inputs, list, rounds, seed } => {
             let Loaded { n2, o, n1, .. } = load(&inputs, true)?;
             let pairs = read_list(&list)?;
@@ -235,13 +316,70 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
+/// The view `v` asks for, printing what it holds.
+fn build_view(inputs: &Inputs, list: &ListArgs, v: &ViewArgs) -> Result<view::View> {
+    let Loaded { n1, n2, o, proj, .. } = load(inputs, true)?;
+    let idx = validate::OrthologIndex::new(&o.orthology, &n2.net);
+    let ov = if v.no_overlay {
+        None
+    } else {
+        let pairs = read_list(list)?;
+        let ov = overlay::overlay(&n1.net, &pairs);
+        print_overlay(&ov);
+        Some(ov)
+    };
+    let an = if v.no_annotations {
+        None
+    } else {
+        let src = data::annotation_sources()?;
+        let p = src.go.clone().unwrap_or_default();
+        Some(progress("annotations (GO, gene names, HPO)", &p, || Ok(annot::Annotations::load(&src)?))?)
+    };
+    let organisms: Vec<&str> = v.organisms.split(',').collect();
+    let [a, b] = organisms.as_slice() else { anyhow::bail!("--organisms {:?}: give name1,name2", v.organisms) };
+    let spec =
+        view::Spec { seed: v.seed.clone(), hops: v.hops, max_nodes: v.max_nodes, organisms: [a.to_string(), b.to_string()] };
+    let inp =
+        view::Inputs { net1: &n1.net, net2: &n2.net, proj: &proj, idx: &idx, overlay: ov.as_ref(), annotations: an.as_ref() };
+    let mut built = view::build(&spec, inp)?;
+    built.provenance.push(format!("network 1: {} ({})", path_of(&inputs.network1, data::STRING_HUMAN.path()), n1.layout));
+    built.provenance.push(format!(
+        "network 2: {} ({})",
+        inputs.network2.clone().unwrap_or_else(data::biogrid_mouse).display(),
+        n2.layout
+    ));
+    built.provenance.push(format!("orthologs: {} ({})", path_of(&inputs.orthologs, data::BIOMART_HUMAN_MOUSE.path()), o.layout));
+    if let Some(a) = &an {
+        built.provenance.extend(a.provenance.iter().cloned());
+    }
+    println!(
+        "view of {}: {} + {} proteins ({} + {}); {} interactions ({} conserved), {} ortholog links, {} overlaid pairs{}",
+        v.seed,
+        built.count(1),
+        built.count(2),
+        a,
+        b,
+        built.edges_of(view::Kind::Interaction),
+        built.edges.iter().filter(|e| e.conserved).count(),
+        built.edges_of(view::Kind::Ortholog),
+        built.edges_of(view::Kind::Overlay),
+        if built.truncated { format!(" (neighbourhoods cut at --max-nodes {})", v.max_nodes) } else { String::new() }
+    );
+    Ok(built)
+}
+
+fn path_of(given: &Option<PathBuf>, default: PathBuf) -> String {
+    given.clone().unwrap_or(default).display().to_string()
+}
+
 fn print_overlay(ov: &overlay::Overlay) {
     let cells: Vec<String> = ov.counts().iter().map(|(s, n)| format!("{n} {}", s.name())).collect();
     println!(
-        "overlay on network 1: {} ({} of the list's {} proteins in the network)",
+        "overlay on network 1: {} ({} of the list's {} proteins in the network; {} rows with a complex, classified by its subunits)",
         cells.join(", "),
         ov.proteins_known,
-        ov.proteins
+        ov.proteins,
+        ov.complexes()
     );
     if let Some(w) = &ov.warning {
         eprintln!("orthonets: warning: {w}");

@@ -1,6 +1,8 @@
 //! A user's list of pairs (an experiment's interactions) overlaid on a database network: each
 //! row classified as known, new between proteins the network has, new with a protein it lacks,
-//! a protein with itself, or a repeat of an earlier row.
+//! a protein with itself, or a repeat of an earlier row. A protein the network lacks whose name
+//! joins subunits with `_` (OmniPath's and liana's complexes, `ITGA1_ITGB1`) is a complex: the
+//! row is classified by its subunits' pairs.
 
 use std::collections::HashSet;
 
@@ -47,8 +49,10 @@ pub struct Row {
     pub pair: Pair,
     /// Its class.
     pub status: Status,
-    /// The network's score of the edge (known rows).
+    /// The network's score of the edge (known rows; for a complex, its best subunit pair's).
     pub db_score: Option<f32>,
+    /// Whether a side is a complex, classified by its subunits.
+    pub complex: bool,
 }
 
 /// The classified list and what it says about the identifiers.
@@ -56,7 +60,7 @@ pub struct Row {
 pub struct Overlay {
     /// Every row, in the file's order.
     pub rows: Vec<Row>,
-    /// Distinct proteins of the list.
+    /// Distinct proteins of the list (a complex's subunits counted, not the complex).
     pub proteins: usize,
     /// Of those, how many the network has.
     pub proteins_known: usize,
@@ -66,22 +70,29 @@ pub struct Overlay {
 }
 
 impl Overlay {
-    /// The classified rows as TSV: line, a, b, the row's score, status, the network's score.
+    /// The classified rows as TSV: line, a, b, the row's score, status, the network's score,
+    /// whether a side is a complex.
     pub fn tsv(&self) -> String {
-        let mut t = String::from("line\ta\tb\tscore\tstatus\tdb_score\n");
+        let mut t = String::from("line\ta\tb\tscore\tstatus\tdb_score\tcomplex\n");
         for r in &self.rows {
             let num = |x: Option<f32>| x.map_or(String::new(), |s| s.to_string());
             t += &format!(
-                "{}\t{}\t{}\t{}\t{}\t{}\n",
+                "{}\t{}\t{}\t{}\t{}\t{}\t{}\n",
                 r.pair.line,
                 r.pair.a,
                 r.pair.b,
                 num(r.pair.score),
                 r.status.name(),
-                num(r.db_score)
+                num(r.db_score),
+                if r.complex { "yes" } else { "" }
             );
         }
         t
+    }
+
+    /// Rows with a complex on a side.
+    pub fn complexes(&self) -> usize {
+        self.rows.iter().filter(|r| r.complex).count()
     }
 
     /// Rows per status, in [`Status`]'s order.
@@ -93,6 +104,22 @@ impl Overlay {
     }
 }
 
+/// The subunits of `name` if it names a complex (`A_B[_C...]`, at least two non-empty parts),
+/// whatever network it is looked up in.
+pub fn complex_parts(name: &str) -> Option<Vec<&str>> {
+    let parts: Vec<&str> = name.split('_').collect();
+    (parts.len() >= 2 && parts.iter().all(|p| !p.is_empty())).then_some(parts)
+}
+
+/// The proteins `name` stands for in `net`: itself if the network has it or it is no complex,
+/// else its subunits.
+pub fn members<'a>(net: &Network, name: &'a str) -> Vec<&'a str> {
+    match complex_parts(name) {
+        Some(parts) if net.nodes.get(name).is_none() => parts,
+        _ => vec![name],
+    }
+}
+
 /// Classifies `list` against `net`.
 pub fn overlay(net: &Network, list: &PairList) -> Overlay {
     let mut seen = HashSet::new();
@@ -101,23 +128,32 @@ pub fn overlay(net: &Network, list: &PairList) -> Overlay {
         .pairs
         .iter()
         .map(|p| {
-            proteins.insert(p.a.as_str());
-            proteins.insert(p.b.as_str());
+            let (ma, mb) = (members(net, &p.a), members(net, &p.b));
+            proteins.extend(ma.iter().chain(&mb).copied());
+            let complex = ma.len() > 1 || mb.len() > 1;
             let key = if p.a <= p.b { (p.a.as_str(), p.b.as_str()) } else { (p.b.as_str(), p.a.as_str()) };
             let (status, db_score) = if p.a == p.b {
                 (Status::SelfPair, None)
             } else if !seen.insert(key) {
                 (Status::Duplicate, None)
             } else {
-                match (net.nodes.get(&p.a), net.nodes.get(&p.b)) {
-                    (Some(x), Some(y)) => match net.edge(x, y) {
-                        Some(s) => (Status::Known, Some(s)),
-                        None => (Status::NewBetweenKnown, None),
-                    },
+                let ids = |m: &[&str]| m.iter().map(|n| net.nodes.get(n)).collect::<Option<Vec<u32>>>();
+                match (ids(&ma), ids(&mb)) {
+                    (Some(xs), Some(ys)) => {
+                        // a complex's interaction is known when a pair of its subunits interacts
+                        let best = xs
+                            .iter()
+                            .flat_map(|&x| ys.iter().filter_map(move |&y| if x == y { None } else { net.edge(x, y) }))
+                            .max_by(f32::total_cmp);
+                        match best {
+                            Some(s) => (Status::Known, Some(s)),
+                            None => (Status::NewBetweenKnown, None),
+                        }
+                    }
                     _ => (Status::NewProtein, None),
                 }
             };
-            Row { pair: p.clone(), status, db_score }
+            Row { pair: p.clone(), status, db_score, complex }
         })
         .collect();
     let known = proteins.iter().filter(|n| net.nodes.get(n).is_some()).count();

@@ -67,11 +67,23 @@ impl OrthologIndex {
     pub fn get(&self, name: &str) -> &[(u32, f32)] {
         self.map.get(name).map_or(&[], Vec::as_slice)
     }
+
+    /// [`OrthologIndex::get`], or for a complex without orthologs of its own
+    /// ([`crate::overlay::complex_parts`]) its subunits' orthologs together.
+    pub fn orthologs(&self, name: &str) -> std::borrow::Cow<'_, [(u32, f32)]> {
+        match (self.map.get(name), crate::overlay::complex_parts(name)) {
+            (Some(v), _) => v.as_slice().into(),
+            (None, Some(parts)) => parts.iter().flat_map(|p| self.get(p)).copied().collect::<Vec<_>>().into(),
+            (None, None) => (&[][..]).into(),
+        }
+    }
 }
 
-/// The interolog test of `a`–`b` (organism 1's names) against `net2`.
+/// The interolog test of `a`–`b` (organism 1's names; a complex stands for its subunits)
+/// against `net2`.
 pub fn evidence(net2: &Network, idx: &OrthologIndex, a: &str, b: &str) -> Evidence {
-    let (oa, ob) = (idx.get(a), idx.get(b));
+    let (oa, ob) = (idx.orthologs(a), idx.orthologs(b));
+    let (oa, ob) = (&oa[..], &ob[..]);
     if oa.is_empty() || ob.is_empty() {
         return Evidence { support: Support::Untestable, score: 0.0, pairs: Vec::new() };
     }

@@ -123,3 +123,70 @@ fn an_ortholog_table_for_other_species_is_refused_and_a_translated_network_warne
     let e = ortho::load(&file("w.csv", b"a,b,type,weight\nA,a,one2one,2\n"), &h.net, &m.net).unwrap_err();
     assert!(e.to_string().contains("w.csv:2: weight \"2\" is outside (0, 1]"), "{e}");
 }
+
+/// PSI-MITAB 2.5 as IntAct writes it (a `#` header, `uniprotkb:` identifiers, gene names among
+/// the aliases, `intact-miscore`) and as BioGRID does (`entrez gene/locuslink:SYMBOL`).
+const MITAB: &str = "#ID(s) interactor A\tID(s) interactor B\tAlt. ID(s) interactor A\tAlt. ID(s) interactor B\tAlias(es) interactor A\tAlias(es) interactor B\tInteraction detection method(s)\tPublication 1st author(s)\tPublication Identifier(s)\tTaxid interactor A\tTaxid interactor B\tInteraction type(s)\tSource database(s)\tInteraction identifier(s)\tConfidence value(s)
+uniprotkb:P04637\tuniprotkb:Q00987\tintact:EBI-366083\tintact:EBI-389668\tpsi-mi:p53_human(display_long)|uniprotkb:TP53(gene name)\tuniprotkb:MDM2(gene name)\tpsi-mi:\"MI:0018\"(two hybrid)\tMomand et al. (1992)\tpubmed:1535557\ttaxid:9606(human)|taxid:9606(Homo sapiens)\ttaxid:9606(human)\tpsi-mi:\"MI:0915\"(physical association)\tpsi-mi:\"MI:0469\"(IntAct)\tintact:EBI-1\tintact-miscore:0.87
+uniprotkb:Q00987\tuniprotkb:P04637\t-\t-\tuniprotkb:MDM2(gene name)\tuniprotkb:TP53(gene name)\tpsi-mi:\"MI:0006\"(anti bait coimmunoprecipitation)\t-\tpubmed:8875929\ttaxid:9606\ttaxid:9606\t-\t-\tintact:EBI-2\tintact-miscore:0.5
+entrez gene/locuslink:4193\tentrez gene/locuslink:7157\tbiogrid:110358|entrez gene/locuslink:MDM2\tbiogrid:112967|entrez gene/locuslink:TP53\t-\t-\tpsi-mi:\"MI:0004\"(affinity chromatography technology)\t-\tpubmed:1\ttaxid:9606\ttaxid:9606\t-\tpsi-mi:\"MI:0463\"(biogrid)\tbiogrid:1\tscore:-
+uniprotkb:P04637\tuniprotkb:P38398\t-\t-\tuniprotkb:TP53(gene name)\t-\t-\t-\t-\ttaxid:9606\ttaxid:9606\t-\t-\t-\t-
+uniprotkb:P04637\tuniprotkb:P02340\t-\t-\tuniprotkb:TP53(gene name)\tuniprotkb:Trp53(gene name)\t-\t-\t-\ttaxid:9606\ttaxid:10090\t-\t-\t-\t-
+uniprotkb:P04637\tuniprotkb:P04637\t-\t-\tuniprotkb:TP53(gene name)\tuniprotkb:TP53(gene name)\t-\t-\t-\ttaxid:9606\ttaxid:9606\t-\t-\t-\t-
+";
+
+#[test]
+fn psi_mitab_reads_gene_names_scores_and_skips_interspecies_rows() {
+    let l = edges::read_pairs(&file("intact.mitab", MITAB.as_bytes()), &Columns::Auto).unwrap();
+    assert!(l.layout.starts_with("PSI-MITAB 2.5"), "{}", l.layout);
+    let got: Vec<(&str, &str, Option<f32>, usize)> =
+        l.pairs.iter().map(|p| (p.a.as_str(), p.b.as_str(), p.score, p.line)).collect();
+    // BRCA1 has no gene name in its row: its accession stands for it; the TP53-Trp53 row is
+    // between two species
+    assert_eq!(
+        got,
+        [
+            ("TP53", "MDM2", Some(0.87), 2),
+            ("MDM2", "TP53", Some(0.5), 3),
+            ("MDM2", "TP53", None, 4),
+            ("TP53", "P38398", None, 5),
+            ("TP53", "TP53", None, 7)
+        ]
+    );
+    assert_eq!(l.interspecies, 1);
+    let n = edges::load(&file("intact2.mitab", MITAB.as_bytes()), &Columns::Auto).unwrap();
+    assert_eq!((n.net.node_count(), n.net.edge_count(), n.counts.self_loops, n.counts.duplicates), (3, 2, 1, 2));
+    // merged keeping the highest score: the BioGRID row has none, and unscored edges count 1
+    assert_eq!(n.net.edge(n.net.nodes.get("TP53").unwrap(), n.net.nodes.get("MDM2").unwrap()), Some(1.0));
+    // a header line without `#` is recognised too; a negative confidence and a short row are errors
+    let plain = MITAB.replacen('#', "", 1);
+    assert_eq!(edges::read_pairs(&file("plain.mitab", plain.as_bytes()), &Columns::Auto).unwrap().pairs.len(), 5);
+    let neg = MITAB.replace("intact-miscore:0.5", "intact-miscore:-0.5");
+    let e = edges::read_pairs(&file("neg.mitab", neg.as_bytes()), &Columns::Auto).unwrap_err().to_string();
+    assert!(e.contains("neg.mitab:3: confidence intact-miscore:-0.5"), "{e}");
+    let short = format!("{MITAB}uniprotkb:P1\tuniprotkb:P2\t-\n");
+    let e = edges::read_pairs(&file("short.mitab", short.as_bytes()), &Columns::Auto).unwrap_err().to_string();
+    assert!(e.contains("short.mitab:8: 3 fields: PSI-MITAB 2.5 has 15"), "{e}");
+}
+
+#[test]
+fn annotation_tables_with_missing_columns_or_short_rows_are_errors_naming_the_file() {
+    use ironweave_orthonets::annot::{Annotations, Sources};
+    let go = file("go.tsv", b"symbol\tgo_id\tontology\nTP53\tGO:1\tBP\nMDM2\tGO:1\tBP\nTP53\tGO:2\tCC\n");
+    let terms = file("terms.tsv", b"go_id\tterm\tontology\nGO:1\tapoptosis\tBP\n");
+    let a = Annotations::load(&Sources { go: Some(go.clone()), go_terms: Some(terms), ..Default::default() }).unwrap();
+    let p = a.protein("TP53");
+    // a term without a name keeps its id as its name
+    assert_eq!(
+        p.go.iter().map(|t| (t.id.as_str(), t.name.as_str())).collect::<Vec<_>>(),
+        [("GO:1", "apoptosis"), ("GO:2", "GO:2")]
+    );
+    assert_eq!(a.shared_go("TP53", "MDM2").len(), 1);
+    assert_eq!(a.top(&["TP53", "MDM2"], 5).0[0].1, 2);
+    let bad = file("bad.tsv", b"gene\tgo\nTP53\tGO:1\n");
+    let e = Annotations::load(&Sources { go: Some(bad), ..Default::default() }).unwrap_err().to_string();
+    assert!(e.contains("bad.tsv: no column \"symbol\""), "{e}");
+    let short = file("short.tsv", b"symbol\tgo_id\tontology\nTP53\tGO:1\n");
+    let e = Annotations::load(&Sources { go: Some(short), ..Default::default() }).unwrap_err().to_string();
+    assert!(e.contains("short.tsv:2: 2 fields"), "{e}");
+}

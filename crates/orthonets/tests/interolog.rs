@@ -41,6 +41,26 @@ fn a_list_in_other_identifiers_is_warned_with_the_type_it_seems_to_use() {
     assert!(w.contains("upper-casing them would match"), "{w}");
 }
 
+#[test]
+fn a_complex_is_classified_and_tested_by_its_subunits() {
+    let h = edges::load(&file("hc.tsv", b"A\tB\t0.7\nC\tD\n"), &Columns::Auto).unwrap();
+    let list = edges::read_pairs(&file("lc.tsv", b"A\tB_C\nD\tB_X\nD\tA_B\nA_B\tC\n"), &Columns::Auto).unwrap();
+    let ov = overlay::overlay(&h.net, &list);
+    let st: Vec<Status> = ov.rows.iter().map(|r| r.status).collect();
+    // A with B_C: A-B is an edge; D with B_X: X unknown; D with A_B: neither D-A nor D-B
+    assert_eq!(st, [Status::Known, Status::NewProtein, Status::NewBetweenKnown, Status::NewBetweenKnown]);
+    assert_eq!(ov.rows[0].db_score, Some(0.7));
+    assert!(ov.rows.iter().all(|r| r.complex));
+    assert_eq!((ov.complexes(), ov.proteins, ov.proteins_known), (4, 5, 4));
+    // the interolog test of a complex: its subunits' orthologs together
+    let m = edges::load(&file("mc.tsv", b"a\tc\t0.5\n"), &Columns::Auto).unwrap();
+    let o = ortho::load(&file("oc.csv", b"a,b\nA,a\nC,c\n"), &h.net, &m.net).unwrap();
+    let idx = OrthologIndex::new(&o.orthology, &m.net);
+    let ev = validate::evidence(&m.net, &idx, "B_C", "A");
+    assert_eq!((ev.support, ev.score), (Support::Supported, 0.5));
+    assert_eq!(validate::evidence(&m.net, &idx, "B_X", "A").support, Support::Untestable);
+}
+
 /// Organism 1: A, B, C, D; organism 2: a-b (1.0), b-c (0.5); orthologs A→a (1), B→b (0.5),
 /// B→b2 (1, b2 isolated), C→c (1); D has none.
 #[test]
@@ -86,14 +106,17 @@ fn liana_s_consensus_pairs_on_string_and_their_interologs_in_biogrid_mouse() {
     assert_eq!(list.pairs.len(), 4_620);
     let ov = overlay::overlay(&human.net, &list);
     let counts: Vec<usize> = ov.counts().iter().map(|c| c.1).collect();
-    assert_eq!(counts, [1_357, 1_805, 1_438, 0, 20]);
+    // 1,097 rows name a complex (`ITGA1_ITGB1`): classified by their subunits (checked
+    // independently with Python's csv module)
+    assert_eq!(counts, [2_097, 2_115, 388, 0, 20]);
+    assert_eq!(ov.complexes(), 1_097);
     let idx = OrthologIndex::new(&o.orthology, &mouse.net);
     let known: Vec<(&str, &str)> =
         ov.rows.iter().filter(|r| r.status == Status::Known).map(|r| (r.pair.a.as_str(), r.pair.b.as_str())).collect();
     let nt = validate::null_test(&mouse.net, &idx, &known, 5, 1).unwrap();
-    // 44 of the 212 testable known pairs have an interolog in mouse; rewired mouse networks
+    // 84 of the 557 testable known pairs have an interolog in mouse; rewired mouse networks
     // support almost none
-    assert!((nt.observed - 44.0 / 212.0).abs() < 1e-12, "{}", nt.observed);
+    assert!((nt.observed - 84.0 / 557.0).abs() < 1e-12, "{}", nt.observed);
     assert!(nt.null.iter().all(|&x| x < nt.observed));
     assert_eq!(nt.p_value, 1.0 / 6.0);
 }

@@ -60,3 +60,16 @@ fn liana_s_pairs_read_as_a_network_keyed_by_gene_symbol() {
     assert!(pairs.layout.contains("source_genesymbol"), "{}", pairs.layout);
     assert!(pairs.net.edge_count() > 1_000);
 }
+
+#[test]
+fn the_annotations_load_from_bioconductor_s_and_hpo_s_files() {
+    let a = ironweave_orthonets::annot::Annotations::load(&data::annotation_sources().unwrap()).unwrap();
+    // counts checked independently with Python's csv module
+    assert_eq!(a.annotated_genes(), 20_791);
+    let p = a.protein("TP53");
+    assert_eq!((p.entrez, p.full_name), (Some("7157"), Some("tumor protein p53")));
+    assert_eq!((p.go.len(), p.diseases.len()), (184, 19));
+    assert!(p.diseases.iter().any(|d| d.id == "OMIM:151623" && d.name == "Li-Fraumeni syndrome"), "{:?}", p.diseases);
+    assert_eq!(a.shared_go("TP53", "BRCA1").len(), 22);
+    assert_eq!(a.shared_go("BRCA1", "TP53").len(), 22);
+}
