@@ -44,7 +44,7 @@ struct ListArgs {
     /// Keep only the list's rows whose column has this value, `column=value` [default with liana's list: resource=consensus]
     #[arg(long)]
     only: Option<String>,
-    /// Write the classified rows (and, for validate, their interolog evidence) to this TSV
+    /// Write the result here: overlay's classified rows, validate's with their interolog evidence (TSV), view's page [view default: orthonets-SEED.html]
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -69,6 +69,17 @@ struct ViewArgs {
     /// Leave out the annotations (GO terms, gene names, HPO diseases)
     #[arg(long)]
     no_annotations: bool,
+}
+
+/// Everything a view is built from.
+#[derive(clap::Args, Debug)]
+struct Viewed {
+    #[command(flatten)]
+    inputs: Inputs,
+    #[command(flatten)]
+    list: ListArgs,
+    #[command(flatten)]
+    view: ViewArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -100,22 +111,11 @@ enum Cmd {
     /// One self-contained HTML page: a seed protein's neighbourhood in organism 1 and its
     /// orthologs' in organism 2 side by side, orthology, conserved edges, overlaid pairs and
     /// annotations (cytoscape.js embedded; open the file in a browser, no server).
-    View {
-        #[command(flatten)]
-        inputs: Inputs,
-        #[command(flatten)]
-        list: ListArgs,
-        #[command(flatten)]
-        view: ViewArgs,
-    },
+    View(Viewed),
     /// The view as GraphML and/or CX2, for Cytoscape, networkx or NDEx.
     Export {
         #[command(flatten)]
-        inputs: Inputs,
-        #[command(flatten)]
-        list: ListArgs,
-        #[command(flatten)]
-        view: ViewArgs,
+        viewed: Viewed,
         /// Write GraphML here
         #[arg(long)]
         graphml: Option<PathBuf>,
@@ -264,17 +264,17 @@ fn run(cli: Cli) -> Result<()> {
                 println!("wrote {}", out.display());
             }
         }
-        Cmd::View { inputs, list, view } => {
-            let v = build_view(&inputs, &list, &view)?;
-            let out = list.out.clone().unwrap_or_else(|| PathBuf::from(format!("orthonets-{}.html", view.seed)));
+        Cmd::View(w) => {
+            let v = build_view(&w)?;
+            let out = w.list.out.clone().unwrap_or_else(|| PathBuf::from(format!("orthonets-{}.html", w.view.seed)));
             std::fs::write(&out, html::render(&v))?;
             println!("wrote {} (open it in a browser)", out.display());
         }
-        Cmd::Export { inputs, list, view, graphml, cx2 } => {
+        Cmd::Export { viewed, graphml, cx2 } => {
             if graphml.is_none() && cx2.is_none() {
                 anyhow::bail!("give --graphml FILE and/or --cx2 FILE");
             }
-            let v = build_view(&inputs, &list, &view)?;
+            let v = build_view(&viewed)?;
             if let Some(p) = &graphml {
                 std::fs::write(p, export::graphml(&v))?;
                 println!("wrote {} (GraphML)", p.display());
@@ -317,7 +317,8 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 /// The view `v` asks for, printing what it holds.
-fn build_view(inputs: &Inputs, list: &ListArgs, v: &ViewArgs) -> Result<view::View> {
+fn build_view(w: &Viewed) -> Result<view::View> {
+    let (inputs, list, v) = (&w.inputs, &w.list, &w.view);
     let Loaded { n1, n2, o, proj, .. } = load(inputs, true)?;
     let idx = validate::OrthologIndex::new(&o.orthology, &n2.net);
     let ov = if v.no_overlay {
