@@ -39,6 +39,17 @@ pub struct Sources {
     pub hpo_diseases: Option<PathBuf>,
 }
 
+impl Sources {
+    /// The files named.
+    pub fn paths(&self) -> Vec<&Path> {
+        [&self.genes, &self.go, &self.go_terms, &self.hpo_genes, &self.hpo_diseases]
+            .into_iter()
+            .flatten()
+            .map(PathBuf::as_path)
+            .collect()
+    }
+}
+
 /// One protein's annotations.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Protein<'a> {

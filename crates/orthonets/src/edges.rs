@@ -303,8 +303,7 @@ mod mitab {
             if f.len() < 15 {
                 return Err(rec.error(format!("{} fields: PSI-MITAB 2.5 has 15 tab-separated columns", f.len())));
             }
-            let taxa: Vec<Option<&str>> = TAXID.iter().map(|&c| entries(&f[c]).next().map(|e| e.1)).collect();
-            if let (Some(x), Some(y)) = (taxa[0], taxa[1]) {
+            if let [Some(x), Some(y)] = TAXID.map(|c| entries(&f[c]).next().map(|e| e.1)) {
                 if x != y {
                     interspecies += 1;
                     continue;

@@ -3,32 +3,57 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::view::{Edge, Kind, Node, View};
+use crate::view::{Edge, Node, View};
 
-/// Attributes of nodes: (name, GraphML type, value).
-fn node_attrs(n: &Node) -> Vec<(&'static str, &'static str, Value)> {
-    vec![
-        ("name", "string", json!(n.name)),
-        ("organism", "int", json!(n.organism)),
-        ("hop", "int", json!(n.hop.map_or(-1, |h| h as i64))),
-        ("in_network", "boolean", json!(n.in_network)),
-        ("full_name", "string", json!(n.full_name)),
-        ("go_terms", "int", json!(n.go_count)),
-        ("diseases", "string", json!(n.diseases.join("; "))),
+/// Attributes of nodes: (name, GraphML type), in [`node_values`]' order.
+const NODE_KEYS: [(&str, &str); 7] = [
+    ("name", "string"),
+    ("organism", "int"),
+    ("hop", "int"),
+    ("in_network", "boolean"),
+    ("full_name", "string"),
+    ("go_terms", "int"),
+    ("diseases", "string"),
+];
+
+fn node_values(n: &Node) -> [Value; 7] {
+    [
+        json!(n.name),
+        json!(n.organism),
+        json!(n.hop.map_or(-1, |h| h as i64)),
+        json!(n.in_network),
+        json!(n.full_name),
+        json!(n.go_count),
+        json!(n.diseases.join("; ")),
     ]
 }
 
-/// Attributes of edges.
-fn edge_attrs(e: &Edge) -> Vec<(&'static str, &'static str, Value)> {
-    vec![
-        ("kind", "string", json!(e.kind.name())),
-        ("score", "double", json!(e.score)),
-        ("conserved", "boolean", json!(e.conserved)),
-        ("status", "string", json!(e.status.unwrap_or(""))),
-        ("interolog", "string", json!(e.interolog.map_or("", |i| i.0))),
-        ("interolog_score", "double", json!(e.interolog.map_or(0.0, |i| i.1))),
-        ("shared_go", "int", json!(e.shared_go.len())),
+/// Attributes of edges, in [`edge_values`]' order.
+const EDGE_KEYS: [(&str, &str); 7] = [
+    ("kind", "string"),
+    ("score", "double"),
+    ("conserved", "boolean"),
+    ("status", "string"),
+    ("interolog", "string"),
+    ("interolog_score", "double"),
+    ("shared_go", "int"),
+];
+
+fn edge_values(e: &Edge) -> [Value; 7] {
+    [
+        json!(e.kind.name()),
+        json!(e.score),
+        json!(e.conserved),
+        json!(e.status.unwrap_or("")),
+        json!(e.interolog.map_or("", |i| i.0)),
+        json!(e.interolog.map_or(0.0, |i| i.1)),
+        json!(e.shared_go.len()),
     ]
+}
+
+/// `keys`' names with `values` as a JSON object.
+fn object(keys: &[(&str, &str); 7], values: [Value; 7]) -> Map<String, Value> {
+    keys.iter().map(|k| k.0.to_owned()).zip(values).collect()
 }
 
 fn xml(s: &str) -> String {
@@ -61,45 +86,24 @@ pub fn graphml(v: &View) -> String {
         "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<graphml xmlns=\"http://graphml.graphdrawing.org/xmlns\" xmlns:xsi=\"http://www.w3.org/2001/XMLSchema-instance\" xsi:schemaLocation=\"http://graphml.graphdrawing.org/xmlns http://graphml.graphdrawing.org/xmlns/1.0/graphml.xsd\">\n",
     );
     o += "  <key id=\"g_description\" for=\"graph\" attr.name=\"description\" attr.type=\"string\"/>\n";
-    let dummy_n = Node {
-        organism: 1,
-        name: String::new(),
-        hop: None,
-        in_network: true,
-        full_name: String::new(),
-        go: Vec::new(),
-        go_count: 0,
-        diseases: Vec::new(),
-        disease_count: 0,
-    };
-    for (k, t, _) in node_attrs(&dummy_n) {
+    for (k, t) in NODE_KEYS {
         o += &format!("  <key id=\"n_{k}\" for=\"node\" attr.name=\"{k}\" attr.type=\"{t}\"/>\n");
     }
-    let dummy_e = Edge {
-        source: 0,
-        target: 0,
-        kind: Kind::Interaction,
-        score: 0.0,
-        conserved: false,
-        status: None,
-        interolog: None,
-        shared_go: Vec::new(),
-    };
-    for (k, t, _) in edge_attrs(&dummy_e) {
+    for (k, t) in EDGE_KEYS {
         o += &format!("  <key id=\"e_{k}\" for=\"edge\" attr.name=\"{k}\" attr.type=\"{t}\"/>\n");
     }
     o += "  <graph id=\"G\" edgedefault=\"undirected\">\n";
     o += &format!("    <data key=\"g_description\">{}</data>\n", xml(&description(v)));
     for (i, n) in v.nodes.iter().enumerate() {
         o += &format!("    <node id=\"n{i}\">\n");
-        for (k, _, val) in node_attrs(n) {
+        for ((k, _), val) in NODE_KEYS.iter().zip(node_values(n)) {
             o += &format!("      <data key=\"n_{k}\">{}</data>\n", text(&val));
         }
         o += "    </node>\n";
     }
     for (i, e) in v.edges.iter().enumerate() {
         o += &format!("    <edge id=\"e{i}\" source=\"n{}\" target=\"n{}\">\n", e.source, e.target);
-        for (k, _, val) in edge_attrs(e) {
+        for ((k, _), val) in EDGE_KEYS.iter().zip(edge_values(e)) {
             o += &format!("      <data key=\"e_{k}\">{}</data>\n", text(&val));
         }
         o += "    </edge>\n";
@@ -143,8 +147,8 @@ fn cx2_type(t: &str) -> &'static str {
 /// Organism 1's nodes sit left of organism 2's (`x`, `y` from a grid per organism, so the two
 /// networks open side by side before any layout).
 pub fn cx2(v: &View) -> Value {
-    let decl = |attrs: Vec<(&'static str, &'static str, Value)>| -> Map<String, Value> {
-        attrs.into_iter().map(|(k, t, _)| (k.to_owned(), json!({ "d": cx2_type(t) }))).collect()
+    let decl = |keys: &[(&str, &str)]| -> Map<String, Value> {
+        keys.iter().map(|(k, t)| ((*k).to_owned(), json!({ "d": cx2_type(t) }))).collect()
     };
     let mut nodes = Vec::new();
     let mut seen = [0usize; 2];
@@ -153,7 +157,7 @@ pub fn cx2(v: &View) -> Value {
         let k = seen[side];
         seen[side] += 1;
         let per_row = 12;
-        let attrs: Map<String, Value> = node_attrs(n).into_iter().map(|(a, _, val)| (a.to_owned(), val)).collect();
+        let attrs = object(&NODE_KEYS, node_values(n));
         nodes.push(json!({
             "id": i,
             "x": (side as f64) * 1600.0 + (k % per_row) as f64 * 110.0,
@@ -166,13 +170,11 @@ pub fn cx2(v: &View) -> Value {
         .iter()
         .enumerate()
         .map(|(i, e)| {
-            let attrs: Map<String, Value> = edge_attrs(e).into_iter().map(|(a, _, val)| (a.to_owned(), val)).collect();
+            let attrs = object(&EDGE_KEYS, edge_values(e));
             json!({ "id": i, "s": e.source, "t": e.target, "v": attrs })
         })
         .collect();
-    let first = v.nodes.first().cloned();
-    let node_decl = first.map_or_else(Map::new, |n| decl(node_attrs(&n)));
-    let edge_decl = v.edges.first().map_or_else(Map::new, |e| decl(edge_attrs(e)));
+    let (node_decl, edge_decl) = (decl(&NODE_KEYS), decl(&EDGE_KEYS));
     json!([
         { "CXVersion": "2.0", "hasFragments": false },
         { "metaData": [

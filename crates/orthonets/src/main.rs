@@ -156,8 +156,8 @@ struct Loaded {
 
 /// Says on standard error what is being read (with its size) before a load that may take a
 /// while, and how long it took after.
-fn progress<T>(what: &str, path: &std::path::Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    let mb = std::fs::metadata(path).map(|m| m.len() as f64 / 1e6).unwrap_or(0.0);
+fn progress<T>(what: &str, paths: &[&std::path::Path], f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let mb: f64 = paths.iter().map(|p| std::fs::metadata(p).map_or(0.0, |m| m.len() as f64 / 1e6)).sum();
     eprint!("orthonets: reading {what} ({mb:.1} MB) ... ");
     let t0 = std::time::Instant::now();
     let r = f();
@@ -168,7 +168,7 @@ fn progress<T>(what: &str, path: &std::path::Path, f: impl FnOnce() -> Result<T>
 /// Reads the network at `path`, printing what loading found unless `quiet`.
 fn network(name: &str, path: std::path::PathBuf, cols: &Option<String>, quiet: bool) -> Result<edges::Loaded> {
     let cols = columns(cols)?;
-    let n = progress(name, &path, || Ok(edges::load(&path, &cols)?))?;
+    let n = progress(name, &[&path], || Ok(edges::load(&path, &cols)?))?;
     if !quiet {
         println!(
             "{name}: {} nodes, {} edges ({} self-loops dropped, {} duplicates merged, {} rows without an identifier) in {:.3} s; {}\n  {}",
@@ -200,7 +200,7 @@ fn load(i: &Inputs, quiet: bool) -> Result<Loaded> {
         Some(p) => p.clone(),
         None => data::BIOMART_HUMAN_MOUSE.require()?,
     };
-    let o = progress("orthologs", &po, || Ok(ortho::load(&po, &n1.net, &n2.net)?))?;
+    let o = progress("orthologs", &[&po], || Ok(ortho::load(&po, &n1.net, &n2.net)?))?;
     let proj = conserved::Projection::new(&o.orthology, &n1.net, &n2.net);
     let back = conserved::conservation(&n2.net, &n1.net, &proj.reversed());
     for w in o.warnings.iter().cloned().chain(conserved::translation_warning_given(&n1.net, &n2.net, &back)) {
@@ -220,7 +220,7 @@ fn read_list(l: &ListArgs) -> Result<edges::PairList> {
         None => None,
     };
     let cols = columns(&l.list_columns)?;
-    let list = progress("the list", &path, || Ok(edges::read_pairs_where(&path, &cols, only)?))?;
+    let list = progress("the list", &[&path], || Ok(edges::read_pairs_where(&path, &cols, only)?))?;
     println!("list: {} rows ({}), {}", list.pairs.len(), list.layout, path.display());
     Ok(list)
 }
@@ -333,8 +333,7 @@ fn build_view(w: &Viewed) -> Result<view::View> {
         None
     } else {
         let src = data::annotation_sources()?;
-        let p = src.go.clone().unwrap_or_default();
-        Some(progress("annotations (GO, gene names, HPO)", &p, || Ok(annot::Annotations::load(&src)?))?)
+        Some(progress("annotations (GO, gene names, HPO)", &src.paths(), || Ok(annot::Annotations::load(&src)?))?)
     };
     let organisms: Vec<&str> = v.organisms.split(',').collect();
     let [a, b] = organisms.as_slice() else { anyhow::bail!("--organisms {:?}: give name1,name2", v.organisms) };

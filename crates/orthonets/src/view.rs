@@ -4,10 +4,10 @@
 //! it with their interolog evidence, and the annotations of what is shown. One model, three
 //! renderings (`html`, GraphML and CX2 in `export`), so Cytoscape opens what the page shows.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 
 use crate::annot::Annotations;
-use crate::conserved::{best_interolog, Projection};
+use crate::conserved::{best_interolog, interologs, Projection};
 use crate::graph::Network;
 use crate::overlay::{members, Overlay};
 use crate::validate::{evidence, OrthologIndex};
@@ -136,16 +136,16 @@ pub struct Inputs<'a> {
 /// Breadth-first from `start`, `hops` levels, at most `max` nodes: `(node, hop)`; whether a
 /// level was cut.
 fn neighbourhood(net: &Network, start: &[u32], hops: usize, max: usize) -> (Vec<(u32, usize)>, bool) {
-    let mut hop: HashMap<u32, usize> = start.iter().map(|&s| (s, 0)).collect();
+    let mut seen: HashSet<u32> = start.iter().copied().collect();
     let mut out: Vec<(u32, usize)> = start.iter().map(|&s| (s, 0)).take(max).collect();
-    let mut frontier: VecDeque<u32> = start.iter().copied().collect();
+    let mut frontier: Vec<u32> = start.to_vec();
     let mut cut = start.len() > max;
     for level in 1..=hops {
         // each new node's strongest edge to what is shown, for cutting the level
         let mut best: HashMap<u32, f32> = HashMap::new();
         for &u in &frontier {
             for (v, s) in net.neighbours(u) {
-                if !hop.contains_key(&v) {
+                if !seen.contains(&v) {
                     let b = best.entry(v).or_insert(s);
                     *b = b.max(s);
                 }
@@ -160,9 +160,9 @@ fn neighbourhood(net: &Network, start: &[u32], hops: usize, max: usize) -> (Vec<
         }
         frontier.clear();
         for (v, _) in next {
-            hop.insert(v, level);
+            seen.insert(v);
             out.push((v, level));
-            frontier.push_back(v);
+            frontier.push(v);
         }
     }
     (out, cut)
@@ -297,7 +297,6 @@ pub fn build(spec: &Spec, inp: Inputs<'_>) -> Result<View> {
         at2.insert(v, nodes.len());
         nodes.push(annotated(net2.nodes.name(v), 2, (h != usize::MAX).then_some(h), true));
     }
-    let back = inp.proj.reversed();
     for &(u, _) in &two {
         for (v, s) in net2.neighbours(u) {
             if let (true, Some(&i), Some(&j)) = (u < v, at2.get(&u), at2.get(&v)) {
@@ -306,7 +305,8 @@ pub fn build(spec: &Spec, inp: Inputs<'_>) -> Result<View> {
                     target: j,
                     kind: Kind::Interaction,
                     score: s,
-                    conserved: best_interolog(net1, &back, u, v).is_some(),
+                    // network 2's edge seen from network 1: its ends' orthologs there
+                    conserved: !interologs(net1, inp.proj.to1(u), inp.proj.to1(v)).is_empty(),
                     status: None,
                     interolog: None,
                     shared_go: Vec::new(),
