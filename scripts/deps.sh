@@ -35,6 +35,11 @@
 #   sqlite3                     that export
 #   ndex2, networkx (PyPI)      OrthoNets' export tests read its GraphML back with networkx and
 #                               its CX2 with ndex2 (NDEx's client)
+#   torch, maturin, pytest (PyPI)
+#                               the Python package (crates/py): maturin builds its wheel, its tests
+#                               run torchrun jobs on CPU ranks under pytest; torch==2.15.0 from
+#                               PyPI is a CUDA build (~1.5 GB download, ~5.4 GB installed) that
+#                               trains on CPU with gloo
 #
 # IRONWEAVE_DEPS=build limits the list to what the default features need to build (the main
 # job: cmake, g++, libclang-dev; UCX is loaded at run time and verbs is opt-in);
@@ -194,5 +199,10 @@ ironweave_install_deps() {
     echo "installing Python ndex2 and networkx" >&2
     python3 -m pip install --quiet ndex2==3.9.0 networkx 2>/dev/null \
       || python3 -m pip install --quiet --break-system-packages ndex2==3.9.0 networkx
+  fi
+  if [ "${IRONWEAVE_DEPS:-all}" = all ] && ! python3 -m pip show --quiet torch maturin pytest >/dev/null 2>&1; then
+    echo "installing Python torch 2.15.0, maturin and pytest (the Python package's build and tests)" >&2
+    python3 -m pip install --quiet torch==2.15.0 'maturin>=1.5,<2' pytest 2>/dev/null \
+      || python3 -m pip install --quiet --break-system-packages torch==2.15.0 'maturin>=1.5,<2' pytest
   fi
 }

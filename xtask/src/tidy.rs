@@ -48,7 +48,8 @@ pub const CRATE_LAYERS: &[&[&str]] = &[
     &["ironweave-nccl", "ironweave-sdp", "ironweave-sim"],
     &["ironweave-train", "ironweave"],
     &["ironweave-testkit"],
-    &["ironweave-ops", "ironweave-airq", "ironweave-orthonets"],
+    // the Python package's native part: above the facade only
+    &["ironweave-ops", "ironweave-airq", "ironweave-orthonets", "ironweave-py"],
     &["ironweave-cli", "ironweave-benches", "xtask"],
 ];
 
@@ -777,6 +778,9 @@ pub const FORBIDDEN_DEPS: &[(&str, &[&str], &str)] = &[
     ("ironweave-t", &["ironweave-orthonets"], "OrthoNets is an application beside the training runtime"),
     ("ironweave-c", &["ironweave-orthonets"], "OrthoNets is an application beside the training runtime"),
     ("ironweave-o", &["ironweave-orthonets"], "OrthoNets is an application beside the training runtime"),
+    // the Python package is a thin layer: the engine and the runtime are reached through the facade only
+    ("ironweave-", &["ironweave-py"], "the Python package binds the facade (ironweave::checkpointer), never an inner crate"),
+    ("candle", &["ironweave-py"], "the Python package binds the facade (ironweave::checkpointer), never an inner crate"),
     ("tokio", &["*"], "no async runtime in the data path: progress threads and blocking waits"),
     ("async-std", &["*"], "no async runtime in the data path: progress threads and blocking waits"),
 ];

@@ -52,6 +52,19 @@ pub enum CkptError {
         #[source]
         source: std::io::Error,
     },
+    /// Copying the committed iteration into the memory that outlives the process
+    /// ([`crate::EngineConfig::keep_dir`]) failed; the copies of the iteration before stay.
+    #[error("cannot keep iteration {iter} in {dir}: {detail}\n  hint: {hint}")]
+    Keep {
+        /// The keep directory (of this rank).
+        dir: PathBuf,
+        /// The iteration being copied.
+        iter: u64,
+        /// What failed.
+        detail: String,
+        /// What to do.
+        hint: String,
+    },
     /// Transport error during replication or recovery.
     #[error(transparent)]
     Transport(#[from] ironweave_transport::Error),

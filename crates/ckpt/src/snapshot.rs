@@ -263,6 +263,16 @@ impl SnapshotBuffers {
         self.slots[0] = Some(snap);
     }
 
+    /// Hold `snaps` (copies adopted from the keep directory) in place of every held snapshot,
+    /// the newest first as far as the buffers go.
+    pub fn adopt_all(&mut self, mut snaps: Vec<Arc<Snapshot>>) {
+        self.clear();
+        snaps.sort_by_key(|s| std::cmp::Reverse(s.iter));
+        for (slot, s) in self.slots.iter_mut().zip(snaps) {
+            *slot = Some(s);
+        }
+    }
+
     /// Test hook: flip one byte of a held snapshot (simulates memory corruption).
     #[doc(hidden)]
     pub fn corrupt_for_test(&mut self, iter: u64, offset: usize) -> bool {

@@ -466,3 +466,70 @@ fn the_holder_judges_each_chunk_by_its_wire_time_against_its_own_training() {
     assert!(n > 0, "rank 1 received chunks");
     assert_eq!(inside, 0, "rank 1's link was busy with its own training the whole time: {inside} of {n} judged idle");
 }
+
+/// Copies kept in a directory that outlives the process (`EngineConfig::keep_dir`): every
+/// process of the job dies (torchrun restarts them all) and new engines restore from them —
+/// each rank from its own copies, a rank whose copies are gone (its host lost) from a peer's,
+/// bit-identical; another job's copies are never taken; the job's end removes them.
+#[test]
+fn kept_copies_outlive_every_process_of_the_job() {
+    let dir = std::env::temp_dir().join(format!("ironweave-keep-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let keep = EngineConfig { keep_dir: Some(dir.clone()), job_id: Some("job-k".into()), ..cfg() };
+    // the first processes: 4 iterations committed
+    let committed = run(3, keep.clone(), |rank, e| {
+        for it in 1..=4 {
+            e.checkpoint(it, &refs(&state(rank, it))).unwrap();
+            e.commit(true).unwrap();
+        }
+        e.kept().unwrap()
+    });
+    assert_eq!(committed, vec![Some(4); 3]);
+    // the copies of the two newest committed iterations are there (as the persistent tier's
+    // files), each holder with its own state and the replica it holds
+    for rank in 0..3 {
+        let holder = ironweave_ckpt::engine::holder_dir(&dir, rank);
+        let mut iters: Vec<String> =
+            std::fs::read_dir(&holder).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        iters.sort();
+        assert_eq!(iters, vec!["iter-00000003", "iter-00000004"], "rank {rank}");
+        let files = std::fs::read_dir(holder.join("iter-00000004")).unwrap().count();
+        let held = placement(3, 2).iter().filter(|hs| hs.contains(&rank)).count();
+        assert_eq!(files, 2 * (1 + held), "rank {rank}: own state and the replicas it holds, data and manifest each");
+    }
+    // every process restarted: each rank's own kept copy
+    let restore = |rank: usize, e: &mut Engine| {
+        let r = e.restore_latest().unwrap();
+        (r.iter, r.source, r.snapshot.data == state(rank, r.iter).concat())
+    };
+    let out = run(3, keep.clone(), restore);
+    assert_eq!(out, vec![(4, Source::Local, true); 3]);
+    // rank 1's host lost with its copies: its state comes from the rank that held its replica
+    std::fs::remove_dir_all(ironweave_ckpt::engine::holder_dir(&dir, 1)).unwrap();
+    let out = run(3, keep.clone(), restore);
+    assert_eq!(out[1].0, 4);
+    assert!(matches!(out[1].1, Source::Peer(p) if p != 1), "{:?}", out[1].1);
+    assert!(out[1].2, "rank 1's state from a peer differs from the one it committed");
+    assert_eq!((out[0].1, out[2].1), (Source::Local, Source::Local));
+    // another job finds nothing of this one (and says so), and the copies stay
+    let other = EngineConfig { job_id: Some("job-other".into()), ..keep.clone() };
+    let out = run(3, other, |_, e| match e.restore_latest() {
+        Err(CkptError::NothingToRestore { .. }) => e.failures().iter().any(|f| f.contains("of job \"job-k\"")),
+        r => panic!("another job restored {:?}", r.map(|r| r.iter)),
+    });
+    // (rank 1 kept the state it restored from its peer again: its copies are back)
+    assert_eq!(out, vec![true; 3]);
+    // the job ends: every rank removes its copies, after which nothing is left to restore
+    run(3, keep.clone(), |_, e| {
+        e.restore_latest().unwrap();
+        e.comm().barrier().unwrap();
+        e.remove_kept().unwrap();
+        e.comm().barrier().unwrap();
+        if e.comm().rank() == 0 {
+            std::fs::remove_dir(e.keep_dir().unwrap()).unwrap();
+        }
+    });
+    assert!(!dir.exists(), "the keep directory outlived the job's end");
+    let out = run(3, keep, |_, e| matches!(e.restore_latest(), Err(CkptError::NothingToRestore { .. })));
+    assert_eq!(out, vec![true; 3]);
+}

@@ -141,6 +141,19 @@ pub enum Error {
     /// The worker refused its first generation (a configuration it cannot run).
     #[error(transparent)]
     Worker(BoxError),
+    /// A rank's state does not match the registered layout (or rank 0's): a key missing or
+    /// added, another dtype or shape.
+    #[error("state mismatch on rank {rank}: `{key}` is {actual}, expected {expected}; every rank must hand over the state it registered (the same keys, dtypes and shapes)")]
+    StateMismatch {
+        /// The rank whose state differs.
+        rank: usize,
+        /// The first key that differs.
+        key: String,
+        /// What was expected.
+        expected: String,
+        /// What was found.
+        actual: String,
+    },
     /// This process was started (or restarted) after every rank of the job passed its final
     /// barrier: there is nothing left to do (exit status 0).
     #[error("the job finished before this process could join it (every rank had passed the final barrier): nothing to do")]

@@ -42,6 +42,7 @@ mod backend;
 #[cfg(feature = "candle")]
 #[cfg_attr(docsrs, doc(cfg(feature = "candle")))]
 pub mod candle;
+pub mod checkpointer;
 mod doctor;
 pub mod elastic;
 

@@ -44,6 +44,9 @@ impl Engine {
     pub fn commit(&mut self, wait: bool) -> Result<Option<u64>> {
         let t0 = self.now_ns();
         let r = self.commit_inner(wait);
+        if let Ok(Some(c)) = r {
+            self.keep_committed(c)?;
+        }
         self.exposed_ns += self.now_ns().saturating_sub(t0);
         r
     }
@@ -85,7 +88,9 @@ impl Engine {
 
     /// The all-reduce that agrees on the newest committed iteration (collective).
     pub(super) fn agree(&mut self) -> Result<Option<u64>> {
-        let mine: [i64; 1] = [self.replicated_upto().map(|i| i as i64).unwrap_or(-1)];
+        // never below the last agreement (a restore sets it): a restarted process has no
+        // acknowledgements of the restored iteration, yet every rank holds a copy of it
+        let mine: [i64; 1] = [self.replicated_upto().max(self.committed).map(|i| i as i64).unwrap_or(-1)];
         let mut v = mine;
         self.comm.all_reduce(&mut v, ReduceOp::Min)?;
         self.committed = (v[0] >= 0).then_some(v[0] as u64);

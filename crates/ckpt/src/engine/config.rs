@@ -126,6 +126,14 @@ pub struct EngineConfig {
     /// earlier job from its persistent tier (off: those files are passed over and named in
     /// the `NothingToRestore` error).
     pub restore_other_jobs: bool,
+    /// A directory in memory that outlives the process (tmpfs: `/dev/shm/...`), for launchers
+    /// that restart every process of the job when one fails (torchrun). After each commit the
+    /// rank copies its own snapshot of the committed iteration and the replicas it holds of it
+    /// there (under `holder-RANK/`, in the persistent tier's format); a new engine of the same
+    /// job and rank adopts them, so recovery finds them as if the process had lived on. The two
+    /// newest committed iterations are kept (a rank may die before its newest copy is whole).
+    /// None: memory only, lost with the process.
+    pub keep_dir: Option<PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -155,6 +163,7 @@ impl Default for EngineConfig {
             layout: Default::default(),
             job_id: None,
             restore_other_jobs: false,
+            keep_dir: None,
         }
     }
 }

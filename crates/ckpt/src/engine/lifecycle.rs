@@ -82,8 +82,14 @@ impl Engine {
             link_ids,
             storage,
             exposed_ns: 0,
+            keeping: None,
+            kept: None,
+            kept_mismatch: None,
+            keeping_off: false,
             cfg,
         };
+        // copies an earlier process of this rank kept (torchrun restarted it) are memory again
+        e.adopt_kept()?;
         e.start_threads()?;
         Ok(e)
     }
@@ -266,6 +272,7 @@ impl Engine {
     /// (collective: every rank calls it).
     pub fn shutdown(mut self) -> Result<()> {
         let _ = self.commit(true)?;
+        self.join_keeper()?;
         {
             let mut s = self.sched.locked();
             s.txs.clear();

@@ -40,6 +40,7 @@ mod config;
 #[cfg(feature = "test-hooks")]
 mod hooks;
 mod iteration;
+mod keep;
 mod lifecycle;
 pub mod placement;
 pub mod recovery;
@@ -47,6 +48,7 @@ pub mod replicate;
 mod report;
 
 pub use config::{EngineConfig, Strategy};
+pub use keep::holder_dir;
 pub use report::{CheckpointReport, IterationReport, Restored, Source};
 
 pub use placement::{placement, placement_on_hosts};
@@ -121,6 +123,14 @@ pub struct Engine {
     counters: Arc<Counters>,
     storage: Option<Arc<Mutex<TokenBucket>>>,
     exposed_ns: u64,
+    /// The keep (iteration, thread) in flight ([`EngineConfig::keep_dir`]).
+    keeping: Option<(u64, JoinHandle<Result<u64>>)>,
+    /// The newest iteration whose copies in the keep directory are whole.
+    kept: Option<u64>,
+    /// The first difference of a kept copy of this rank's state passed over for its layout.
+    kept_mismatch: Option<(String, String, String)>,
+    /// The kept copies were removed (the job ended): nothing is kept any more.
+    keeping_off: bool,
 }
 
 impl std::fmt::Debug for Engine {

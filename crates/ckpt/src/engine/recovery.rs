@@ -146,6 +146,12 @@ impl Engine {
         (out, foreign)
     }
 
+    /// Whether this rank holds any valid copy (its own snapshot, a replica, a file of this
+    /// job in the persistent tier): a job where no rank does starts fresh.
+    pub fn holds_anything(&self) -> bool {
+        !self.holdings().0.is_empty()
+    }
+
     /// The job this engine's state belongs to ([`crate::EngineConfig::job_id`], resolved).
     pub fn job_id(&self) -> &str {
         &self.written.job
@@ -262,6 +268,7 @@ impl Engine {
             }
         }
         self.last_sent = None;
+        self.drop_kept_after(iter)?;
         self.comm.barrier()?;
         self.committed = Some(iter);
         Ok(Restored { iter, snapshot, source })

@@ -1,0 +1,249 @@
+//! Copies that outlive the process ([`EngineConfig::keep_dir`]).
+//!
+//! Why: torchrun restarts every worker of the job when one fails, so the snapshots and the
+//! replicas held in process memory die with the processes that would restore from them. After
+//! each commit a keeper thread copies the rank's own snapshot of the committed iteration and
+//! the verified replicas it holds of that iteration into a tmpfs directory (`holder-RANK/`, the
+//! persistent tier's file format, written through a temporary file and renamed); a new engine
+//! of the same job and rank adopts them before the first recovery, so [`Engine::restore_latest`]
+//! sees them as memory. A host that is lost takes its directory with it: its ranks' states then
+//! come from the replicas other hosts kept, as they would from live peers.
+//!
+//! The two newest committed iterations are kept: commits are collective and each keeper waits
+//! for the previous one, so when a rank dies every rank has whole copies of the iteration
+//! before the newest commit, even if its newest copy was cut short.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use super::*;
+use crate::persist::Written;
+
+/// The directory a rank keeps its copies in (its own states and the replicas it holds).
+pub fn holder_dir(dir: &Path, rank: usize) -> PathBuf {
+    dir.join(format!("holder-{rank:05}"))
+}
+
+/// Iterations with a directory under a holder's directory, newest first.
+fn kept_iterations(dir: &Path) -> Vec<u64> {
+    let mut v: Vec<u64> = fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_prefix("iter-")).and_then(|n| n.parse().ok()))
+        .collect();
+    v.sort_unstable_by(|a, b| b.cmp(a));
+    v
+}
+
+fn remove_iterations(dir: &Path, drop: impl Fn(u64) -> bool) -> Result<()> {
+    for it in kept_iterations(dir).into_iter().filter(|&it| drop(it)) {
+        let (data, _) = persist::paths(dir, it, 0);
+        let d = data.parent().expect("has a parent");
+        fs::remove_dir_all(d).map_err(|e| CkptError::io(d, e))?;
+    }
+    Ok(())
+}
+
+/// What one keep of iteration `iter` copies: this rank's snapshot and (source, copy) replicas.
+fn write_kept(dir: &Path, me: usize, world: usize, own: &Snapshot, replicas: &[(usize, Snapshot)], by: &Written) -> Result<()> {
+    persist::write_layout(dir, own, me as u32, world as u32, None, by)?;
+    for (src, snap) in replicas {
+        persist::write_layout(dir, snap, *src as u32, world as u32, None, by)?;
+    }
+    Ok(())
+}
+
+fn keep_error(dir: &Path, iter: u64, e: CkptError) -> CkptError {
+    let full = matches!(&e, CkptError::Io { source, .. } if source.kind() == std::io::ErrorKind::StorageFull);
+    CkptError::Keep {
+        dir: dir.to_path_buf(),
+        iter,
+        detail: e.to_string(),
+        hint: if full {
+            "the file system is full: make room in it (a tmpfs such as /dev/shm: `mount -o remount,size=...`), keep fewer replicas, or set no keep directory".into()
+        } else {
+            "the directory must be writable by every rank of this host; the copies of the iteration before are kept".into()
+        },
+    }
+}
+
+/// The first tensor whose presence, dtype or shape differs between a kept copy's layout and
+/// the registered one: (name, as kept, as registered).
+fn layout_difference(kept: &Registry, now: &Registry) -> (String, String, String) {
+    let desc = |t: &crate::registry::TensorMeta| format!("{} {:?}", t.dtype, t.shape);
+    for t in &kept.tensors {
+        match now.tensors.iter().find(|n| n.name == t.name) {
+            None => return (t.name.clone(), desc(t), "not registered".into()),
+            Some(n) if n.dtype != t.dtype || n.shape != t.shape => return (t.name.clone(), desc(t), desc(n)),
+            Some(_) => {}
+        }
+    }
+    match now.tensors.iter().find(|n| !kept.tensors.iter().any(|t| t.name == n.name)) {
+        Some(n) => (n.name.clone(), "not in the kept copy".into(), desc(n)),
+        None => ("(tensor order)".into(), "another order".into(), "this order".into()),
+    }
+}
+
+impl Engine {
+    /// A kept copy of this rank's state whose layout differs from the registered one, passed
+    /// over at start: (tensor, as kept, as registered) of the first difference. A job
+    /// restarted with a changed model finds its old copies this way instead of starting fresh
+    /// without a word.
+    pub fn kept_layout_mismatch(&self) -> Option<&(String, String, String)> {
+        self.kept_mismatch.as_ref()
+    }
+
+    /// Adopts what an earlier process of this rank of the same job kept: its own snapshots
+    /// and the replicas it held. Copies of another job, of another layout, or that fail their
+    /// checksums are passed over (and named in [`Engine::failures`]). Returns how many copies
+    /// were adopted.
+    pub(super) fn adopt_kept(&mut self) -> Result<usize> {
+        let Some(root) = self.cfg.keep_dir.clone() else { return Ok(0) };
+        let (me, world) = (self.comm.rank(), self.comm.size());
+        let dir = holder_dir(&root, me);
+        let mut own = Vec::new();
+        let mut adopted = 0;
+        let mut passed = Vec::new();
+        for it in kept_iterations(&dir) {
+            for owner in 0..world {
+                let (_, man_path) = persist::paths(&dir, it, owner as u32);
+                if !man_path.exists() {
+                    continue;
+                }
+                let snap = match persist::read_manifest(&dir, it, owner as u32) {
+                    Ok(m) if m.job != self.written.job => {
+                        passed.push(format!("{}: of job {:?}", man_path.display(), m.job));
+                        continue;
+                    }
+                    Ok(_) => persist::load(&dir, it, owner as u32),
+                    Err(e) => Err(e),
+                };
+                let snap = match snap {
+                    Ok(s) if *s.registry == *self.registry => s,
+                    Ok(s) => {
+                        let d = layout_difference(&s.registry, &self.registry);
+                        passed.push(format!("{}: another layout than the registered one ({})", man_path.display(), d.0));
+                        if owner == me && self.kept_mismatch.is_none() {
+                            self.kept_mismatch = Some(d);
+                        }
+                        continue;
+                    }
+                    Err(e) => {
+                        passed.push(e.to_string());
+                        continue;
+                    }
+                };
+                adopted += 1;
+                if owner == me {
+                    own.push(Arc::new(snap));
+                } else {
+                    let man = persist::Manifest::of(&snap, owner as u32, world as u32);
+                    let data = snap.data;
+                    let mut sh = self.shared.locked();
+                    let reps = sh.store.entry(owner).or_default();
+                    reps.insert(0, replicate::Replica::kept(man, data));
+                    reps.sort_by_key(|r| r.manifest.iter);
+                }
+            }
+        }
+        self.snaps.adopt_all(own);
+        self.kept = kept_iterations(&dir).into_iter().next();
+        if !passed.is_empty() {
+            self.shared.locked().failures.extend(passed.into_iter().map(|p| format!("kept copy passed over: {p}")));
+        }
+        Ok(adopted)
+    }
+
+    /// After the commit of `iter`: waits for the previous keep, then starts copying `iter`'s
+    /// own snapshot and the replicas held of it (a keeper thread), and removes older copies.
+    pub(super) fn keep_committed(&mut self, iter: u64) -> Result<()> {
+        let Some(root) = self.cfg.keep_dir.clone().filter(|_| !self.keeping_off) else { return Ok(()) };
+        let dir = holder_dir(&root, self.comm.rank());
+        if self.keeping.as_ref().is_some_and(|(k, _)| *k >= iter) || self.kept.is_some_and(|k| k >= iter) {
+            return Ok(());
+        }
+        self.join_keeper()?;
+        let Some(own) = self.snaps.get(iter).cloned() else { return Ok(()) };
+        let (me, world) = (self.comm.rank(), self.comm.size());
+        let (shared, by, prev) = (self.shared.clone(), self.written.clone(), self.kept);
+        let handle = spawn(format!("ckpt-keep-{me}"), move || -> Result<u64> {
+            // the replicas are copied out under the lock (memory speed) and written after it,
+            // so the receiver threads wait for a memcpy, not for the file system
+            let replicas: Vec<(usize, Snapshot)> = {
+                let sh = shared.locked();
+                sh.store
+                    .iter()
+                    .filter_map(|(&src, reps)| {
+                        reps.iter().find(|r| r.verified && r.manifest.iter == iter).map(|r| {
+                            let reg = Arc::new(r.manifest.registry.clone());
+                            (src, Snapshot::with_sums(iter, reg, r.data.clone(), r.manifest.sums.clone()))
+                        })
+                    })
+                    .collect()
+            };
+            fs::create_dir_all(&dir).map_err(|e| keep_error(&dir, iter, CkptError::io(&dir, e)))?;
+            if let Err(e) = write_kept(&dir, me, world, &own, &replicas, &by) {
+                let _ = remove_iterations(&dir, |it| it == iter);
+                return Err(keep_error(&dir, iter, e));
+            }
+            // the iteration before stays: a rank that died before its copy of `iter` was whole
+            // restores from it
+            remove_iterations(&dir, |it| it < prev.unwrap_or(iter).min(iter)).map_err(|e| keep_error(&dir, iter, e))?;
+            Ok(iter)
+        })?;
+        self.keeping = Some((iter, handle));
+        Ok(())
+    }
+
+    /// Waits for the keeper thread (a keep in flight finishes; its error is returned).
+    pub(super) fn join_keeper(&mut self) -> Result<()> {
+        if let Some((_, h)) = self.keeping.take() {
+            let done = h.join().map_err(|_| CkptError::Invalid("the keeper thread panicked".into()))??;
+            self.kept = Some(done);
+        }
+        Ok(())
+    }
+
+    /// After restoring `iter`: copies of newer iterations are void (the job goes on from
+    /// `iter`), so they are removed before they could be adopted by a later restart.
+    pub(super) fn drop_kept_after(&mut self, iter: u64) -> Result<()> {
+        let Some(root) = self.cfg.keep_dir.clone() else { return Ok(()) };
+        self.join_keeper().ok();
+        let dir = holder_dir(&root, self.comm.rank());
+        remove_iterations(&dir, |it| it > iter)?;
+        self.kept = kept_iterations(&dir).into_iter().next();
+        Ok(())
+    }
+
+    /// The newest iteration this rank's copies in the keep directory are whole for (waits for
+    /// a keep in flight).
+    pub fn kept(&mut self) -> Result<Option<u64>> {
+        self.join_keeper()?;
+        Ok(self.kept)
+    }
+
+    /// Removes this rank's copies from the keep directory and keeps nothing more (the job
+    /// ended; use after a barrier, so that no rank still needs a peer's copies). The job's
+    /// directory itself is left for one rank to remove once every rank is done
+    /// ([`Engine::keep_dir`]). Nothing configured: nothing to do.
+    pub fn remove_kept(&mut self) -> Result<()> {
+        let Some(root) = self.cfg.keep_dir.clone() else { return Ok(()) };
+        self.join_keeper().ok();
+        let dir = holder_dir(&root, self.comm.rank());
+        match fs::remove_dir_all(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(CkptError::io(&dir, e)),
+        }
+        self.kept = None;
+        // a later commit (the shutdown's) must not write them again
+        self.keeping_off = true;
+        Ok(())
+    }
+
+    /// The configured keep directory (the job's, holding every rank's `holder-RANK/`).
+    pub fn keep_dir(&self) -> Option<&Path> {
+        self.cfg.keep_dir.as_deref()
+    }
+}

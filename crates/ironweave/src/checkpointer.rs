@@ -1,0 +1,351 @@
+//! A checkpointer for a training loop ironweave does not drive: PyTorch through the
+//! `ironweave` Python package (crate `ironweave-py`), or any program that owns its loop and
+//! hands over its state as bytes after each optimizer step.
+//!
+//! Why a separate piece from [`crate::elastic`]: there the runtime runs the loop and re-forms
+//! the job around a failed rank; here the framework's launcher (torchrun) restarts every
+//! process, and the checkpointer only snapshots, replicates to peers' host memory, commits and
+//! restores. With [`EngineConfig::keep_dir`] on a tmpfs the copies outlive the processes, so a
+//! restarted job restores from memory — its own or, for a host that was lost, a peer's.
+//!
+//! The checkpointer joins the job's launcher environment (torchrun, SLURM, OpenMPI or
+//! `ironweave launch`) on its own port: torchrun's `MASTER_PORT` + 1 unless
+//! `IRONWEAVE_CKPT_PORT` names one, so it never competes with the framework's store.
+//!
+//! ```no_run
+//! use ironweave::checkpointer::Checkpointer;
+//! use ironweave::ckpt::{DType, EngineConfig, TensorSpec};
+//! let specs = [TensorSpec::new("w", DType::F32, &[4])];
+//! let mut ck = Checkpointer::join(&specs, EngineConfig::default(), true)?;
+//! let mut w = vec![0u8; 16];
+//! if let Some(r) = ck.restore(&mut [&mut w[..]])? {
+//!     println!("restored step {} from {}", r.step, r.source.name());
+//! }
+//! for step in 1..=10u64 {
+//!     // ... train, then hand over the state of this step
+//!     ck.save(step, &[&w[..]])?;
+//! }
+//! ck.close(true)?;
+//! # Ok::<(), ironweave::elastic::Error>(())
+//! ```
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ironweave_ckpt::{CkptError, Engine, EngineConfig, Registry, TensorSpec};
+use ironweave_transport::rendezvous::{EnvSource, JobEnv};
+use ironweave_transport::{CommOptions, Communicator, ReduceOp};
+
+use crate::elastic::{Error, RestoreSource, Result};
+use crate::Backend;
+
+/// What [`Checkpointer::restore`] restored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Restore {
+    /// The step whose state is now in place.
+    pub step: u64,
+    /// Where this rank's state came from.
+    pub source: RestoreSource,
+    /// Bytes of this rank's state.
+    pub bytes: u64,
+    /// Wall time of the restore (collective), seconds.
+    pub seconds: f64,
+}
+
+/// Counters of a checkpointer, for reports and benchmarks.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct Stats {
+    /// Saves so far.
+    pub saves: u64,
+    /// Time the caller spent in the last save (snapshot copy, commit agreement), seconds.
+    pub last_exposed_s: f64,
+    /// Time the caller spent in every save, seconds.
+    pub exposed_s: f64,
+    /// Bytes of this rank's state.
+    pub state_bytes: u64,
+    /// Replica bytes this rank sent to its holders.
+    pub replica_bytes_sent: u64,
+    /// Replica bytes that went to other hosts.
+    pub replica_bytes_inter_host: u64,
+    /// The newest step every rank's state of is replicated (committed).
+    pub committed: Option<u64>,
+    /// The newest step this rank's copies in the keep directory are whole for.
+    pub kept: Option<u64>,
+    /// Failures the engine's threads saw (a lost holder, a copy passed over).
+    pub failures: Vec<String>,
+}
+
+/// The checkpointer of one rank (see the module docs).
+#[derive(Debug)]
+pub struct Checkpointer {
+    engine: Engine,
+    last: Option<u64>,
+    began: bool,
+    stats: Stats,
+}
+
+/// The job's environment with the checkpointer's own port: `IRONWEAVE_CKPT_PORT` if set; under
+/// torchrun, SLURM or OpenMPI the master port + 1 (the framework's store has the port itself);
+/// under `ironweave launch` the launcher's port (nothing else uses it there).
+pub fn job_env() -> Result<JobEnv> {
+    let mut env = JobEnv::from_env()?;
+    let port = match std::env::var("IRONWEAVE_CKPT_PORT") {
+        Ok(p) => p.parse::<u16>().map_err(|_| {
+            Error::Transport(ironweave_transport::Error::Config(format!("IRONWEAVE_CKPT_PORT={p:?} is not a port number")))
+        })?,
+        Err(_) if env.source == EnvSource::Ironweave => env.master.port(),
+        Err(_) => env.master.port().checked_add(1).ok_or_else(|| {
+            Error::Transport(ironweave_transport::Error::Config(
+                "the master port is 65535: set IRONWEAVE_CKPT_PORT to a free port for the checkpointer".into(),
+            ))
+        })?,
+    };
+    env.master.set_port(port);
+    Ok(env)
+}
+
+impl Checkpointer {
+    /// Joins the job in the environment ([`job_env`]) over `IRONWEAVE_BACKEND` (default TCP)
+    /// and starts the engine for `specs` (collective). `same_layout`: every rank registers the
+    /// same names, dtypes and shapes (data parallelism), checked before the engine starts.
+    pub fn join(specs: &[TensorSpec], cfg: EngineConfig, same_layout: bool) -> Result<Self> {
+        let env = job_env()?;
+        let comm = crate::connect(Backend::from_env()?, &env, CommOptions::from_env()?)?;
+        Self::on(Arc::new(comm), specs, cfg, same_layout)
+    }
+
+    /// [`Checkpointer::join`] on a communicator the caller formed.
+    pub fn on(comm: Arc<Communicator>, specs: &[TensorSpec], cfg: EngineConfig, same_layout: bool) -> Result<Self> {
+        let registry = Registry::new(specs)?;
+        if same_layout {
+            check_same_layout(&comm, &registry)?;
+        }
+        let state_bytes = registry.total;
+        let engine = Engine::new(comm, registry, cfg)?;
+        Ok(Checkpointer { engine, last: None, began: false, stats: Stats { state_bytes, ..Stats::default() } })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.engine.comm().rank()
+    }
+
+    /// Ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.engine.comm().size()
+    }
+
+    /// The registered layout.
+    pub fn registry(&self) -> &Registry {
+        self.engine.registry()
+    }
+
+    /// Snapshots the state of `step` (after its optimizer step: one buffer per registered
+    /// tensor, in order) and agrees on the newest committed step (collective); replication
+    /// goes on in the background during the next step. Steps must increase.
+    pub fn save(&mut self, step: u64, bufs: &[&[u8]]) -> Result<u64> {
+        if let Some(last) = self.last {
+            if step <= last {
+                return Err(Error::Ckpt(CkptError::Invalid(format!(
+                    "step {step} is not after the last saved or restored step {last}: steps must increase"
+                ))));
+            }
+        }
+        self.check_lengths(bufs.iter().map(|b| b.len()))?;
+        let t0 = Instant::now();
+        if self.began {
+            self.engine.end_iteration();
+        }
+        self.engine.checkpoint(step, bufs)?;
+        let committed = self.engine.commit(false)?;
+        self.engine.begin_iteration(step + 1, None);
+        self.began = true;
+        self.last = Some(step);
+        let dt = t0.elapsed().as_secs_f64();
+        self.stats.saves += 1;
+        self.stats.last_exposed_s = dt;
+        self.stats.exposed_s += dt;
+        self.stats.committed = committed;
+        Ok(step)
+    }
+
+    /// The newest step every rank's state of is replicated, as last agreed.
+    pub fn committed(&self) -> Option<u64> {
+        self.engine.committed()
+    }
+
+    /// Restores the newest step every rank can get a whole copy of (collective) into `bufs`,
+    /// in place — all or nothing: every buffer's length is checked before any byte is written.
+    /// `Ok(None)`: no rank holds any copy (a fresh start).
+    pub fn restore(&mut self, bufs: &mut [&mut [u8]]) -> Result<Option<Restore>> {
+        self.check_lengths(bufs.iter().map(|b| b.len()))?;
+        let t0 = Instant::now();
+        let mut any = [i64::from(self.engine.holds_anything())];
+        self.engine.comm().all_reduce(&mut any, ReduceOp::Max)?;
+        if any[0] == 0 {
+            // nothing to restore anywhere; but a rank whose kept copies were passed over for
+            // another layout means the job came back with a changed state: say so on every rank
+            let mismatch = self.engine.kept_layout_mismatch().cloned();
+            let mut flag = [mismatch.as_ref().map_or(0, |_| self.rank() as i64 + 1)];
+            self.engine.comm().all_reduce(&mut flag, ReduceOp::Max)?;
+            if flag[0] > 0 {
+                let rank = flag[0] as usize - 1;
+                let (key, kept, now) = share_from(self.engine.comm(), rank, mismatch)?;
+                return Err(Error::StateMismatch {
+                    rank,
+                    key,
+                    expected: format!("{kept} as the kept copies hold it (remove them to start over)"),
+                    actual: now,
+                });
+            }
+            return Ok(None);
+        }
+        let r = self.engine.restore_latest()?;
+        for (t, b) in self.engine.registry().tensors.iter().zip(bufs.iter_mut()) {
+            b.copy_from_slice(&r.snapshot.data[t.offset as usize..(t.offset + t.len) as usize]);
+        }
+        self.last = Some(r.iter);
+        self.began = false;
+        self.stats.committed = Some(r.iter);
+        Ok(Some(Restore {
+            step: r.iter,
+            source: r.source.into(),
+            bytes: r.snapshot.data.len() as u64,
+            seconds: t0.elapsed().as_secs_f64(),
+        }))
+    }
+
+    /// The counters (waits for a keep in flight to read its step).
+    pub fn stats(&mut self) -> Result<Stats> {
+        let c = self.engine.counters();
+        self.stats.replica_bytes_sent = c.replica_bytes.load(Ordering::Relaxed);
+        self.stats.replica_bytes_inter_host = c.replica_bytes_inter_host.load(Ordering::Relaxed);
+        self.stats.kept = self.engine.kept()?;
+        self.stats.failures = self.engine.failures();
+        Ok(self.stats.clone())
+    }
+
+    /// Replicates the last snapshot, waits for its acknowledgements (bounded), and stops
+    /// (collective). `remove_kept`: the job is over, so every rank's copies in the keep
+    /// directory are removed (after a barrier: no rank still needs a peer's).
+    pub fn close(mut self, remove_kept: bool) -> Result<()> {
+        if self.began {
+            self.engine.end_iteration();
+        }
+        self.engine.commit(true)?;
+        if remove_kept {
+            self.engine.comm().barrier()?;
+            self.engine.remove_kept()?;
+            // every rank's copies are gone: one rank removes the job's directory
+            self.engine.comm().barrier()?;
+            if let (0, Some(root)) = (self.rank(), self.engine.keep_dir()) {
+                match std::fs::remove_dir(root) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(Error::Ckpt(CkptError::Io { path: root.to_path_buf(), source: e }))
+                    }
+                    _ => {}
+                }
+            }
+        }
+        self.engine.shutdown()?;
+        Ok(())
+    }
+
+    fn check_lengths(&self, lens: impl ExactSizeIterator<Item = usize>) -> Result<()> {
+        let reg = self.engine.registry();
+        if lens.len() != reg.tensors.len() {
+            return Err(Error::Ckpt(CkptError::Invalid(format!(
+                "{} buffers for {} registered tensors",
+                lens.len(),
+                reg.tensors.len()
+            ))));
+        }
+        for (t, n) in reg.tensors.iter().zip(lens) {
+            if n as u64 != t.len {
+                return Err(Error::StateMismatch {
+                    rank: self.rank(),
+                    key: t.name.clone(),
+                    expected: format!("{} bytes ({:?} {:?})", t.len, t.dtype, t.shape),
+                    actual: format!("{n} bytes"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every rank's layout equals rank 0's (collective): the first difference found on any rank is
+/// every rank's error.
+fn check_same_layout(comm: &Communicator, reg: &Registry) -> Result<()> {
+    let describe = |r: &Registry| -> Vec<(String, String)> {
+        r.tensors.iter().map(|t| (t.name.clone(), format!("{:?} {:?}", t.dtype, t.shape))).collect()
+    };
+    let mine = describe(reg);
+    let text = mine.iter().map(|(k, v)| format!("{k}\t{v}")).collect::<Vec<_>>().join("\n").into_bytes();
+    let mut len = [text.len() as i64];
+    comm.broadcast(&mut len, 0)?;
+    let mut zero = if comm.rank() == 0 { text } else { vec![0u8; len[0] as usize] };
+    comm.broadcast(&mut zero, 0)?;
+    let zero = String::from_utf8_lossy(&zero).into_owned();
+    let theirs: Vec<(String, String)> = zero
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let (k, v) = l.split_once('\t').unwrap_or((l, ""));
+            (k.to_string(), v.to_string())
+        })
+        .collect();
+    let diff = first_difference(&theirs, &mine);
+    let mut flag = [i64::from(diff.is_some()) * (comm.rank() as i64 + 1)];
+    comm.all_reduce(&mut flag, ReduceOp::Max)?;
+    if flag[0] == 0 {
+        return Ok(());
+    }
+    let rank = flag[0] as usize - 1;
+    // the rank that found the difference tells every rank what it is
+    let (key, expected, actual) = share_from(comm, rank, diff)?;
+    Err(Error::StateMismatch { rank, key, expected: format!("rank 0's {expected}"), actual })
+}
+
+/// Rank `from`'s (key, expected, actual) on every rank (collective).
+fn share_from(comm: &Communicator, from: usize, mine: Option<(String, String, String)>) -> Result<(String, String, String)> {
+    let text = mine.map(|(k, e, a)| format!("{k}\t{e}\t{a}")).unwrap_or_default().into_bytes();
+    let mut len = [text.len() as i64];
+    comm.broadcast(&mut len, from)?;
+    let mut buf = if comm.rank() == from { text } else { vec![0u8; len[0].clamp(0, 1 << 20) as usize] };
+    comm.broadcast(&mut buf, from)?;
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let mut parts = text.splitn(3, '\t').map(str::to_string);
+    let mut next = || parts.next().unwrap_or_else(|| "-".into());
+    Ok((next(), next(), next()))
+}
+
+/// The first key whose presence, dtype or shape differs: (key, rank 0's, this rank's).
+fn first_difference(zero: &[(String, String)], mine: &[(String, String)]) -> Option<(String, String, String)> {
+    let find = |v: &[(String, String)], k: &str| v.iter().find(|(n, _)| n == k).map(|(_, d)| d.clone());
+    for (k, d) in zero {
+        match find(mine, k) {
+            None => return Some((k.clone(), d.clone(), "missing".into())),
+            Some(m) if &m != d => return Some((k.clone(), d.clone(), m)),
+            Some(_) => {}
+        }
+    }
+    mine.iter().find(|(k, _)| find(zero, k).is_none()).map(|(k, d)| (k.clone(), "missing".into(), d.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_difference_names_the_key_and_both_sides() {
+        let a = vec![("w".to_string(), "F32 [4]".to_string()), ("b".to_string(), "F32 [2]".to_string())];
+        assert_eq!(first_difference(&a, &a), None);
+        let shape = vec![("w".to_string(), "F32 [5]".to_string()), ("b".to_string(), "F32 [2]".to_string())];
+        assert_eq!(first_difference(&a, &shape), Some(("w".into(), "F32 [4]".into(), "F32 [5]".into())));
+        assert_eq!(first_difference(&a, &a[..1]), Some(("b".into(), "F32 [2]".into(), "missing".into())));
+        let extra = [a.clone(), vec![("c".to_string(), "I64 []".to_string())]].concat();
+        assert_eq!(first_difference(&a, &extra), Some(("c".into(), "missing".into(), "I64 []".into())));
+    }
+}

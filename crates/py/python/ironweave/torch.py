@@ -1,0 +1,351 @@
+"""PyTorch state checkpointed every step into peers' host memory by ironweave's engine.
+
+    ckpt = Checkpointer({"model": model, "optim": optim})
+    info = ckpt.restore()                  # None on a fresh start
+    start = info["step"] + 1 if info else 1
+    for step in range(start, steps + 1):
+        ...                                # forward, backward, optimizer step
+        ckpt.save(step)
+    ckpt.close()
+
+What this module does, and only this: it turns modules, optimizers, tensors and picklable
+values into named byte buffers (each tensor viewed as bytes, no copy for contiguous CPU
+tensors), and puts restored bytes back in place. Snapshots, replication, commit, recovery and
+the copies that outlive the processes are the Rust library's (``ironweave._native``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ironweave import _native
+from ironweave._native import ConfigurationError, StateMismatchError  # noqa: F401
+
+__all__ = ["Checkpointer", "deterministic_ddp", "init_process_group", "keep_dir_for_job"]
+
+_DTYPES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.uint8: "u8",
+}
+
+_EXTRAS = "ironweave.extras"
+
+
+def keep_dir_for_job() -> Optional[str]:
+    """Where copies that must outlive the processes go: ``IRONWEAVE_KEEP_DIR`` if set, else
+    under torchrun (which restarts every worker when one fails) ``/dev/shm/ironweave-<run id>``,
+    else None (memory only)."""
+    d = os.environ.get("IRONWEAVE_KEEP_DIR")
+    if d:
+        return d
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run and os.path.isdir("/dev/shm"):
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run)
+        return f"/dev/shm/ironweave-{safe}"
+    return None
+
+
+def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
+    """``torch.distributed.init_process_group`` for a job torchrun may restart: the process group's
+    keys go under a prefix per restart attempt (``TORCHELASTIC_RESTART_COUNT``). Measured here
+    with torch 2.15: after a restart, the default ``env://`` initialisation finds the failed
+    attempt's addresses in torchrun's store and gloo's mesh fails with "Connection refused";
+    with the prefix the restarted workers meet each other. Outside torchrun it is the plain call."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    store = dist.PrefixStore(f"ironweave-attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", base)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _per_gradient_allreduce(group, bucket):
+    import torch.distributed as dist
+
+    grads = bucket.gradients()
+    world = dist.get_world_size(group)
+    futs = [dist.all_reduce(g, group=group, async_op=True).get_future() for g in grads]
+
+    def done(_):
+        buf = bucket.buffer()
+        buf.copy_(torch.cat([g.reshape(-1) for g in grads]))
+        return buf.div_(world)
+
+    return torch.futures.collect_all(futs).then(done)
+
+
+def deterministic_ddp(model, group=None):
+    """Makes a ``DistributedDataParallel`` model's gradient averages independent of its buckets, so
+    a job restored from a checkpoint continues bit for bit as it would have without the failure.
+
+    Why: DDP regroups its gradient buckets after the first iteration of every process (by the
+    order the gradients became ready), and a ring all-reduce adds an element's contributions in
+    an order that depends on where the element sits in its bucket: a restarted process sums in
+    another order than the process it replaces, and the runs drift apart by rounding (measured
+    here: the same restored step, another final digest). The hook all-reduces each gradient on
+    its own, whatever bucket it is in. Returns the model."""
+    model.register_comm_hook(group, _per_gradient_allreduce)
+    return model
+
+
+def _materialize(optim: torch.optim.Optimizer) -> None:
+    """Creates an optimizer's empty state (as DCP does: one step with zero gradients and a zero
+    learning rate), then sets every ``step`` counter back to zero, so that the first real step
+    computes exactly what it would have without the checkpointer (Adam, AdamW, SGD)."""
+    if optim.state:
+        return
+    params = [p for g in optim.param_groups for p in g["params"]]
+    grads = [p.grad for p in params]
+    lrs = []
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    for g in optim.param_groups:
+        lrs.append(g.get("lr"))
+        if "lr" in g:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        optim.step()
+    finally:
+        for g, lr in zip(optim.param_groups, lrs):
+            if lr is not None:
+                g["lr"] = lr
+        for p, gr in zip(params, grads):
+            p.grad = gr
+    for st in optim.state.values():
+        s = st.get("step")
+        if isinstance(s, torch.Tensor):
+            s.zero_()
+        elif isinstance(s, (int, float)):
+            st["step"] = type(s)(0)
+
+
+class Checkpointer:
+    """Checkpoints ``state`` every step into peers' host memory; restores it after a failure.
+
+    ``state`` maps names to ``torch.nn.Module``s, ``torch.optim.Optimizer``s (their empty state
+    is created now), tensors, and small picklable values (kept in ``extras_bytes``). Tensors
+    must be on the CPU. Every rank must pass the same keys, dtypes and shapes (data
+    parallelism); a difference raises ``StateMismatchError`` naming the key on every rank.
+
+    ``strategy``: ``capricorn`` (chunks placed in the link's idle time), ``gemini``; ``replicas``:
+    copies of each step's state including the rank's own; ``keep_dir``: a tmpfs directory the
+    copies outlive the processes in (``"auto"``: ``keep_dir_for_job()``); ``persist_dir`` and
+    ``persist_every``: also write every N steps to a file system.
+    """
+
+    def __init__(
+        self,
+        state: Dict[str, Any],
+        *,
+        replicas: int = 2,
+        strategy: str = "capricorn",
+        keep_dir: Optional[str] = "auto",
+        persist_dir: Optional[str] = None,
+        persist_every: int = 0,
+        timeout_s: float = 300.0,
+        extras_bytes: int = 1 << 16,
+        job_id: Optional[str] = None,
+    ) -> None:
+        if not isinstance(state, dict) or not state:
+            raise ConfigurationError("state: give a non-empty dict of modules, optimizers, tensors and picklable values")
+        self._state = state
+        for v in state.values():
+            if isinstance(v, torch.optim.Optimizer):
+                _materialize(v)
+        self._names, tensors = self._tensors()
+        self._extras_cap = int(extras_bytes)
+        self._extras = torch.zeros(self._extras_cap + 8, dtype=torch.uint8)
+        self._pack_extras()  # a state whose values do not fit fails now, not at the first save
+        specs: List[Tuple[str, str, List[int]]] = []
+        for name, t in zip(self._names, tensors):
+            if t.dtype in _DTYPES:
+                specs.append((name, _DTYPES[t.dtype], list(t.shape)))
+            else:
+                # other dtypes travel as their bytes (bool, int8, int16, complex, ...)
+                specs.append((name, "u8", [t.numel() * t.element_size()]))
+        specs.append((_EXTRAS, "u8", [self._extras_cap + 8]))
+        if keep_dir == "auto":
+            keep_dir = keep_dir_for_job()
+        self.keep_dir = keep_dir
+        self._engine = _native.Engine(
+            specs,
+            strategy=strategy,
+            replicas=replicas,
+            keep_dir=keep_dir,
+            persist_dir=persist_dir,
+            persist_every=persist_every,
+            timeout_s=timeout_s,
+            job_id=job_id,
+        )
+
+    @property
+    def rank(self) -> int:
+        return self._engine.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._engine.world_size
+
+    # -- the state as named tensors ---------------------------------------------------------
+
+    def _tensors(self) -> Tuple[List[str], List[torch.Tensor]]:
+        names: List[str] = []
+        tensors: List[torch.Tensor] = []
+        for key, obj in self._state.items():
+            if isinstance(obj, torch.nn.Module):
+                for k, t in obj.state_dict(keep_vars=False).items():
+                    names.append(f"{key}.{k}")
+                    tensors.append(t)
+            elif isinstance(obj, torch.optim.Optimizer):
+                sd = obj.state_dict()
+                for idx in sorted(sd["state"]):
+                    for k, v in sorted(sd["state"][idx].items()):
+                        if isinstance(v, torch.Tensor):
+                            names.append(f"{key}.state.{idx}.{k}")
+                            tensors.append(v)
+            elif isinstance(obj, torch.Tensor):
+                names.append(key)
+                tensors.append(obj)
+        for n, t in zip(names, tensors):
+            if t.device.type != "cpu":
+                raise ConfigurationError(
+                    f"`{n}` is on {t.device}: this build checkpoints CPU tensors only (no GPU path); "
+                    "keep the state on the CPU or copy it there before saving"
+                )
+        return names, tensors
+
+    def _current(self) -> List[torch.Tensor]:
+        names, tensors = self._tensors()
+        if names != self._names:
+            missing = next((n for n in self._names if n not in names), None)
+            added = next((n for n in names if n not in self._names), None)
+            key = missing or added or "(order)"
+            raise StateMismatchError(
+                f"state mismatch on rank {self.rank}: `{key}` is "
+                f"{'missing' if missing else 'new'}, expected the keys registered when the checkpointer was made"
+            )
+        return tensors
+
+    def _extra_values(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for key, obj in self._state.items():
+            if isinstance(obj, torch.optim.Optimizer):
+                sd = obj.state_dict()
+                out[key] = {
+                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]],
+                    "state": {
+                        idx: {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+                        for idx, st in sd["state"].items()
+                    },
+                }
+            elif not isinstance(obj, (torch.nn.Module, torch.Tensor)):
+                out[key] = obj
+        return out
+
+    def _pack_extras(self) -> None:
+        blob = pickle.dumps(self._extra_values(), protocol=4)
+        if len(blob) > self._extras_cap:
+            raise ConfigurationError(
+                f"the state's picklable values take {len(blob)} bytes, more than extras_bytes={self._extras_cap}: "
+                "raise extras_bytes, or keep large values in tensors"
+            )
+        self._extras[:8] = torch.frombuffer(bytearray(struct.pack("<Q", len(blob))), dtype=torch.uint8)
+        if blob:
+            self._extras[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+    def _unpack_extras(self) -> None:
+        (n,) = struct.unpack("<Q", bytes(self._extras[:8].tolist()))
+        if n > self._extras_cap:
+            raise StateMismatchError(f"restored picklable values claim {n} bytes, more than extras_bytes={self._extras_cap}")
+        values = pickle.loads(self._extras[8 : 8 + n].numpy().tobytes())
+        for key, v in values.items():
+            obj = self._state.get(key)
+            if isinstance(obj, torch.optim.Optimizer):
+                for g, saved in zip(obj.param_groups, v["param_groups"]):
+                    g.update(saved)
+                # state_dict numbers the parameters in order across the groups
+                params = [q for g in obj.param_groups for q in g["params"]]
+                for idx, st in v["state"].items():
+                    if st and 0 <= idx < len(params):
+                        obj.state[params[idx]].update(st)
+            else:
+                self._state[key] = v
+
+    @staticmethod
+    def _bytes(t: torch.Tensor):
+        return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+    # -- the API ----------------------------------------------------------------------------
+
+    def save(self, step: int) -> int:
+        """Snapshots the state after ``step``'s optimizer step (collective: every rank, every
+        step it checkpoints); replication to peers goes on in the background."""
+        tensors = self._current()
+        self._pack_extras()
+        bufs = [self._bytes(t if t.is_contiguous() else t.contiguous()) for t in tensors]
+        bufs.append(self._bytes(self._extras))
+        return self._engine.save(int(step), bufs)
+
+    def restore(self) -> Optional[Dict[str, Any]]:
+        """Restores the newest step every rank has a whole copy of, in place (collective; all or
+        nothing). Returns ``{"step", "source" ("own memory" | "peer" | "persistent"), "peer",
+        "bytes", "seconds"}``, or None when no rank holds any copy (a fresh start)."""
+        tensors = self._current()
+        staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        bufs = []
+        for t in tensors:
+            if t.is_contiguous():
+                bufs.append(self._bytes(t))
+            else:
+                tmp = torch.empty(t.shape, dtype=t.dtype)
+                staged.append((t, tmp))
+                bufs.append(self._bytes(tmp))
+        bufs.append(self._bytes(self._extras))
+        with torch.no_grad():
+            info = self._engine.restore(bufs)
+            if info is None:
+                return None
+            for t, tmp in staged:
+                t.copy_(tmp)
+        self._unpack_extras()
+        return info
+
+    def committed(self) -> Optional[int]:
+        """The newest step whose every rank's state is replicated, as last agreed."""
+        return self._engine.committed()
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters: saves, exposed seconds, state and replica bytes, committed and kept steps."""
+        return self._engine.stats()
+
+    def close(self, remove_kept: bool = True) -> None:
+        """Replicates the last snapshot and stops (collective). ``remove_kept``: the job is over,
+        so the copies kept for restarts are removed."""
+        self._engine.close(remove_kept)
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # after an error the peers may be gone: no collective call, the copies stay for the restart
+        if exc_type is None:
+            self.close(remove_kept=True)

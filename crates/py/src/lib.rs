@@ -1,0 +1,243 @@
+//! `ironweave._native`: the Python package's native part, a thin layer over
+//! [`ironweave::checkpointer::Checkpointer`] (the engine, the transport and the runtime are the
+//! library's; nothing of them lives here). Buffers cross without a copy through the buffer
+//! protocol (the Python side passes each tensor as a flat `uint8` view of its memory), and the
+//! GIL is released while the engine works.
+//!
+//! Where it sits: above the facade crate `ironweave`; below the pure-Python modules
+//! `ironweave.torch` (state dicts of modules and optimizers as named tensors) in
+//! `crates/py/python`.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use ironweave::checkpointer::{Checkpointer, Restore};
+use ironweave::ckpt::engine::Strategy;
+use ironweave::ckpt::{CkptError, DType, EngineConfig, TensorSpec};
+use ironweave::elastic::Error;
+use pyo3::buffer::PyBuffer;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+create_exception!(_native, IronweaveError, PyException, "Every error of ironweave derives from this one.");
+create_exception!(_native, ConfigurationError, IronweaveError, "A setting, an environment or an argument ironweave cannot use.");
+create_exception!(
+    _native,
+    StateMismatchError,
+    IronweaveError,
+    "A rank's state differs from the registered one (a key, a dtype or a shape), or from rank 0's."
+);
+create_exception!(
+    _native,
+    NothingToRestoreError,
+    IronweaveError,
+    "Copies exist, but no step has a whole copy of every rank's state; the message lists what was found."
+);
+create_exception!(_native, ClosedError, IronweaveError, "The checkpointer was closed.");
+
+fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        Error::StateMismatch { .. } => StateMismatchError::new_err(msg),
+        Error::Ckpt(CkptError::NothingToRestore { .. }) => NothingToRestoreError::new_err(msg),
+        Error::Ckpt(CkptError::Invalid(_)) | Error::Transport(ironweave::Error::Config(_)) => ConfigurationError::new_err(msg),
+        _ => IronweaveError::new_err(msg),
+    }
+}
+
+/// A buffer's bytes as a slice (C-contiguous, one byte per item: the Python side passes
+/// `tensor.view(torch.uint8)` as a NumPy array).
+struct Bytes {
+    buf: PyBuffer<u8>,
+}
+
+impl Bytes {
+    fn get(obj: &Bound<'_, PyAny>, writable: bool, what: usize) -> PyResult<Self> {
+        let buf = PyBuffer::<u8>::get(obj)
+            .map_err(|e| ConfigurationError::new_err(format!("buffer {what}: not a byte buffer ({e})")))?;
+        if !buf.is_c_contiguous() {
+            return Err(ConfigurationError::new_err(format!("buffer {what}: not contiguous")));
+        }
+        if writable && buf.readonly() {
+            return Err(ConfigurationError::new_err(format!("buffer {what}: read-only, cannot restore into it")));
+        }
+        Ok(Bytes { buf })
+    }
+
+    fn ptr_len(&self) -> (usize, usize) {
+        (self.buf.buf_ptr() as usize, self.buf.len_bytes())
+    }
+}
+
+/// One rank's checkpointer (`ironweave.torch.Checkpointer` builds it from a state dict).
+#[pyclass(module = "ironweave._native")]
+struct Engine {
+    inner: Mutex<Option<Checkpointer>>,
+    rank: usize,
+    world_size: usize,
+}
+
+impl Engine {
+    fn with<T>(&self, f: impl FnOnce(&mut Checkpointer) -> Result<T, Error>) -> PyResult<T> {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let ck = g.as_mut().ok_or_else(|| ClosedError::new_err("the checkpointer was closed: make a new one"))?;
+        f(ck).map_err(to_py)
+    }
+}
+
+fn restore_dict<'py>(py: Python<'py>, r: &Restore) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("step", r.step)?;
+    let (source, peer) = match r.source {
+        ironweave::elastic::RestoreSource::Peer(p) => ("peer", Some(p)),
+        s => (s.name(), None),
+    };
+    d.set_item("source", source)?;
+    d.set_item("peer", peer)?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("seconds", r.seconds)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl Engine {
+    /// Joins the job in the environment (torchrun, SLURM, OpenMPI, `ironweave launch`) on the
+    /// checkpointer's own port and starts the engine for `specs`: (name, dtype, shape) per
+    /// tensor, dtype one of f32 f64 f16 bf16 i64 i32 u8 (collective).
+    #[new]
+    #[pyo3(signature = (specs, *, strategy="capricorn", replicas=2, keep_dir=None, persist_dir=None, persist_every=0, timeout_s=300.0, job_id=None, same_layout=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        specs: Vec<(String, String, Vec<u64>)>,
+        strategy: &str,
+        replicas: u32,
+        keep_dir: Option<PathBuf>,
+        persist_dir: Option<PathBuf>,
+        persist_every: u64,
+        timeout_s: f64,
+        job_id: Option<String>,
+        same_layout: bool,
+    ) -> PyResult<Self> {
+        let specs = specs
+            .into_iter()
+            .map(|(name, dtype, shape)| {
+                let d = DType::parse(&dtype).ok_or_else(|| {
+                    ConfigurationError::new_err(format!("`{name}`: dtype {dtype:?} is not one of f32 f64 f16 bf16 i64 i32 u8"))
+                })?;
+                Ok(TensorSpec::new(&name, d, &shape))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let strategy = Strategy::parse(strategy).map_err(|e| ConfigurationError::new_err(e.to_string()))?;
+        if !(timeout_s.is_finite() && timeout_s > 0.0) {
+            return Err(ConfigurationError::new_err(format!("timeout_s {timeout_s}: give a positive number of seconds")));
+        }
+        let cfg = EngineConfig {
+            strategy,
+            replicas,
+            keep_dir,
+            persist_dir,
+            persist_every,
+            timeout: Duration::from_secs_f64(timeout_s),
+            job_id,
+            ..EngineConfig::default()
+        };
+        let ck = py.detach(|| Checkpointer::join(&specs, cfg, same_layout)).map_err(to_py)?;
+        Ok(Engine { rank: ck.rank(), world_size: ck.world_size(), inner: Mutex::new(Some(ck)) })
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the job.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Snapshots `step`'s state (one buffer per registered tensor, in order) and agrees on the
+    /// newest committed step (collective); replication goes on in the background.
+    fn save(&self, py: Python<'_>, step: u64, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<u64> {
+        let bufs = buffers.iter().enumerate().map(|(i, b)| Bytes::get(b, false, i)).collect::<PyResult<Vec<_>>>()?;
+        let spans: Vec<(usize, usize)> = bufs.iter().map(Bytes::ptr_len).collect();
+        let r = py.detach(|| {
+            // SAFETY: each (pointer, length) is a C-contiguous buffer that `bufs` holds a view
+            // of (PyBuffer keeps the exporter alive and its memory in place until released);
+            // the engine only reads it during this call, and the caller's contract is that
+            // the state is not changed while `save` runs.
+            let slices: Vec<&[u8]> =
+                spans.iter().map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) }).collect();
+            self.with(|ck| ck.save(step, &slices))
+        });
+        drop(bufs);
+        r
+    }
+
+    /// Restores the newest step every rank has a whole copy of into `buffers`, in place, all
+    /// or nothing (collective). None: no rank holds any copy (a fresh start).
+    fn restore<'py>(&self, py: Python<'py>, buffers: Vec<Bound<'py, PyAny>>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let bufs = buffers.iter().enumerate().map(|(i, b)| Bytes::get(b, true, i)).collect::<PyResult<Vec<_>>>()?;
+        let spans: Vec<(usize, usize)> = bufs.iter().map(Bytes::ptr_len).collect();
+        let r = py.detach(|| {
+            // SAFETY: as in `save`; the buffers are writable (checked) and distinct tensors'
+            // memory, written only inside this call.
+            let mut slices: Vec<&mut [u8]> =
+                spans.iter().map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) }).collect();
+            self.with(|ck| ck.restore(&mut slices))
+        });
+        drop(bufs);
+        r?.map(|r| restore_dict(py, &r)).transpose()
+    }
+
+    /// The newest step every rank's state of is replicated, as last agreed (None: none yet).
+    fn committed(&self) -> PyResult<Option<u64>> {
+        self.with(|ck| Ok(ck.committed()))
+    }
+
+    /// The counters: saves, exposed seconds, state and replica bytes, committed and kept steps.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.with(|ck| ck.stats()))?;
+        let d = PyDict::new(py);
+        d.set_item("saves", s.saves)?;
+        d.set_item("last_exposed_s", s.last_exposed_s)?;
+        d.set_item("exposed_s", s.exposed_s)?;
+        d.set_item("state_bytes", s.state_bytes)?;
+        d.set_item("replica_bytes_sent", s.replica_bytes_sent)?;
+        d.set_item("replica_bytes_inter_host", s.replica_bytes_inter_host)?;
+        d.set_item("committed", s.committed)?;
+        d.set_item("kept", s.kept)?;
+        d.set_item("failures", s.failures)?;
+        Ok(d)
+    }
+
+    /// Replicates the last snapshot, waits for it (bounded) and stops (collective);
+    /// `remove_kept`: the job is over, every rank's kept copies are removed. Later calls raise
+    /// ClosedError.
+    #[pyo3(signature = (remove_kept=true))]
+    fn close(&self, py: Python<'_>, remove_kept: bool) -> PyResult<()> {
+        let ck = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match ck {
+            Some(ck) => py.detach(|| ck.close(remove_kept)).map_err(to_py),
+            None => Err(ClosedError::new_err("the checkpointer was already closed")),
+        }
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Engine>()?;
+    m.add("IronweaveError", py.get_type::<IronweaveError>())?;
+    m.add("ConfigurationError", py.get_type::<ConfigurationError>())?;
+    m.add("StateMismatchError", py.get_type::<StateMismatchError>())?;
+    m.add("NothingToRestoreError", py.get_type::<NothingToRestoreError>())?;
+    m.add("ClosedError", py.get_type::<ClosedError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,67 @@
+"""The tests' DDP job: examples/python/train_ddp.py's loop with a fault and a digest.
+
+Environment: STEPS; FAIL_RANK and FAIL_STEP (that rank SIGKILLs itself after the backward of
+that step, in the first attempt only); FAIL_HOST=1 (the failed rank's kept copies are deleted
+before it comes back: its host was lost); OUT (a directory: each rank writes rank-R.json with
+its restore and its state digest).
+"""
+import hashlib
+import json
+import os
+import shutil
+import signal
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ironweave.torch import Checkpointer, deterministic_ddp, init_process_group, keep_dir_for_job
+
+torch.set_num_threads(1)
+init_process_group("gloo")  # torch.distributed's, restart-safe
+rank = dist.get_rank()
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+fail_rank = int(os.environ.get("FAIL_RANK", "-1"))
+fail_step = int(os.environ.get("FAIL_STEP", "0"))
+if attempt > 0 and rank == fail_rank and os.environ.get("FAIL_HOST") == "1":
+    keep = keep_dir_for_job()
+    shutil.rmtree(os.path.join(keep, f"holder-{rank:05d}"), ignore_errors=True)
+
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+model = net if os.environ.get("NO_DDP") == "1" else deterministic_ddp(DDP(net))
+optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+steps = int(os.environ.get("STEPS", "30"))
+
+ckpt = Checkpointer({"model": model, "optim": optim, "seen": 0}, timeout_s=60)
+info = ckpt.restore()
+state = ckpt._state
+for step in range(info["step"] + 1 if info else 1, steps + 1):
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    x = torch.randn(64, 32, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+    optim.zero_grad()
+    loss.backward()
+    if model is net:
+        flat = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+        dist.all_reduce(flat)
+        off = 0
+        for p in net.parameters():
+            p.grad.copy_(flat[off : off + p.numel()].view_as(p) / dist.get_world_size())
+            off += p.numel()
+    if attempt == 0 and rank == fail_rank and step == fail_step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    optim.step()
+    state["seen"] += 1
+    ckpt.save(step)
+
+h = hashlib.sha256()
+for t in list(model.state_dict().values()) + [v for st in optim.state.values() for v in st.values()]:
+    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+stats = ckpt.stats()
+ckpt.close()
+out = os.environ.get("OUT")
+if out:
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump({"digest": h.hexdigest(), "restored": info, "attempt": attempt, "seen": state["seen"], "stats": stats}, f)
+dist.destroy_process_group()

@@ -1,0 +1,180 @@
+"""The Python package on real processes: torchrun jobs on 4 CPU ranks (gloo) checkpointed
+every step by ironweave, killed and restarted; and the package's refusals of bad input.
+
+Run by scripts/test.sh after the cargo tests (it builds and installs the wheel first)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ironweave
+from ironweave.torch import Checkpointer
+
+HERE = Path(__file__).resolve().parent
+JOB = HERE / "ddp_job.py"
+
+
+def torchrun(script, out, nproc=4, restarts=2, **env):
+    e = dict(os.environ, OUT=str(out), **{k: str(v) for k, v in env.items()})
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "IRONWEAVE_RANK", "IRONWEAVE_KEEP_DIR"):
+        e.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--max-restarts={restarts}", str(script)]
+    p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=600)
+    return p
+
+
+def ranks(out, n=4):
+    return [json.loads((Path(out) / f"rank-{r}.json").read_text()) for r in range(n)]
+
+
+def shm_dirs():
+    return {p.name for p in Path("/dev/shm").glob("ironweave-*")} if Path("/dev/shm").is_dir() else set()
+
+
+def test_a_killed_rank_and_a_lost_host_end_bit_for_bit_in_the_clean_run_s_state(tmp_path):
+    before = shm_dirs()
+    runs = {}
+    for name, env in {
+        "clean": {},
+        # rank 1 SIGKILLs itself after the backward of step 13: torchrun restarts every worker,
+        # and each restores from the copies it kept in /dev/shm
+        "killed": {"FAIL_RANK": 1, "FAIL_STEP": 13},
+        # the same, and rank 1's kept copies are gone when it comes back: its host was lost
+        "host-lost": {"FAIL_RANK": 1, "FAIL_STEP": 13, "FAIL_HOST": 1},
+    }.items():
+        out = tmp_path / name
+        out.mkdir()
+        p = torchrun(JOB, out, STEPS=20, **env)
+        assert p.returncode == 0, f"{name}: torchrun failed\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+        runs[name] = ranks(out)
+    clean = runs["clean"]
+    digest = clean[0]["digest"]
+    assert all(r["digest"] == digest for r in clean), "the ranks of the clean run disagree"
+    assert all(r["restored"] is None and r["attempt"] == 0 for r in clean)
+    for name in ("killed", "host-lost"):
+        rs = runs[name]
+        assert all(r["attempt"] == 1 for r in rs), f"{name}: not restarted once"
+        assert [r["digest"] for r in rs] == [digest] * 4, f"{name}: the final state differs from the clean run's"
+        # the picklable value in the state came back with the tensors
+        assert all(r["seen"] == 20 for r in rs)
+        steps = {r["restored"]["step"] for r in rs}
+        assert len(steps) == 1 and 10 <= steps.pop() <= 12, [r["restored"] for r in rs]
+    assert [r["restored"]["source"] for r in runs["killed"]] == ["own memory"] * 4
+    lost = [r["restored"] for r in runs["host-lost"]]
+    assert lost[1]["source"] == "peer" and lost[1]["peer"] != 1, lost[1]
+    assert [lost[r]["source"] for r in (0, 2, 3)] == ["own memory"] * 3
+    # every rank's state crossed to its holder each step, and nothing is left in /dev/shm
+    st = clean[0]["stats"]
+    assert st["saves"] == 20 and st["committed"] == 19
+    assert st["replica_bytes_sent"] >= 19 * st["state_bytes"]
+    assert shm_dirs() == before
+
+
+MISMATCH = """
+import json, os, torch
+from ironweave.torch import Checkpointer
+rank = int(os.environ["RANK"])
+state = {"w": torch.zeros(4 if rank == 0 else 5), "b": torch.zeros(2)}
+try:
+    Checkpointer(state, timeout_s=30)
+    outcome = "accepted"
+except Exception as e:
+    outcome = type(e).__name__ + ": " + str(e)
+open(os.path.join(os.environ["OUT"], f"rank-{rank}.json"), "w").write(json.dumps({"outcome": outcome}))
+"""
+
+
+def test_ranks_with_different_states_are_refused_on_every_rank_naming_the_key(tmp_path):
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH)
+    p = torchrun(script, tmp_path, nproc=2, restarts=0)
+    assert p.returncode == 0, p.stderr[-4000:]
+    outs = [r["outcome"] for r in ranks(tmp_path, 2)]
+    for o in outs:
+        assert o.startswith("StateMismatchError") and "`w`" in o and "rank 1" in o, o
+
+
+@pytest.fixture
+def world_of_one(monkeypatch, tmp_path):
+    """A job of one rank in this process, its kept copies under tmp_path."""
+
+    def fresh():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for k, v in {"IRONWEAVE_RANK": "0", "IRONWEAVE_WORLD_SIZE": "1", "IRONWEAVE_MASTER_ADDR": "127.0.0.1",
+                     "IRONWEAVE_MASTER_PORT": str(port), "IRONWEAVE_KEEP_DIR": str(tmp_path / "keep"),
+                     "IRONWEAVE_JOB_ID": "pytest"}.items():
+            monkeypatch.setenv(k, v)
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(k, raising=False)
+    fresh()
+    return fresh
+
+
+def small_state(n=4):
+    model = torch.nn.Linear(n, 2)
+    return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.1), "epoch": 0}
+
+
+def test_a_restore_brings_back_tensors_of_every_dtype_and_the_picklable_values(world_of_one):
+    bf = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    view = base.t()  # not contiguous
+    state = dict(small_state(), bf=bf, view=view, flags=torch.tensor([True, False]), note={"k": [1, 2]})
+    ck = Checkpointer(state)
+    assert ck.restore() is None  # nothing anywhere: a fresh start
+    ck.save(1)
+    ck.save(2)
+    keep = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items() if k in ("bf", "flags")}
+    ck.close(remove_kept=False)
+    with torch.no_grad():
+        bf.zero_()
+        base.zero_()
+        state["flags"].fill_(False)
+    state["note"] = None
+    world_of_one()
+    ck = Checkpointer(state)
+    info = ck.restore()
+    assert info["step"] == 2 and info["source"] == "own memory"
+    assert torch.equal(bf, keep["bf"]) and torch.equal(state["flags"], keep["flags"])
+    assert torch.equal(base, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert state["note"] == {"k": [1, 2]}
+    ck.close()
+    assert not (Path(os.environ["IRONWEAVE_KEEP_DIR"])).exists()
+
+
+def test_bad_input_gives_the_typed_error_and_restores_nothing(world_of_one):
+    # a tensor that is not on the CPU (a meta tensor stands in for CUDA in a build without GPU)
+    with pytest.raises(ironweave.ConfigurationError, match="meta"):
+        Checkpointer({"w": torch.empty(3, device="meta")})
+    # picklable values larger than their room
+    with pytest.raises(ironweave.ConfigurationError, match="extras_bytes"):
+        Checkpointer({"w": torch.zeros(2), "blob": b"x" * 5000}, extras_bytes=1024)
+    world_of_one()
+    state = small_state()
+    ck = Checkpointer(state)
+    ck.save(3)
+    with pytest.raises(ironweave.ConfigurationError, match="steps must increase"):
+        ck.save(3)
+    ck.close(remove_kept=False)
+    with pytest.raises(ironweave.ClosedError):
+        ck.save(4)
+    # the job comes back with another shape: the kept copies are named, nothing is restored
+    world_of_one()
+    changed = small_state(5)
+    before = changed["model"].weight.detach().clone()
+    ck = Checkpointer(changed)
+    with pytest.raises(ironweave.StateMismatchError, match="model.weight"):
+        ck.restore()
+    assert torch.equal(changed["model"].weight, before)
+    ck.close()
