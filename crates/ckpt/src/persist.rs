@@ -103,9 +103,14 @@ impl Manifest {
     }
 }
 
+/// The directory of an iteration's files (every rank's).
+pub fn iteration_dir(dir: &Path, iter: u64) -> PathBuf {
+    dir.join(format!("iter-{iter:08}"))
+}
+
 /// Paths of a rank's files for an iteration.
 pub fn paths(dir: &Path, iter: u64, rank: u32) -> (PathBuf, PathBuf) {
-    let d = dir.join(format!("iter-{iter:08}"));
+    let d = iteration_dir(dir, iter);
     (d.join(format!("rank-{rank:05}.safetensors")), d.join(format!("rank-{rank:05}.json")))
 }
 
@@ -493,17 +498,21 @@ pub fn load_global(dir: &Path, iter: u64, want: &Registry) -> Result<Snapshot> {
     Ok(Snapshot::new(iter, Arc::new(want.clone()), data))
 }
 
-/// Iterations that have a manifest for `rank` under `dir`, newest first.
-pub fn iterations(dir: &Path, rank: u32) -> Vec<u64> {
+/// Iterations that have a directory under `dir` (whoever's files are in it), newest first.
+pub fn iteration_dirs(dir: &Path) -> Vec<u64> {
     let mut v: Vec<u64> = fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()
         .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_prefix("iter-")).and_then(|n| n.parse().ok()))
-        .filter(|&it| paths(dir, it, rank).1.exists())
         .collect();
     v.sort_unstable_by(|a, b| b.cmp(a));
     v
+}
+
+/// Iterations that have a manifest for `rank` under `dir`, newest first.
+pub fn iterations(dir: &Path, rank: u32) -> Vec<u64> {
+    iteration_dirs(dir).into_iter().filter(|&it| paths(dir, it, rank).1.exists()).collect()
 }
 
 #[cfg(test)]

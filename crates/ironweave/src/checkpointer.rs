@@ -282,12 +282,8 @@ fn check_same_layout(comm: &Communicator, reg: &Registry) -> Result<()> {
         r.tensors.iter().map(|t| (t.name.clone(), format!("{:?} {:?}", t.dtype, t.shape))).collect()
     };
     let mine = describe(reg);
-    let text = mine.iter().map(|(k, v)| format!("{k}\t{v}")).collect::<Vec<_>>().join("\n").into_bytes();
-    let mut len = [text.len() as i64];
-    comm.broadcast(&mut len, 0)?;
-    let mut zero = if comm.rank() == 0 { text } else { vec![0u8; len[0] as usize] };
-    comm.broadcast(&mut zero, 0)?;
-    let zero = String::from_utf8_lossy(&zero).into_owned();
+    let text = mine.iter().map(|(k, v)| format!("{k}\t{v}")).collect::<Vec<_>>().join("\n");
+    let zero = broadcast_text(comm, 0, text)?;
     let theirs: Vec<(String, String)> = zero
         .lines()
         .filter(|l| !l.is_empty())
@@ -310,15 +306,28 @@ fn check_same_layout(comm: &Communicator, reg: &Registry) -> Result<()> {
 
 /// Rank `from`'s (key, expected, actual) on every rank (collective).
 fn share_from(comm: &Communicator, from: usize, mine: Option<(String, String, String)>) -> Result<(String, String, String)> {
-    let text = mine.map(|(k, e, a)| format!("{k}\t{e}\t{a}")).unwrap_or_default().into_bytes();
-    let mut len = [text.len() as i64];
-    comm.broadcast(&mut len, from)?;
-    let mut buf = if comm.rank() == from { text } else { vec![0u8; len[0].clamp(0, 1 << 20) as usize] };
-    comm.broadcast(&mut buf, from)?;
-    let text = String::from_utf8_lossy(&buf).into_owned();
+    let text = broadcast_text(comm, from, mine.map(|(k, e, a)| format!("{k}\t{e}\t{a}")).unwrap_or_default())?;
     let mut parts = text.splitn(3, '\t').map(str::to_string);
     let mut next = || parts.next().unwrap_or_else(|| "-".into());
     Ok((next(), next(), next()))
+}
+
+/// Rank `root`'s `text` on every rank (collective; the others' `text` is not read). A length
+/// over 64 MiB is refused on every rank before any byte of it is sent.
+fn broadcast_text(comm: &Communicator, root: usize, text: String) -> Result<String> {
+    const MAX: i64 = 64 << 20;
+    let text = text.into_bytes();
+    let mut len = [text.len() as i64];
+    comm.broadcast(&mut len, root)?;
+    if !(0..=MAX).contains(&len[0]) {
+        return Err(Error::Ckpt(CkptError::Invalid(format!(
+            "rank {root} describes its state in {} bytes, more than {MAX}: too many tensors for one layout check",
+            len[0]
+        ))));
+    }
+    let mut buf = if comm.rank() == root { text } else { vec![0u8; len[0] as usize] };
+    comm.broadcast(&mut buf, root)?;
+    Ok(String::from_utf8_lossy(&buf).into_owned())
 }
 
 /// The first key whose presence, dtype or shape differs: (key, rank 0's, this rank's).

@@ -33,9 +33,10 @@ model = net if os.environ.get("NO_DDP") == "1" else deterministic_ddp(DDP(net))
 optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
 steps = int(os.environ.get("STEPS", "30"))
 
-ckpt = Checkpointer({"model": model, "optim": optim, "seen": 0}, timeout_s=60)
+# the picklable value is put back into this dict by a restore
+state = {"model": model, "optim": optim, "seen": 0}
+ckpt = Checkpointer(state, timeout_s=60)
 info = ckpt.restore()
-state = ckpt._state
 for step in range(info["step"] + 1 if info else 1, steps + 1):
     g = torch.Generator().manual_seed(step * 1000 + rank)
     x = torch.randn(64, 32, generator=g)

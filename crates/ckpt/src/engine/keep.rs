@@ -24,23 +24,10 @@ pub fn holder_dir(dir: &Path, rank: usize) -> PathBuf {
     dir.join(format!("holder-{rank:05}"))
 }
 
-/// Iterations with a directory under a holder's directory, newest first.
-fn kept_iterations(dir: &Path) -> Vec<u64> {
-    let mut v: Vec<u64> = fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_prefix("iter-")).and_then(|n| n.parse().ok()))
-        .collect();
-    v.sort_unstable_by(|a, b| b.cmp(a));
-    v
-}
-
 fn remove_iterations(dir: &Path, drop: impl Fn(u64) -> bool) -> Result<()> {
-    for it in kept_iterations(dir).into_iter().filter(|&it| drop(it)) {
-        let (data, _) = persist::paths(dir, it, 0);
-        let d = data.parent().expect("has a parent");
-        fs::remove_dir_all(d).map_err(|e| CkptError::io(d, e))?;
+    for it in persist::iteration_dirs(dir).into_iter().filter(|&it| drop(it)) {
+        let d = persist::iteration_dir(dir, it);
+        fs::remove_dir_all(&d).map_err(|e| CkptError::io(&d, e))?;
     }
     Ok(())
 }
@@ -105,7 +92,7 @@ impl Engine {
         let mut own = Vec::new();
         let mut adopted = 0;
         let mut passed = Vec::new();
-        for it in kept_iterations(&dir) {
+        for it in persist::iteration_dirs(&dir) {
             for owner in 0..world {
                 let (_, man_path) = persist::paths(&dir, it, owner as u32);
                 if !man_path.exists() {
@@ -148,7 +135,7 @@ impl Engine {
             }
         }
         self.snaps.adopt_all(own);
-        self.kept = kept_iterations(&dir).into_iter().next();
+        self.kept = persist::iteration_dirs(&dir).into_iter().next();
         if !passed.is_empty() {
             self.shared.locked().failures.extend(passed.into_iter().map(|p| format!("kept copy passed over: {p}")));
         }
@@ -212,7 +199,7 @@ impl Engine {
         self.join_keeper().ok();
         let dir = holder_dir(&root, self.comm.rank());
         remove_iterations(&dir, |it| it > iter)?;
-        self.kept = kept_iterations(&dir).into_iter().next();
+        self.kept = persist::iteration_dirs(&dir).into_iter().next();
         Ok(())
     }
 
