@@ -130,6 +130,27 @@ impl Registry {
         self.tensors.iter().find(|t| t.name == name)
     }
 
+    /// The first tensor whose presence, dtype or shape differs from `other`'s, as (name, here,
+    /// in `other`), each side `dtype [shape]` or `missing`; `(order)` when the tensors are the
+    /// same but the layouts still differ (order, offsets, global slices). None: equal layouts.
+    pub fn first_difference(&self, other: &Registry) -> Option<(String, String, String)> {
+        if self == other {
+            return None;
+        }
+        let desc = |t: &TensorMeta| format!("{:?} {:?}", t.dtype, t.shape);
+        for t in &self.tensors {
+            match other.get(&t.name) {
+                None => return Some((t.name.clone(), desc(t), "missing".into())),
+                Some(o) if o.dtype != t.dtype || o.shape != t.shape => return Some((t.name.clone(), desc(t), desc(o))),
+                Some(_) => {}
+            }
+        }
+        Some(match other.tensors.iter().find(|o| self.get(&o.name).is_none()) {
+            Some(o) => (o.name.clone(), "missing".into(), desc(o)),
+            None => ("(order)".into(), "another order or offsets".into(), "this one".into()),
+        })
+    }
+
     /// Check that `bufs` match the registry, in order.
     pub fn check(&self, bufs: &[&[u8]]) -> Result<()> {
         if bufs.len() != self.tensors.len() {
@@ -141,5 +162,27 @@ impl Registry {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_difference_names_the_key_and_both_sides() {
+        let reg = |specs: &[(&str, DType, &[u64])]| {
+            Registry::new(&specs.iter().map(|(n, d, s)| TensorSpec::new(*n, *d, s)).collect::<Vec<_>>()).unwrap()
+        };
+        let a = reg(&[("w", DType::F32, &[4]), ("b", DType::F32, &[2])]);
+        assert_eq!(a.first_difference(&a), None);
+        let shape = reg(&[("w", DType::F32, &[5]), ("b", DType::F32, &[2])]);
+        assert_eq!(a.first_difference(&shape), Some(("w".into(), "F32 [4]".into(), "F32 [5]".into())));
+        let fewer = reg(&[("w", DType::F32, &[4])]);
+        assert_eq!(a.first_difference(&fewer), Some(("b".into(), "F32 [2]".into(), "missing".into())));
+        let extra = reg(&[("w", DType::F32, &[4]), ("b", DType::F32, &[2]), ("c", DType::I64, &[])]);
+        assert_eq!(a.first_difference(&extra), Some(("c".into(), "missing".into(), "I64 []".into())));
+        let reordered = reg(&[("b", DType::F32, &[2]), ("w", DType::F32, &[4])]);
+        assert_eq!(a.first_difference(&reordered).map(|d| d.0), Some("(order)".into()));
     }
 }

@@ -523,10 +523,10 @@ fn kept_copies_outlive_every_process_of_the_job() {
     run(3, keep.clone(), |_, e| {
         e.restore_latest().unwrap();
         e.comm().barrier().unwrap();
-        e.remove_kept().unwrap();
+        let root = e.remove_kept().unwrap().unwrap();
         e.comm().barrier().unwrap();
         if e.comm().rank() == 0 {
-            std::fs::remove_dir(e.keep_dir().unwrap()).unwrap();
+            std::fs::remove_dir(root).unwrap();
         }
     });
     assert!(!dir.exists(), "the keep directory outlived the job's end");

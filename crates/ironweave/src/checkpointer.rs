@@ -186,12 +186,9 @@ impl Checkpointer {
         if any[0] == 0 {
             // nothing to restore anywhere; but a rank whose kept copies were passed over for
             // another layout means the job came back with a changed state: say so on every rank
-            let mismatch = self.engine.kept_layout_mismatch().cloned();
-            let mut flag = [mismatch.as_ref().map_or(0, |_| self.rank() as i64 + 1)];
-            self.engine.comm().all_reduce(&mut flag, ReduceOp::Max)?;
-            if flag[0] > 0 {
-                let rank = flag[0] as usize - 1;
-                let (key, kept, now) = share_from(self.engine.comm(), rank, mismatch)?;
+            if let Some((rank, (key, kept, now))) =
+                first_rank_with(self.engine.comm(), self.engine.kept_layout_mismatch().cloned())?
+            {
                 return Err(Error::StateMismatch {
                     rank,
                     key,
@@ -236,13 +233,13 @@ impl Checkpointer {
         self.engine.commit(true)?;
         if remove_kept {
             self.engine.comm().barrier()?;
-            self.engine.remove_kept()?;
+            let root = self.engine.remove_kept()?;
             // every rank's copies are gone: one rank removes the job's directory
             self.engine.comm().barrier()?;
-            if let (0, Some(root)) = (self.rank(), self.engine.keep_dir()) {
-                match std::fs::remove_dir(root) {
+            if let (0, Some(root)) = (self.rank(), root) {
+                match std::fs::remove_dir(&root) {
                     Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                        return Err(Error::Ckpt(CkptError::Io { path: root.to_path_buf(), source: e }))
+                        return Err(Error::Ckpt(CkptError::Io { path: root, source: e }))
                     }
                     _ => {}
                 }
@@ -278,38 +275,35 @@ impl Checkpointer {
 /// Every rank's layout equals rank 0's (collective): the first difference found on any rank is
 /// every rank's error.
 fn check_same_layout(comm: &Communicator, reg: &Registry) -> Result<()> {
-    let describe = |r: &Registry| -> Vec<(String, String)> {
-        r.tensors.iter().map(|t| (t.name.clone(), format!("{:?} {:?}", t.dtype, t.shape))).collect()
-    };
-    let mine = describe(reg);
-    let text = mine.iter().map(|(k, v)| format!("{k}\t{v}")).collect::<Vec<_>>().join("\n");
-    let zero = broadcast_text(comm, 0, text)?;
-    let theirs: Vec<(String, String)> = zero
-        .lines()
-        .filter(|l| !l.is_empty())
-        .map(|l| {
-            let (k, v) = l.split_once('\t').unwrap_or((l, ""));
-            (k.to_string(), v.to_string())
-        })
-        .collect();
-    let diff = first_difference(&theirs, &mine);
-    let mut flag = [i64::from(diff.is_some()) * (comm.rank() as i64 + 1)];
-    comm.all_reduce(&mut flag, ReduceOp::Max)?;
-    if flag[0] == 0 {
-        return Ok(());
+    let mine = serde_json::to_string(reg).map_err(|e| Error::Ckpt(CkptError::Invalid(e.to_string())))?;
+    let zero = broadcast_text(comm, 0, mine)?;
+    let zero: Registry = serde_json::from_str(&zero)
+        .map_err(|e| Error::Ckpt(CkptError::Invalid(format!("rank 0's layout does not parse: {e}"))))?;
+    match first_rank_with(comm, zero.first_difference(reg))? {
+        None => Ok(()),
+        Some((rank, (key, expected, actual))) => {
+            Err(Error::StateMismatch { rank, key, expected: format!("rank 0's {expected}"), actual })
+        }
     }
-    let rank = flag[0] as usize - 1;
-    // the rank that found the difference tells every rank what it is
-    let (key, expected, actual) = share_from(comm, rank, diff)?;
-    Err(Error::StateMismatch { rank, key, expected: format!("rank 0's {expected}"), actual })
 }
 
-/// Rank `from`'s (key, expected, actual) on every rank (collective).
-fn share_from(comm: &Communicator, from: usize, mine: Option<(String, String, String)>) -> Result<(String, String, String)> {
+/// A layout difference: (tensor, one side, the other side), as `Registry::first_difference` gives it.
+type Difference = (String, String, String);
+
+/// The highest rank that has a difference, and that difference, on every rank (collective);
+/// None when no rank has one.
+fn first_rank_with(comm: &Communicator, mine: Option<Difference>) -> Result<Option<(usize, Difference)>> {
+    let mut flag = [mine.as_ref().map_or(0, |_| comm.rank() as i64 + 1)];
+    comm.all_reduce(&mut flag, ReduceOp::Max)?;
+    if flag[0] == 0 {
+        return Ok(None);
+    }
+    let from = flag[0] as usize - 1;
+    // the rank that found the difference tells every rank what it is
     let text = broadcast_text(comm, from, mine.map(|(k, e, a)| format!("{k}\t{e}\t{a}")).unwrap_or_default())?;
     let mut parts = text.splitn(3, '\t').map(str::to_string);
     let mut next = || parts.next().unwrap_or_else(|| "-".into());
-    Ok((next(), next(), next()))
+    Ok(Some((from, (next(), next(), next()))))
 }
 
 /// Rank `root`'s `text` on every rank (collective; the others' `text` is not read). A length
@@ -328,33 +322,4 @@ fn broadcast_text(comm: &Communicator, root: usize, text: String) -> Result<Stri
     let mut buf = if comm.rank() == root { text } else { vec![0u8; len[0] as usize] };
     comm.broadcast(&mut buf, root)?;
     Ok(String::from_utf8_lossy(&buf).into_owned())
-}
-
-/// The first key whose presence, dtype or shape differs: (key, rank 0's, this rank's).
-fn first_difference(zero: &[(String, String)], mine: &[(String, String)]) -> Option<(String, String, String)> {
-    let find = |v: &[(String, String)], k: &str| v.iter().find(|(n, _)| n == k).map(|(_, d)| d.clone());
-    for (k, d) in zero {
-        match find(mine, k) {
-            None => return Some((k.clone(), d.clone(), "missing".into())),
-            Some(m) if &m != d => return Some((k.clone(), d.clone(), m)),
-            Some(_) => {}
-        }
-    }
-    mine.iter().find(|(k, _)| find(zero, k).is_none()).map(|(k, d)| (k.clone(), "missing".into(), d.clone()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_first_difference_names_the_key_and_both_sides() {
-        let a = vec![("w".to_string(), "F32 [4]".to_string()), ("b".to_string(), "F32 [2]".to_string())];
-        assert_eq!(first_difference(&a, &a), None);
-        let shape = vec![("w".to_string(), "F32 [5]".to_string()), ("b".to_string(), "F32 [2]".to_string())];
-        assert_eq!(first_difference(&a, &shape), Some(("w".into(), "F32 [4]".into(), "F32 [5]".into())));
-        assert_eq!(first_difference(&a, &a[..1]), Some(("b".into(), "F32 [2]".into(), "missing".into())));
-        let extra = [a.clone(), vec![("c".to_string(), "I64 []".to_string())]].concat();
-        assert_eq!(first_difference(&a, &extra), Some(("c".into(), "missing".into(), "I64 []".into())));
-    }
 }

@@ -55,23 +55,6 @@ fn keep_error(dir: &Path, iter: u64, e: CkptError) -> CkptError {
     }
 }
 
-/// The first tensor whose presence, dtype or shape differs between a kept copy's layout and
-/// the registered one: (name, as kept, as registered).
-fn layout_difference(kept: &Registry, now: &Registry) -> (String, String, String) {
-    let desc = |t: &crate::registry::TensorMeta| format!("{} {:?}", t.dtype, t.shape);
-    for t in &kept.tensors {
-        match now.tensors.iter().find(|n| n.name == t.name) {
-            None => return (t.name.clone(), desc(t), "not registered".into()),
-            Some(n) if n.dtype != t.dtype || n.shape != t.shape => return (t.name.clone(), desc(t), desc(n)),
-            Some(_) => {}
-        }
-    }
-    match now.tensors.iter().find(|n| !kept.tensors.iter().any(|t| t.name == n.name)) {
-        Some(n) => (n.name.clone(), "not in the kept copy".into(), desc(n)),
-        None => ("(tensor order)".into(), "another order".into(), "this order".into()),
-    }
-}
-
 impl Engine {
     /// A kept copy of this rank's state whose layout differs from the registered one, passed
     /// over at start: (tensor, as kept, as registered) of the first difference. A job
@@ -83,16 +66,15 @@ impl Engine {
 
     /// Adopts what an earlier process of this rank of the same job kept: its own snapshots
     /// and the replicas it held. Copies of another job, of another layout, or that fail their
-    /// checksums are passed over (and named in [`Engine::failures`]). Returns how many copies
-    /// were adopted.
-    pub(super) fn adopt_kept(&mut self) -> Result<usize> {
-        let Some(root) = self.cfg.keep_dir.clone() else { return Ok(0) };
+    /// checksums are passed over (and named in [`Engine::failures`]).
+    pub(super) fn adopt_kept(&mut self) {
+        let Some(root) = self.cfg.keep_dir.clone() else { return };
         let (me, world) = (self.comm.rank(), self.comm.size());
         let dir = holder_dir(&root, me);
         let mut own = Vec::new();
-        let mut adopted = 0;
         let mut passed = Vec::new();
-        for it in persist::iteration_dirs(&dir) {
+        let iters = persist::iteration_dirs(&dir);
+        for &it in &iters {
             for owner in 0..world {
                 let (_, man_path) = persist::paths(&dir, it, owner as u32);
                 if !man_path.exists() {
@@ -106,10 +88,9 @@ impl Engine {
                     Ok(_) => persist::load(&dir, it, owner as u32),
                     Err(e) => Err(e),
                 };
-                let snap = match snap {
-                    Ok(s) if *s.registry == *self.registry => s,
-                    Ok(s) => {
-                        let d = layout_difference(&s.registry, &self.registry);
+                let snap = match snap.map(|s| (s.registry.first_difference(&self.registry), s)) {
+                    Ok((None, s)) => s,
+                    Ok((Some(d), _)) => {
                         passed.push(format!("{}: another layout than the registered one ({})", man_path.display(), d.0));
                         if owner == me && self.kept_mismatch.is_none() {
                             self.kept_mismatch = Some(d);
@@ -121,7 +102,6 @@ impl Engine {
                         continue;
                     }
                 };
-                adopted += 1;
                 if owner == me {
                     own.push(Arc::new(snap));
                 } else {
@@ -135,17 +115,14 @@ impl Engine {
             }
         }
         self.snaps.adopt_all(own);
-        self.kept = persist::iteration_dirs(&dir).into_iter().next();
-        if !passed.is_empty() {
-            self.shared.locked().failures.extend(passed.into_iter().map(|p| format!("kept copy passed over: {p}")));
-        }
-        Ok(adopted)
+        self.kept = iters.first().copied();
+        self.shared.locked().failures.extend(passed.into_iter().map(|p| format!("kept copy passed over: {p}")));
     }
 
     /// After the commit of `iter`: waits for the previous keep, then starts copying `iter`'s
     /// own snapshot and the replicas held of it (a keeper thread), and removes older copies.
     pub(super) fn keep_committed(&mut self, iter: u64) -> Result<()> {
-        let Some(root) = self.cfg.keep_dir.clone().filter(|_| !self.keeping_off) else { return Ok(()) };
+        let Some(root) = self.cfg.keep_dir.clone() else { return Ok(()) };
         let dir = holder_dir(&root, self.comm.rank());
         if self.keeping.as_ref().is_some_and(|(k, _)| *k >= iter) || self.kept.is_some_and(|k| k >= iter) {
             return Ok(());
@@ -211,12 +188,13 @@ impl Engine {
     }
 
     /// Removes this rank's copies from the keep directory and keeps nothing more (the job
-    /// ended; use after a barrier, so that no rank still needs a peer's copies). The job's
-    /// directory itself is left for one rank to remove once every rank is done
-    /// ([`Engine::keep_dir`]). Nothing configured: nothing to do.
-    pub fn remove_kept(&mut self) -> Result<()> {
-        let Some(root) = self.cfg.keep_dir.clone() else { return Ok(()) };
+    /// ended; use after a barrier, so that no rank still needs a peer's copies). Returns the
+    /// job's directory, holding every rank's `holder-RANK/`, for one rank to remove once every
+    /// rank is done. Nothing configured: nothing to do.
+    pub fn remove_kept(&mut self) -> Result<Option<PathBuf>> {
         self.join_keeper().ok();
+        // a later commit (the shutdown's) keeps nothing: the directory is forgotten
+        let Some(root) = self.cfg.keep_dir.take() else { return Ok(None) };
         let dir = holder_dir(&root, self.comm.rank());
         match fs::remove_dir_all(&dir) {
             Ok(()) => {}
@@ -224,13 +202,6 @@ impl Engine {
             Err(e) => return Err(CkptError::io(&dir, e)),
         }
         self.kept = None;
-        // a later commit (the shutdown's) must not write them again
-        self.keeping_off = true;
-        Ok(())
-    }
-
-    /// The configured keep directory (the job's, holding every rank's `holder-RANK/`).
-    pub fn keep_dir(&self) -> Option<&Path> {
-        self.cfg.keep_dir.as_deref()
+        Ok(Some(root))
     }
 }

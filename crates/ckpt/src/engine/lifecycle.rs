@@ -85,11 +85,10 @@ impl Engine {
             keeping: None,
             kept: None,
             kept_mismatch: None,
-            keeping_off: false,
             cfg,
         };
         // copies an earlier process of this rank kept (torchrun restarted it) are memory again
-        e.adopt_kept()?;
+        e.adopt_kept();
         e.start_threads()?;
         Ok(e)
     }

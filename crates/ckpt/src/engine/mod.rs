@@ -129,8 +129,6 @@ pub struct Engine {
     kept: Option<u64>,
     /// The first difference of a kept copy of this rank's state passed over for its layout.
     kept_mismatch: Option<(String, String, String)>,
-    /// The kept copies were removed (the job ended): nothing is kept any more.
-    keeping_off: bool,
 }
 
 impl std::fmt::Debug for Engine {

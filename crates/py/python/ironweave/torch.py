@@ -171,10 +171,11 @@ class Checkpointer:
         for v in state.values():
             if isinstance(v, torch.optim.Optimizer):
                 _materialize(v)
-        self._names, tensors = self._tensors()
+        dicts = self._dicts()
+        self._names, tensors = self._tensors(dicts)
         self._extras_cap = int(extras_bytes)
         self._extras = torch.zeros(self._extras_cap + 8, dtype=torch.uint8)
-        self._pack_extras()  # a state whose values do not fit fails now, not at the first save
+        self._pack_extras(dicts)  # a state whose values do not fit fails now, not at the first save
         specs: List[Tuple[str, str, List[int]]] = []
         for name, t in zip(self._names, tensors):
             if t.dtype in _DTYPES:
@@ -207,16 +208,25 @@ class Checkpointer:
 
     # -- the state as named tensors ---------------------------------------------------------
 
-    def _tensors(self) -> Tuple[List[str], List[torch.Tensor]]:
+    def _dicts(self) -> Dict[str, Dict[str, Any]]:
+        """Each module's and optimizer's state_dict, built once per save or restore: the tensors
+        and the picklable values are both read from it."""
+        return {
+            key: obj.state_dict()
+            for key, obj in self._state.items()
+            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
+        }
+
+    def _tensors(self, dicts: Dict[str, Dict[str, Any]]) -> Tuple[List[str], List[torch.Tensor]]:
         names: List[str] = []
         tensors: List[torch.Tensor] = []
         for key, obj in self._state.items():
             if isinstance(obj, torch.nn.Module):
-                for k, t in obj.state_dict(keep_vars=False).items():
+                for k, t in dicts[key].items():
                     names.append(f"{key}.{k}")
                     tensors.append(t)
             elif isinstance(obj, torch.optim.Optimizer):
-                sd = obj.state_dict()
+                sd = dicts[key]
                 for idx in sorted(sd["state"]):
                     for k, v in sorted(sd["state"][idx].items()):
                         if isinstance(v, torch.Tensor):
@@ -233,8 +243,8 @@ class Checkpointer:
                 )
         return names, tensors
 
-    def _current(self) -> List[torch.Tensor]:
-        names, tensors = self._tensors()
+    def _current(self, dicts: Dict[str, Dict[str, Any]]) -> List[torch.Tensor]:
+        names, tensors = self._tensors(dicts)
         if names != self._names:
             missing = next((n for n in self._names if n not in names), None)
             added = next((n for n in names if n not in self._names), None)
@@ -245,11 +255,11 @@ class Checkpointer:
             )
         return tensors
 
-    def _extra_values(self) -> Dict[str, Any]:
+    def _extra_values(self, dicts: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
         for key, obj in self._state.items():
             if isinstance(obj, torch.optim.Optimizer):
-                sd = obj.state_dict()
+                sd = dicts[key]
                 out[key] = {
                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]],
                     "state": {
@@ -261,8 +271,8 @@ class Checkpointer:
                 out[key] = obj
         return out
 
-    def _pack_extras(self) -> None:
-        blob = pickle.dumps(self._extra_values(), protocol=4)
+    def _pack_extras(self, dicts: Dict[str, Dict[str, Any]]) -> None:
+        blob = pickle.dumps(self._extra_values(dicts), protocol=4)
         if len(blob) > self._extras_cap:
             raise ConfigurationError(
                 f"the state's picklable values take {len(blob)} bytes, more than extras_bytes={self._extras_cap}: "
@@ -299,8 +309,9 @@ class Checkpointer:
     def save(self, step: int) -> int:
         """Snapshots the state after ``step``'s optimizer step (collective: every rank, every
         step it checkpoints); replication to peers goes on in the background."""
-        tensors = self._current()
-        self._pack_extras()
+        dicts = self._dicts()
+        tensors = self._current(dicts)
+        self._pack_extras(dicts)
         bufs = [self._bytes(t if t.is_contiguous() else t.contiguous()) for t in tensors]
         bufs.append(self._bytes(self._extras))
         return self._engine.save(int(step), bufs)
@@ -309,7 +320,7 @@ class Checkpointer:
         """Restores the newest step every rank has a whole copy of, in place (collective; all or
         nothing). Returns ``{"step", "source" ("own memory" | "peer" | "persistent"), "peer",
         "bytes", "seconds"}``, or None when no rank holds any copy (a fresh start)."""
-        tensors = self._current()
+        tensors = self._current(self._dicts())
         staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
         bufs = []
         for t in tensors:
