@@ -114,6 +114,38 @@ pub fn paths(dir: &Path, iter: u64, rank: u32) -> (PathBuf, PathBuf) {
     (d.join(format!("rank-{rank:05}.safetensors")), d.join(format!("rank-{rank:05}.json")))
 }
 
+/// How the directories of a keep directory's holders begin (`holder-00003/`: the copies rank 3
+/// keeps, its own and its peers').
+pub const HOLDER_PREFIX: &str = "holder-";
+
+/// The directories a checkpoint under `dir` is read from: `dir` itself, or, for a job's keep
+/// directory ([`crate::EngineConfig::keep_dir`]), each holder's directory in rank order. Why:
+/// the readers below then read a keep directory as one checkpoint (each rank's files from the
+/// first holder that has them, its own or a peer's copy), so the files that outlived a job load
+/// onto another layout like the persistent tier's.
+fn roots(dir: &Path) -> Vec<PathBuf> {
+    let mut holders: Vec<PathBuf> = fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with(HOLDER_PREFIX)) && e.path().is_dir())
+        .map(|e| e.path())
+        .collect();
+    holders.sort();
+    if holders.is_empty() {
+        vec![dir.to_path_buf()]
+    } else {
+        holders
+    }
+}
+
+/// Where rank `rank`'s files of iteration `iter` are read from under `dir` ([`roots`]): the
+/// first root with its manifest, else the first root's path (the error then names it).
+fn located(dir: &Path, iter: u64, rank: u32) -> (PathBuf, PathBuf) {
+    let roots = roots(dir);
+    roots.iter().map(|r| paths(r, iter, rank)).find(|p| p.1.exists()).unwrap_or_else(|| paths(&roots[0], iter, rank))
+}
+
 /// A token bucket: `rate` bytes per second, at most `burst` bytes at once. The persistent
 /// tier's writer takes tokens before each block, so its long-run rate is `rate` (emulated
 /// remote storage: a host's share of a parallel file system).
@@ -322,7 +354,7 @@ pub fn parse_safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<(Registry, 
 
 /// Load and verify a rank's checkpoint of one iteration.
 pub fn load(dir: &Path, iter: u64, rank: u32) -> Result<Snapshot> {
-    let (data_path, _) = paths(dir, iter, rank);
+    let (data_path, _) = located(dir, iter, rank);
     let man = read_manifest(dir, iter, rank)?;
     let (reg, data) = read_safetensors(&data_path)?;
     let mut want = man.registry.tensors.clone();
@@ -339,7 +371,7 @@ pub fn load(dir: &Path, iter: u64, rank: u32) -> Result<Snapshot> {
 
 /// Reads and checks rank `rank`'s manifest of iteration `iter` under `dir`.
 pub fn read_manifest(dir: &Path, iter: u64, rank: u32) -> Result<Manifest> {
-    let (_, man_path) = paths(dir, iter, rank);
+    let (_, man_path) = located(dir, iter, rank);
     let text = fs::read(&man_path).map_err(|e| CkptError::io(&man_path, e))?;
     let man: Manifest = serde_json::from_slice(&text)
         .map_err(|e| CkptError::Format { path: man_path.clone(), why: format!("manifest is not valid: {e}") })?;
@@ -354,7 +386,7 @@ pub fn read_manifest(dir: &Path, iter: u64, rank: u32) -> Result<Manifest> {
     }
     // the layout must follow from the shapes (a hand-edited or foreign manifest)
     man.check_from(rank as usize, u64::MAX)
-        .map_err(|e| CkptError::Format { path: paths(dir, iter, rank).1, why: e.to_string() })?;
+        .map_err(|e| CkptError::Format { path: located(dir, iter, rank).1, why: e.to_string() })?;
     Ok(man)
 }
 
@@ -369,14 +401,14 @@ pub fn read_manifests(dir: &Path, iter: u64) -> Result<Vec<Manifest>> {
         let m = read_manifest(dir, iter, r)?;
         if m.world != world {
             return Err(CkptError::Format {
-                path: paths(dir, iter, r).1,
+                path: located(dir, iter, r).1,
                 why: format!("world {} here, {world} in rank 0's manifest", m.world),
             });
         }
         if m.job != out[0].job {
             // two jobs wrote into one directory: their files of one iteration are not one state
             return Err(CkptError::Format {
-                path: paths(dir, iter, r).1,
+                path: located(dir, iter, r).1,
                 why: format!("written by job {:?}, rank 0's by job {:?}", m.job, out[0].job),
             });
         }
@@ -455,7 +487,7 @@ pub fn load_global(dir: &Path, iter: u64, want: &Registry) -> Result<Snapshot> {
             let (fh, start, p) = match open.entry(s.file) {
                 std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
                 std::collections::btree_map::Entry::Vacant(v) => {
-                    let p = paths(dir, iter, s.file as u32).0;
+                    let p = located(dir, iter, s.file as u32).0;
                     let mut fh = File::open(&p).map_err(|e| CkptError::io(&p, e))?;
                     let start = data_start(&mut fh, &p)?;
                     v.insert((fh, start, p))
@@ -498,21 +530,22 @@ pub fn load_global(dir: &Path, iter: u64, want: &Registry) -> Result<Snapshot> {
     Ok(Snapshot::new(iter, Arc::new(want.clone()), data))
 }
 
-/// Iterations that have a directory under `dir` (whoever's files are in it), newest first.
+/// Iterations that have a directory under `dir` (whoever's files are in it; in any holder's
+/// directory of a keep directory), newest first.
 pub fn iteration_dirs(dir: &Path) -> Vec<u64> {
-    let mut v: Vec<u64> = fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
+    let mut v: Vec<u64> = roots(dir)
+        .iter()
+        .flat_map(|r| fs::read_dir(r).into_iter().flatten().flatten())
         .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_prefix("iter-")).and_then(|n| n.parse().ok()))
         .collect();
     v.sort_unstable_by(|a, b| b.cmp(a));
+    v.dedup();
     v
 }
 
 /// Iterations that have a manifest for `rank` under `dir`, newest first.
 pub fn iterations(dir: &Path, rank: u32) -> Vec<u64> {
-    iteration_dirs(dir).into_iter().filter(|&it| paths(dir, it, rank).1.exists()).collect()
+    iteration_dirs(dir).into_iter().filter(|&it| located(dir, it, rank).1.exists()).collect()
 }
 
 #[cfg(test)]

@@ -29,11 +29,12 @@
 //! # Ok::<(), ironweave::elastic::Error>(())
 //! ```
 
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ironweave_ckpt::{CkptError, Engine, EngineConfig, Registry, TensorSpec};
+use ironweave_ckpt::{persist, CkptError, DType, Engine, EngineConfig, Registry, TensorSpec};
 use ironweave_transport::rendezvous::{EnvSource, JobEnv};
 use ironweave_transport::{CommOptions, Communicator, ReduceOp};
 
@@ -270,6 +271,56 @@ impl Checkpointer {
         }
         Ok(())
     }
+}
+
+/// One global tensor of a saved checkpoint, as a loader onto another layout sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SavedTensor {
+    /// Its name (the global name every rank's slice of it carries).
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+}
+
+/// The newest iteration of the checkpoint under `dir` that every rank of the job that wrote it
+/// left whole, and its global tensors. `dir` is a keep directory that outlived its job
+/// ([`EngineConfig::keep_dir`]: each rank's files from its own or a peer's copy) or a
+/// persistent tier. Every tensor must name its global slice (what a loader onto another layout
+/// needs); a checkpoint whose tensors do not is refused, naming the tensor.
+pub fn saved(dir: &Path) -> Result<(u64, Vec<SavedTensor>)> {
+    let (iter, _) = persist::newest_complete(dir)?;
+    let mans = persist::read_manifests(dir, iter)?;
+    let files: Vec<(&Registry, Option<&[u64]>)> =
+        mans.iter().map(|m| (&m.registry, (!m.tensor_xxh3.is_empty()).then_some(m.tensor_xxh3.as_slice()))).collect();
+    let idx = ironweave_ckpt::layout::index(&files)?;
+    Ok((iter, idx.into_iter().map(|(name, g)| SavedTensor { name, dtype: g.dtype, shape: g.shape }).collect()))
+}
+
+/// Loads iteration `iter` of the checkpoint under `dir` ([`saved`]) into `bufs`, one per spec of
+/// `want`, each spec naming the slice of a global tensor it wants — whatever world size and
+/// layout wrote it: the project's resharding ([`persist::load_global`]) reads each owner slice
+/// that overlaps a wanted one by range and checks it against its checksum. All or nothing: the
+/// buffers are written only once every slice has been read and checked. Returns the bytes
+/// filled.
+pub fn load_saved(dir: &Path, iter: u64, want: &[TensorSpec], bufs: &mut [&mut [u8]]) -> Result<u64> {
+    let reg = Registry::new(want)?;
+    {
+        let lens: Vec<&[u8]> = bufs.iter().map(|b| &**b).collect();
+        reg.check(&lens)?;
+    }
+    if let Some(t) = reg.tensors.iter().find(|t| t.global.is_none()) {
+        return Err(Error::Ckpt(CkptError::Invalid(format!(
+            "`{}` names no global slice: a load onto another layout must say which part of which saved tensor each buffer wants",
+            t.name
+        ))));
+    }
+    let snap = persist::load_global(dir, iter, &reg)?;
+    for (t, b) in reg.tensors.iter().zip(bufs.iter_mut()) {
+        b.copy_from_slice(snap.tensor(&t.name).expect("the loaded snapshot has every wanted tensor"));
+    }
+    Ok(reg.total)
 }
 
 /// Every rank's layout equals rank 0's (collective): the first difference found on any rank is

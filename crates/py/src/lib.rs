@@ -12,9 +12,9 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use ironweave::checkpointer::{Checkpointer, Restore};
+use ironweave::checkpointer::{self, Checkpointer, Restore};
 use ironweave::ckpt::engine::Strategy;
-use ironweave::ckpt::{CkptError, DType, EngineConfig, TensorSpec};
+use ironweave::ckpt::{CkptError, DType, EngineConfig, GlobalSlice, TensorSpec};
 use ironweave::elastic::Error;
 use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
@@ -72,6 +72,28 @@ impl Bytes {
     }
 }
 
+/// A tensor as Python describes it: (name, dtype, shape) or (name, dtype, shape, (global
+/// name, global shape, offsets)) for the slice of a global tensor it holds.
+type Spec = (String, String, Vec<u64>, Option<(String, Vec<u64>, Vec<u64>)>);
+
+fn to_spec((name, dtype, shape, global): Spec) -> PyResult<TensorSpec> {
+    let d = DType::parse(&dtype).ok_or_else(|| {
+        ConfigurationError::new_err(format!("`{name}`: dtype {dtype:?} is not one of f32 f64 f16 bf16 i64 i32 u8"))
+    })?;
+    let spec = TensorSpec::new(&name, d, &shape);
+    Ok(match global {
+        None => spec,
+        Some((tensor, gshape, offsets)) => {
+            if gshape.len() != shape.len() || offsets.len() != shape.len() {
+                return Err(ConfigurationError::new_err(format!(
+                    "`{name}`: shape {shape:?}, global shape {gshape:?} and offsets {offsets:?} must have one entry per dimension"
+                )));
+            }
+            spec.with_global(GlobalSlice { tensor, shape: gshape, offsets, owner: true })
+        }
+    })
+}
+
 /// One rank's checkpointer (`ironweave.torch.Checkpointer` builds it from a state dict).
 #[pyclass(module = "ironweave._native")]
 struct Engine {
@@ -112,7 +134,7 @@ impl Engine {
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        specs: Vec<(String, String, Vec<u64>)>,
+        specs: Vec<Spec>,
         strategy: &str,
         replicas: u32,
         keep_dir: Option<PathBuf>,
@@ -122,15 +144,7 @@ impl Engine {
         job_id: Option<String>,
         same_layout: bool,
     ) -> PyResult<Self> {
-        let specs = specs
-            .into_iter()
-            .map(|(name, dtype, shape)| {
-                let d = DType::parse(&dtype).ok_or_else(|| {
-                    ConfigurationError::new_err(format!("`{name}`: dtype {dtype:?} is not one of f32 f64 f16 bf16 i64 i32 u8"))
-                })?;
-                Ok(TensorSpec::new(&name, d, &shape))
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        let specs = specs.into_iter().map(to_spec).collect::<PyResult<Vec<_>>>()?;
         let strategy = Strategy::parse(strategy).map_err(|e| ConfigurationError::new_err(e.to_string()))?;
         if !(timeout_s.is_finite() && timeout_s > 0.0) {
             return Err(ConfigurationError::new_err(format!("timeout_s {timeout_s}: give a positive number of seconds")));
@@ -229,10 +243,43 @@ impl Engine {
     }
 }
 
+/// A saved global tensor as Python sees it: (name, dtype, shape).
+type SavedTensor = (String, &'static str, Vec<u64>);
+
+/// The newest iteration of the checkpoint under `dir` (a keep directory that outlived its job,
+/// or a persistent tier) that every rank left whole, and its global tensors:
+/// `(iteration, [(name, dtype, shape)])`.
+#[pyfunction]
+fn saved(py: Python<'_>, dir: PathBuf) -> PyResult<(u64, Vec<SavedTensor>)> {
+    let (iter, tensors) = py.detach(|| checkpointer::saved(&dir)).map_err(to_py)?;
+    Ok((iter, tensors.into_iter().map(|t| (t.name, t.dtype.name(), t.shape)).collect()))
+}
+
+/// Loads iteration `iteration` of the checkpoint under `dir` into `buffers`, one per spec
+/// (each a 4-tuple naming the global slice it wants), whatever world size and layout wrote it;
+/// all or nothing. Returns the bytes filled.
+#[pyfunction]
+fn load_saved(py: Python<'_>, dir: PathBuf, iteration: u64, specs: Vec<Spec>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<u64> {
+    let specs = specs.into_iter().map(to_spec).collect::<PyResult<Vec<_>>>()?;
+    let bufs = buffers.iter().enumerate().map(|(i, b)| Bytes::get(b, true, i)).collect::<PyResult<Vec<_>>>()?;
+    let spans: Vec<(usize, usize)> = bufs.iter().map(Bytes::ptr_len).collect();
+    let r = py.detach(|| {
+        // SAFETY: as in `Engine::restore`: writable (checked), C-contiguous buffers that `bufs`
+        // keeps in place, written only inside this call.
+        let mut slices: Vec<&mut [u8]> =
+            spans.iter().map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) }).collect();
+        checkpointer::load_saved(&dir, iteration, &specs, &mut slices)
+    });
+    drop(bufs);
+    r.map_err(to_py)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<Engine>()?;
+    m.add_function(wrap_pyfunction!(saved, m)?)?;
+    m.add_function(wrap_pyfunction!(load_saved, m)?)?;
     m.add("IronweaveError", py.get_type::<IronweaveError>())?;
     m.add("ConfigurationError", py.get_type::<ConfigurationError>())?;
     m.add("StateMismatchError", py.get_type::<StateMismatchError>())?;

@@ -21,7 +21,7 @@ use crate::persist::Written;
 
 /// The directory a rank keeps its copies in (its own states and the replicas it holds).
 pub fn holder_dir(dir: &Path, rank: usize) -> PathBuf {
-    dir.join(format!("holder-{rank:05}"))
+    dir.join(format!("{}{rank:05}", persist::HOLDER_PREFIX))
 }
 
 fn remove_iterations(dir: &Path, drop: impl Fn(u64) -> bool) -> Result<()> {

@@ -179,11 +179,11 @@ class Checkpointer:
         specs: List[Tuple[str, str, List[int]]] = []
         for name, t in zip(self._names, tensors):
             if t.dtype in _DTYPES:
-                specs.append((name, _DTYPES[t.dtype], list(t.shape)))
+                specs.append((name, _DTYPES[t.dtype], list(t.shape), None))
             else:
                 # other dtypes travel as their bytes (bool, int8, int16, complex, ...)
-                specs.append((name, "u8", [t.numel() * t.element_size()]))
-        specs.append((_EXTRAS, "u8", [self._extras_cap + 8]))
+                specs.append((name, "u8", [t.numel() * t.element_size()], None))
+        specs.append((_EXTRAS, "u8", [self._extras_cap + 8], None))
         if keep_dir == "auto":
             keep_dir = keep_dir_for_job()
         self.keep_dir = keep_dir
