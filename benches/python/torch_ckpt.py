@@ -33,8 +33,9 @@ import time
 from pathlib import Path
 
 METHODS = ["none", "torch.save", "dcp.save", "dcp.async_save (thread)", "dcp.async_save (process)",
-           "dcp.save to /dev/shm", "ironweave"]
-RECOVERY = ["torch.save", "dcp.save", "dcp.save to /dev/shm", "ironweave", "ironweave (peer)"]
+           "dcp.save to /dev/shm", "ironweave", "ironweave (memory only)", "ironweave (dcp.save into PeerMemoryWriter)"]
+RECOVERY = ["torch.save", "dcp.save", "dcp.save to /dev/shm", "ironweave", "ironweave (peer)",
+            "ironweave (dcp.save into PeerMemoryWriter)"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -88,16 +89,32 @@ def worker():
 
     ck = None
     pg = None
-    if method.startswith("ironweave"):
-        ck = Checkpointer({**state["params"], "optim": optim}, keep_dir=str(shm / "keep"), timeout_s=120)
+    writer = None
+    t_load0 = time.time()  # a restarted ironweave rank joins and adopts its kept copies first
+    if method == "ironweave (dcp.save into PeerMemoryWriter)":
+        from ironweave.dcp import PeerMemoryWriter
+
+        writer = PeerMemoryWriter(keep_dir=str(shm / "keep"), timeout_s=120)
+    elif method.startswith("ironweave"):
+        keep = None if "memory only" in method else str(shm / "keep")
+        ck = Checkpointer({**state["params"], "optim": optim}, keep_dir=keep, timeout_s=120)
+    t_joined = time.time()
     if "async" in method:
         pg = dist.new_group(backend="gloo")
     start = 1
     loaded = None
-    t_load0 = time.time()
     if attempt > 0:
         # recovery: load the newest checkpoint of the method
-        if ck is not None:
+        if writer is not None:
+            from ironweave.dcp import PeerMemoryReader
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            s, m = sd()
+            reader = PeerMemoryReader(str(shm / "keep"))
+            dcp.load(s, storage_reader=reader)
+            set_state_dict(m, optim, model_state_dict=s["model"], optim_state_dict=s["optim"])
+            start, loaded = reader.step + 1, {"source": "kept copies"}
+        elif ck is not None:
             info = ck.restore()
             start, loaded = info["step"] + 1, info
         elif method == "torch.save":
@@ -147,6 +164,9 @@ def worker():
             fut = dcp.async_save(s, checkpoint_id=str(disk / "dcp"), process_group=pg, async_checkpointer_type=kind)
         elif ck is not None:
             ck.save(k)
+        elif writer is not None:
+            s, _ = sd()
+            dcp.save(s, storage_writer=writer, checkpoint_id=k)
         t2 = time.perf_counter()
         step_times.append(t2 - t0)
         exposed.append(t2 - t1)
@@ -162,16 +182,18 @@ def worker():
         fut.result()
     dist.barrier()  # every rank's last save is whole before the files are counted
     files = sum(f.stat().st_size for d in (disk, shm) for f in d.rglob("*") if f.is_file())
-    stats = ck.stats() if ck is not None else {}
+    stats = ck.stats() if ck is not None else writer.stats() if writer is not None else {}
     rep = {
         "rank": rank, "attempt": attempt, "steps": step_times, "exposed": exposed, "files": files,
         "replica_bytes": stats.get("replica_bytes_sent", 0), "state_bytes": stats.get("state_bytes", 0),
-        "t_start": t_start, "t_loaded": t_loaded, "load_s": t_loaded - t_load0, "t_first_done": t_first_done,
+        "t_start": t_start, "t_loaded": t_loaded, "load_s": t_loaded - t_load0, "join_s": t_joined - t_load0, "t_first_done": t_first_done,
         "restored": loaded,
     }
     (out / f"rank{rank}-{attempt}.json").write_text(json.dumps(rep))
     if ck is not None:
         ck.close()
+    if writer is not None:
+        writer.close()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -246,6 +268,7 @@ def main():
             after = [x for x in reps if x["attempt"] == 1]
             rec[m]["recovery"].append(max(x["t_first_done"] for x in after) - kill)
             rec[m]["load"].append(max(x["load_s"] for x in after))
+            rec[m].setdefault("join", []).append(max(x["join_s"] for x in after))
             src = [x["restored"]["source"] for x in after if x.get("restored")]
             rec[m]["source"] = src
             print(f"round {r + 1} recovery {m}: {rec[m]['recovery'][-1]:.2f} s {src}", file=sys.stderr, flush=True)
@@ -266,11 +289,12 @@ def main():
               f"{med(rows[m]['cross']) / 1e6:.1f} MB | {med(rows[m]['files']) / 1e6:.0f} MB |")
     if recovery:
         print()
-        print("| recovery (kill of rank 1 to the first completed step) | seconds | of which loading | restored from |")
-        print("|---|---|---|---|")
+        print("| recovery (kill of rank 1 to the first completed step) | seconds | of which loading "
+              "| of that, joining (ironweave: rendezvous, adopting kept copies) | restored from |")
+        print("|---|---|---|---|---|")
         for m in recovery:
             srcs = ", ".join(sorted(set(rec[m].get("source", [])))) or "files"
-            print(f"| {m} | {med(rec[m]['recovery']):.2f} | {med(rec[m]['load']):.2f} | {srcs} |")
+            print(f"| {m} | {med(rec[m]['recovery']):.2f} | {med(rec[m]['load']):.2f} | {med(rec[m]['join']):.2f} | {srcs} |")
     print(f"\nwritten {path}", file=sys.stderr)
 
 

@@ -17,7 +17,7 @@ model = deterministic_ddp(DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch
 optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
 steps = int(os.environ.get("STEPS", "50"))
 
-with Checkpointer({"model": model, "optim": optim}) as ckpt:
+with Checkpointer({"model": model, "optim": optim}).watch(model) as ckpt:
     info = ckpt.restore()  # None on a fresh start
     if info and rank == 0:
         print(f"restored step {info['step']} from {info['source']} in {info['seconds']:.3f} s")

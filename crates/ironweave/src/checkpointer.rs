@@ -40,6 +40,7 @@ use ironweave_transport::{CommOptions, Communicator, ReduceOp};
 
 use crate::elastic::{Error, RestoreSource, Result};
 use crate::Backend;
+use ironweave_profile::{CommKind, CommSpan, LayerSpan, Phase};
 
 /// What [`Checkpointer::restore`] restored.
 #[derive(Debug, Clone, PartialEq)]
@@ -75,6 +76,16 @@ pub struct Stats {
     pub kept: Option<u64>,
     /// Failures the engine's threads saw (a lost holder, a copy passed over).
     pub failures: Vec<String>,
+    /// Steps whose layer phases and training communications the engine profiled (from what
+    /// the framework recorded: [`Checkpointer::record_layer`], [`Checkpointer::record_comm`]).
+    pub profiled_steps: u64,
+    /// Training communications recorded.
+    pub training_comms: u64,
+    /// Checkpoint chunks this rank released to its holders.
+    pub chunks: u64,
+    /// Of those, the chunks whose transfer lay inside an idle window of the training link
+    /// (measured against the recorded communications: the share Capricorn's placement hid).
+    pub chunks_in_window: u64,
 }
 
 /// The checkpointer of one rank (see the module docs).
@@ -155,9 +166,7 @@ impl Checkpointer {
         }
         self.check_lengths(bufs.iter().map(|b| b.len()))?;
         let t0 = Instant::now();
-        if self.began {
-            self.engine.end_iteration();
-        }
+        self.end_step();
         self.engine.checkpoint(step, bufs)?;
         let committed = self.engine.commit(false)?;
         self.engine.begin_iteration(step + 1, None);
@@ -228,9 +237,7 @@ impl Checkpointer {
     /// (collective). `remove_kept`: the job is over, so every rank's copies in the keep
     /// directory are removed (after a barrier: no rank still needs a peer's).
     pub fn close(mut self, remove_kept: bool) -> Result<()> {
-        if self.began {
-            self.engine.end_iteration();
-        }
+        self.end_step();
         self.engine.commit(true)?;
         if remove_kept {
             self.engine.comm().barrier()?;
@@ -248,6 +255,47 @@ impl Checkpointer {
         }
         self.engine.shutdown()?;
         Ok(())
+    }
+
+    /// Ends the engine's iteration of the step being trained, if one began, and counts what it
+    /// placed.
+    fn end_step(&mut self) {
+        if std::mem::take(&mut self.began) {
+            let rep = self.engine.end_iteration();
+            self.stats.profiled_steps += u64::from(rep.profiled);
+            self.stats.chunks += u64::from(rep.chunks);
+            self.stats.chunks_in_window += u64::from(rep.chunks_in_window);
+        }
+    }
+
+    /// Now on the clock of the engine's profiler, ns: what [`Checkpointer::record_layer`] and
+    /// [`Checkpointer::record_comm`] take.
+    pub fn now_ns(&self) -> u64 {
+        self.engine.profiler().now_ns()
+    }
+
+    /// Records one layer phase of the step being trained, timed by the framework (module
+    /// hooks): `layer` counts the model's layers in the order the forward pass runs them. The
+    /// engine anchors the link's idle windows to these. Ignored in a step the engine does not
+    /// profile.
+    pub fn record_layer(&self, layer: u32, phase: Phase, start_ns: u64, end_ns: u64) {
+        self.engine.profiler().record_layer(LayerSpan { layer, phase, start_ns, end_ns });
+    }
+
+    /// Records one training communication of the step being trained that ran outside
+    /// ironweave (torch's process group, timed by a DDP communication hook): it is a busy span
+    /// of the link the checkpoint's chunks share. From these the engine predicts the link's
+    /// idle windows and, as each one ends, releases the chunks planned for the window it opens.
+    pub fn record_comm(&mut self, bytes: u64, start_ns: u64, end_ns: u64) {
+        let link = self.engine.link_ids().first().copied().unwrap_or(0);
+        self.stats.training_comms += 1;
+        self.engine.profiler().record_comm(CommSpan {
+            link,
+            kind: CommKind::Training,
+            start_ns,
+            end_ns: end_ns.max(start_ns),
+            bytes,
+        });
     }
 
     fn check_lengths(&self, lens: impl ExactSizeIterator<Item = usize>) -> Result<()> {

@@ -16,6 +16,7 @@ use ironweave::checkpointer::{self, Checkpointer, Restore};
 use ironweave::ckpt::engine::Strategy;
 use ironweave::ckpt::{CkptError, DType, EngineConfig, GlobalSlice, TensorSpec};
 use ironweave::elastic::Error;
+use ironweave::profile::Phase;
 use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -209,6 +210,40 @@ impl Engine {
         r?.map(|r| restore_dict(py, &r)).transpose()
     }
 
+    /// Now on the clock of the engine's profiler, ns (what `record_layer` and `record_comm` take).
+    fn now_ns(&self) -> PyResult<u64> {
+        self.with(|ck| Ok(ck.now_ns()))
+    }
+
+    /// Records one layer phase ("forward" | "backward" | "optimizer") of the step being
+    /// trained, timed by module hooks.
+    fn record_layer(&self, layer: u32, phase: &str, start_ns: u64, end_ns: u64) -> PyResult<()> {
+        let phase = match phase {
+            "forward" => Phase::Forward,
+            "backward" => Phase::Backward,
+            "optimizer" => Phase::Optimizer,
+            other => {
+                return Err(ConfigurationError::new_err(format!(
+                    "phase {other:?}: one of \"forward\", \"backward\", \"optimizer\""
+                )))
+            }
+        };
+        self.with(|ck| {
+            ck.record_layer(layer, phase, start_ns, end_ns);
+            Ok(())
+        })
+    }
+
+    /// Records one training communication of the step being trained that ran on torch's
+    /// process group (timed by a DDP communication hook): `bytes` moved from `start_ns` to
+    /// `end_ns`.
+    fn record_comm(&self, bytes: u64, start_ns: u64, end_ns: u64) -> PyResult<()> {
+        self.with(|ck| {
+            ck.record_comm(bytes, start_ns, end_ns);
+            Ok(())
+        })
+    }
+
     /// The newest step every rank's state of is replicated, as last agreed (None: none yet).
     fn committed(&self) -> PyResult<Option<u64>> {
         self.with(|ck| Ok(ck.committed()))
@@ -227,6 +262,10 @@ impl Engine {
         d.set_item("committed", s.committed)?;
         d.set_item("kept", s.kept)?;
         d.set_item("failures", s.failures)?;
+        d.set_item("profiled_steps", s.profiled_steps)?;
+        d.set_item("training_comms", s.training_comms)?;
+        d.set_item("chunks", s.chunks)?;
+        d.set_item("chunks_in_window", s.chunks_in_window)?;
         Ok(d)
     }
 

@@ -35,7 +35,7 @@ steps = int(os.environ.get("STEPS", "30"))
 
 # the picklable value is put back into this dict by a restore
 state = {"model": model, "optim": optim, "seen": 0}
-ckpt = Checkpointer(state, timeout_s=60)
+ckpt = Checkpointer(state, timeout_s=60).watch(model)  # the engine sees layers and all-reduces
 info = ckpt.restore()
 for step in range(info["step"] + 1 if info else 1, steps + 1):
     g = torch.Generator().manual_seed(step * 1000 + rank)

@@ -75,6 +75,11 @@ def test_a_killed_rank_and_a_lost_host_end_bit_for_bit_in_the_clean_run_s_state(
     st = clean[0]["stats"]
     assert st["saves"] == 20 and st["committed"] == 19
     assert st["replica_bytes_sent"] >= 19 * st["state_bytes"]
+    # the engine saw the steps: the layers' phases and DDP's all-reduces (4 gradients per step,
+    # after the first save opened the engine's first step), and placed chunks by them
+    for r in clean:
+        s = r["stats"]
+        assert s["profiled_steps"] >= 1 and s["training_comms"] >= 4 * 19 and s["chunks"] > 0, s
     assert shm_dirs() == before
 
 
@@ -178,3 +183,35 @@ def test_bad_input_gives_the_typed_error_and_restores_nothing(world_of_one):
         ck.restore()
     assert torch.equal(changed["model"].weight, before)
     ck.close()
+
+
+def test_the_example_runs_under_torchrun_as_docs_pytorch_shows_it(tmp_path):
+    root = HERE.parents[2]
+    example = root / "examples" / "python" / "train_ddp.py"
+    code = example.read_text().split('"""', 2)[2].strip()
+    assert code in (root / "docs" / "PYTORCH.md").read_text(), "docs/PYTORCH.md's script differs from the example"
+    p = torchrun(example, tmp_path, restarts=0, STEPS=12)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "step 10 loss" in p.stdout and "committed 9" in p.stdout, p.stdout[-2000:]
+
+
+def test_a_full_keep_directory_is_a_clear_error_not_a_crash(world_of_one, monkeypatch, tmp_path):
+    """The kept copies on a tmpfs of 64 KiB, a state of 256 KiB: the keep fails, and the error
+    names the directory and what to do; the process goes on (close works)."""
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}): needs root")
+    try:
+        monkeypatch.setenv("IRONWEAVE_KEEP_DIR", str(tiny / "keep"))
+        state = {"w": torch.ones(64 * 1024)}
+        ck = Checkpointer(state, timeout_s=30)
+        with pytest.raises(ironweave.IronweaveError, match="keep") as e:
+            for step in range(1, 6):
+                ck.save(step)
+            ck.close(remove_kept=False)
+        msg = str(e.value)
+        assert str(tiny) in msg and ("space" in msg.lower() or "room" in msg.lower()), msg
+    finally:
+        subprocess.run(["umount", str(tiny)], capture_output=True)

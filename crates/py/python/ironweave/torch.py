@@ -77,12 +77,39 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
-def _per_gradient_allreduce(group, bucket):
+class _HookState:
+    """What a DDP communication hook of this module holds: the process group, and the
+    checkpointer that times its all-reduces (set by ``Checkpointer.watch``)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.recorder: Optional["Checkpointer"] = None
+
+
+def _timed(state: _HookState, fut, nbytes: int):
+    """``fut`` again; when it completes, its span goes to the checkpointer watching (the link
+    was busy with training bytes from launch to completion)."""
+    rec = state.recorder
+    if rec is None:
+        return fut
+    start = rec._now()
+
+    def done(f):
+        rec._comm_done(nbytes, start)
+        return f.value()
+
+    return fut.then(done)
+
+
+def _per_gradient_allreduce(state: _HookState, bucket):
     import torch.distributed as dist
 
     grads = bucket.gradients()
-    world = dist.get_world_size(group)
-    futs = [dist.all_reduce(g, group=group, async_op=True).get_future() for g in grads]
+    world = dist.get_world_size(state.group)
+    futs = [
+        _timed(state, dist.all_reduce(g, group=state.group, async_op=True).get_future(), g.numel() * g.element_size())
+        for g in grads
+    ]
 
     def done(_):
         buf = bucket.buffer()
@@ -90,6 +117,16 @@ def _per_gradient_allreduce(group, bucket):
         return buf.div_(world)
 
     return torch.futures.collect_all(futs).then(done)
+
+
+def _bucket_allreduce(state: _HookState, bucket):
+    """DDP's own averaging (one all-reduce per bucket), timed."""
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    world = dist.get_world_size(state.group)
+    fut = _timed(state, dist.all_reduce(buf, group=state.group, async_op=True).get_future(), buf.numel() * buf.element_size())
+    return fut.then(lambda f: f.value()[0].div_(world))
 
 
 def deterministic_ddp(model, group=None):
@@ -102,7 +139,8 @@ def deterministic_ddp(model, group=None):
     another order than the process it replaces, and the runs drift apart by rounding (measured
     here: the same restored step, another final digest). The hook all-reduces each gradient on
     its own, whatever bucket it is in. Returns the model."""
-    model.register_comm_hook(group, _per_gradient_allreduce)
+    model._ironweave_hook = _HookState(group)
+    model.register_comm_hook(model._ironweave_hook, _per_gradient_allreduce)
     return model
 
 
@@ -340,12 +378,67 @@ class Checkpointer:
         self._unpack_extras()
         return info
 
+    # -- what the engine sees of the training step ------------------------------------------
+
+    def _now(self) -> int:
+        return self._engine.now_ns()
+
+    def _comm_done(self, nbytes: int, start: int) -> None:
+        try:
+            self._engine.record_comm(int(nbytes), start, self._engine.now_ns())
+        except _native.ClosedError:
+            pass
+
+    def watch(self, model: torch.nn.Module) -> "Checkpointer":
+        """Lets the engine see the training step: the forward and backward of each of
+        ``model``'s layers (module hooks on the modules that hold parameters, numbered in
+        forward order) and, for a ``DistributedDataParallel`` model, each gradient all-reduce
+        (a DDP communication hook: DDP's bucket all-reduce timed, or ``deterministic_ddp``'s
+        hook timed). From these the engine predicts when the link is free of training bytes and
+        sends the checkpoint's chunks then (``strategy="capricorn"``). Call once, before the
+        first step you want seen; returns the checkpointer."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        inner = model.module if isinstance(model, DDP) else model
+        layers = [m for m in inner.modules() if any(True for _ in m.parameters(recurse=False))]
+        starts: Dict[Tuple[int, str], int] = {}
+        eng = self._engine
+
+        def pre(i, phase):
+            def hook(*_):
+                starts[(i, phase)] = eng.now_ns()
+
+            return hook
+
+        def post(i, phase):
+            def hook(*_):
+                t0 = starts.pop((i, phase), None)
+                if t0 is not None:
+                    eng.record_layer(i, phase, t0, eng.now_ns())
+
+            return hook
+
+        for i, m in enumerate(layers):
+            m.register_forward_pre_hook(pre(i, "forward"))
+            m.register_forward_hook(post(i, "forward"))
+            m.register_full_backward_pre_hook(pre(i, "backward"))
+            m.register_full_backward_hook(post(i, "backward"))
+        if isinstance(model, DDP):
+            state = getattr(model, "_ironweave_hook", None)
+            if state is None:
+                state = model._ironweave_hook = _HookState(None)
+                model.register_comm_hook(state, _bucket_allreduce)
+            state.recorder = self
+        return self
+
     def committed(self) -> Optional[int]:
         """The newest step whose every rank's state is replicated, as last agreed."""
         return self._engine.committed()
 
     def stats(self) -> Dict[str, Any]:
-        """Counters: saves, exposed seconds, state and replica bytes, committed and kept steps."""
+        """Counters: saves, exposed seconds, state and replica bytes, committed and kept steps;
+        with ``watch``: steps profiled, training communications recorded, chunks released and
+        those whose transfer lay in an idle window of the training link."""
         return self._engine.stats()
 
     def close(self, remove_kept: bool = True) -> None:
