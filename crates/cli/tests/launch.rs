@@ -27,6 +27,32 @@ fn a_failing_rank_is_named_with_its_status() {
 }
 
 #[test]
+fn restart_all_stops_the_survivors_and_restarts_every_rank_as_the_next_generation() {
+    // generation 0: rank 1 fails, rank 0 would sleep for a minute; generation 1: both print
+    let script = "if [ \"$IRONWEAVE_GENERATION\" = 0 ]; then [ \"$IRONWEAVE_RANK\" = 1 ] && exit 3; sleep 60; fi; \
+                  echo \"generation $IRONWEAVE_GENERATION\"";
+    let o = Command::new(BIN)
+        .args(["launch", "-n", "2", "--max-restarts", "1", "--restart-all", "--", "sh", "-c", script])
+        .output()
+        .unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("rank 1 exited with status 3; restarting it as generation 1"), "{err}");
+    assert!(err.contains("rank 0 was stopped (--restart-all); restarting it as generation 1"), "{err}");
+    assert!(out.contains("[rank 0] generation 1") && out.contains("[rank 1] generation 1"), "{out}");
+    // without it only the failed rank comes back (rank 0 of generation 0 runs on)
+    let o = Command::new(BIN)
+        .args(["launch", "-n", "2", "--max-restarts", "1", "--timeout", "3", "--", "sh", "-c", script])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("rank 1 exited with status 3; restarting it as generation 1") && !err.contains("rank 0 was stopped"),
+        "{err}"
+    );
+}
+
+#[test]
 fn a_rank_killed_by_a_signal_is_named() {
     let o = Command::new(BIN)
         .args(["launch", "-n", "2", "--", "sh", "-c", "if [ \"$IRONWEAVE_RANK\" = 1 ]; then kill -9 $$; fi; sleep 60"])

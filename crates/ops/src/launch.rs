@@ -2,7 +2,7 @@
 //! output with the rank, and when one fails stops the others and reports which and how.
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::process::CommandExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
@@ -64,6 +64,11 @@ pub struct LaunchArgs {
     /// IRONWEAVE_GENERATION set to the job's next generation (see docs/ARCHITECTURE.md).
     #[arg(long, default_value_t = 0)]
     pub max_restarts: usize,
+    /// On a failure, stop every rank and restart all of them as the next generation (as
+    /// torchrun does), instead of only the failed ones: for frameworks whose surviving
+    /// processes cannot re-form their job (PyTorch's process groups).
+    #[arg(long)]
+    pub restart_all: bool,
     /// Compute threads per rank (RAYON_NUM_THREADS and OMP_NUM_THREADS of every rank).
     /// Default: the user's RAYON_NUM_THREADS / OMP_NUM_THREADS, else cores / ranks per host.
     #[arg(long)]
@@ -97,6 +102,7 @@ pub fn command(a: &LaunchArgs) -> Result<i32> {
         env: vec![("IRONWEAVE_BACKEND".into(), a.backend.clone())],
         timeout: a.timeout.map(Duration::from_secs_f64),
         max_restarts: a.max_restarts,
+        restart_all: a.restart_all,
         threads_per_rank: a.threads_per_rank,
     };
     Ok(run(&spec)?.exit_code())
@@ -115,6 +121,7 @@ pub fn helpers(ranks: usize, args: Vec<String>, topology: Option<(crate::topolog
         timeout: None,
         topology,
         max_restarts: 0,
+        restart_all: false,
         threads_per_rank: None,
     };
     install_signal_handlers();
@@ -143,6 +150,9 @@ pub struct LaunchSpec {
     /// rank gets `IRONWEAVE_GENERATION` = the job's next generation; ranks re-form the job on
     /// master port `IRONWEAVE_MASTER_PORT + generation`.
     pub max_restarts: usize,
+    /// A failure restarts every rank (the survivors are stopped first), all as the next
+    /// generation.
+    pub restart_all: bool,
     /// Compute threads per rank (`--threads-per-rank`); None: the user's `RAYON_NUM_THREADS` /
     /// `OMP_NUM_THREADS`, else cores / ranks per host (see `ironweave_transport::threads`).
     pub threads_per_rank: Option<usize>,
@@ -184,7 +194,6 @@ impl Outcome {
 }
 
 fn describe(st: ExitStatus) -> (String, i32) {
-    use std::os::unix::process::ExitStatusExt;
     if let Some(c) = st.code() {
         (format!("exited with status {c}"), c)
     } else if let Some(s) = st.signal() {
@@ -266,6 +275,7 @@ pub fn workers(
         timeout: None,
         topology,
         max_restarts,
+        restart_all: false,
         threads_per_rank,
     };
     install_signal_handlers();
@@ -421,9 +431,18 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             }
             restarts_left -= 1;
             generation += 1;
+            if spec.restart_all {
+                // the survivors go too, and every rank comes back as the new generation
+                let alive: Vec<usize> = (0..children.len()).filter(|&r| children[r].is_some()).collect();
+                stop_all(&mut children);
+                remaining = 0;
+                failed.extend(alive.into_iter().map(|r| (r, ExitStatus::from_raw(0))));
+                failed.sort_by_key(|f| f.0);
+            }
             let mut ok = true;
             for (rank, st) in &failed {
                 let (how, _) = describe(*st);
+                let how = if st.success() { "was stopped (--restart-all)".to_string() } else { how };
                 eprintln!(
                     "ironweave launch: rank {rank} {how}; restarting it as generation {generation} ({} restart{} left)",
                     restarts_left,

@@ -20,7 +20,7 @@ from ironweave.torch import Checkpointer, deterministic_ddp, init_process_group,
 torch.set_num_threads(1)
 init_process_group("gloo")  # torch.distributed's, restart-safe
 rank = dist.get_rank()
-attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("IRONWEAVE_GENERATION", "0")))
 fail_rank = int(os.environ.get("FAIL_RANK", "-1"))
 fail_step = int(os.environ.get("FAIL_STEP", "0"))
 if attempt > 0 and rank == fail_rank and os.environ.get("FAIL_HOST") == "1":

@@ -39,11 +39,19 @@ def shm_dirs():
     return {p.name for p in Path("/dev/shm").glob("ironweave-*")} if Path("/dev/shm").is_dir() else set()
 
 
-def test_a_killed_rank_and_a_lost_host_end_bit_for_bit_in_the_clean_run_s_state(tmp_path):
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """The DDP job without a failure under torchrun: every rank's report."""
+    out = tmp_path_factory.mktemp("clean")
+    p = torchrun(JOB, out, STEPS=20)
+    assert p.returncode == 0, f"clean: torchrun failed\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return ranks(out)
+
+
+def test_a_killed_rank_and_a_lost_host_end_bit_for_bit_in_the_clean_run_s_state(tmp_path, clean_run):
     before = shm_dirs()
-    runs = {}
+    runs = {"clean": clean_run}
     for name, env in {
-        "clean": {},
         # rank 1 SIGKILLs itself after the backward of step 13: torchrun restarts every worker,
         # and each restores from the copies it kept in /dev/shm
         "killed": {"FAIL_RANK": 1, "FAIL_STEP": 13},
@@ -80,6 +88,37 @@ def test_a_killed_rank_and_a_lost_host_end_bit_for_bit_in_the_clean_run_s_state(
     for r in clean:
         s = r["stats"]
         assert s["profiled_steps"] >= 1 and s["training_comms"] >= 4 * 19 and s["chunks"] > 0, s
+    assert shm_dirs() == before
+
+
+def ironweave_bin():
+    exe = os.environ.get("IRONWEAVE_BIN") or str(
+        Path(os.environ.get("CARGO_TARGET_DIR", HERE.parents[2] / "target")) / "release" / "ironweave"
+    )
+    if not Path(exe).is_file():
+        pytest.skip(f"no ironweave binary at {exe}: build it (cargo build --release -p ironweave-cli) or set IRONWEAVE_BIN")
+    return exe
+
+
+def test_the_same_job_under_ironweave_launch_restart_all_ends_in_the_same_state(tmp_path, clean_run):
+    # rank 1 SIGKILLs itself after step 13's backward and its kept copies are gone when it
+    # comes back: `ironweave launch --restart-all` stops the others and restarts all four as
+    # generation 1; rank 1 restores from its peer, the others from their kept copies
+    before = shm_dirs()
+    e = dict(os.environ, OUT=str(tmp_path), STEPS="20", FAIL_RANK="1", FAIL_STEP="13", FAIL_HOST="1")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+              "IRONWEAVE_RANK", "IRONWEAVE_KEEP_DIR", "IRONWEAVE_JOB_ID", "IRONWEAVE_MASTER_PORT", "IRONWEAVE_GENERATION"):
+        e.pop(k, None)
+    cmd = [ironweave_bin(), "launch", "-n", "4", "--max-restarts", "2", "--restart-all", "--", sys.executable, str(JOB)]
+    p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    assert "restarting it as generation 1" in p.stderr
+    rs = ranks(tmp_path)
+    assert [r["digest"] for r in rs] == [clean_run[0]["digest"]] * 4, "the final state differs from the clean run's"
+    assert all(r["attempt"] == 1 and r["seen"] == 20 for r in rs)
+    got = [r["restored"] for r in rs]
+    assert len({g["step"] for g in got}) == 1, got
+    assert got[1]["source"] == "peer" and [got[r]["source"] for r in (0, 2, 3)] == ["own memory"] * 3, got
     assert shm_dirs() == before
 
 

@@ -48,7 +48,10 @@ def keep_dir_for_job() -> Optional[str]:
     d = os.environ.get("IRONWEAVE_KEEP_DIR")
     if d:
         return d
-    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or (
+        # `ironweave launch --restart-all` restarts every rank too; its job id outlives them
+        os.environ.get("IRONWEAVE_JOB_ID") if "IRONWEAVE_RANK" in os.environ else None
+    )
     if run and os.path.isdir("/dev/shm"):
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run)
         return f"/dev/shm/ironweave-{safe}"
@@ -56,8 +59,9 @@ def keep_dir_for_job() -> Optional[str]:
 
 
 def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
-    """``torch.distributed.init_process_group`` for a job torchrun may restart: the process group's
-    keys go under a prefix per restart attempt (``TORCHELASTIC_RESTART_COUNT``). Measured here
+    """``torch.distributed.init_process_group`` for a job torchrun (or ``ironweave launch
+    --restart-all``) may restart: the process group's keys go under a prefix per restart attempt
+    (``TORCHELASTIC_RESTART_COUNT``; under ironweave launch a file store per generation). Measured here
     with torch 2.15: after a restart, the default ``env://`` initialisation finds the failed
     attempt's addresses in torchrun's store and gloo's mesh fails with "Connection refused";
     with the prefix the restarted workers meet each other. Outside torchrun it is the plain call."""
@@ -66,6 +70,18 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" not in os.environ and "IRONWEAVE_RANK" in os.environ:
+        # under `ironweave launch`: the ranks meet in a file store on the job's board (a
+        # directory every rank reaches), one per generation, so a restarted job never reads
+        # the failed one's keys
+        board = os.environ.get("IRONWEAVE_JOB_BOARD")
+        if not board:
+            raise ConfigurationError("IRONWEAVE_RANK is set but IRONWEAVE_JOB_BOARD is not: start the job with `ironweave launch`")
+        rank, world = int(os.environ["IRONWEAVE_RANK"]), int(os.environ["IRONWEAVE_WORLD_SIZE"])
+        gen = os.environ.get("IRONWEAVE_GENERATION", "0")
+        store = dist.FileStore(os.path.join(board, f"torch-store-{gen}"), world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        return
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         dist.init_process_group(backend, timeout=timeout)
         return
