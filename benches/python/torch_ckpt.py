@@ -74,6 +74,34 @@ def worker():
         optim.step()
 
     state = {"params": {f"p{i}": p for i, p in enumerate(params)}, "optim": optim}
+    if method == "torchft":
+        # torchft's healing transfer: a live replica (rank 0) serves its state over HTTP, the
+        # recovering one (rank 1) fetches it
+        from datetime import timedelta
+
+        from torchft.checkpointing import HTTPTransport
+
+        for k in (1, 2):
+            step(k)
+        sd_ = {"params": [p.detach() for p in params], "optim": optim.state_dict()}
+        tr = HTTPTransport(timeout=timedelta(seconds=120), num_chunks=0)
+        meta = [tr.metadata()]
+        dist.broadcast_object_list(meta, src=0)
+        if rank == 0:
+            tr.send_checkpoint([1], 2, sd_, timedelta(seconds=120))
+        dist.barrier()
+        t0 = time.time()
+        if rank == 1:
+            got = tr.recv_checkpoint(0, meta[0], 2, timedelta(seconds=120))
+            assert all(torch.equal(a, b) for a, b in zip(got["params"], sd_["params"]))
+        t1 = time.time()
+        dist.barrier()
+        tr.shutdown()
+        nbytes = sum(p.numel() * 4 for p in params) + sum(
+            v.numel() * v.element_size() for st in optim.state.values() for v in st.values() if torch.is_tensor(v))
+        (out / f"rank{rank}-0.json").write_text(json.dumps({"rank": rank, "heal_s": t1 - t0, "bytes": nbytes}))
+        dist.destroy_process_group()
+        return
 
     def sd():
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -243,6 +271,7 @@ def main():
     ap.add_argument("--kill-step", type=int, default=8)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--recovery", default=",".join(RECOVERY))
+    ap.add_argument("--torchft", action="store_true", help="also time torchft's HTTP healing transfer (pip install torchft)")
     ap.add_argument("--work", default="/var/tmp/ironweave-bench-torch", help="where disk checkpoints go")
     ap.add_argument("--out", default=str(ROOT / "target" / "bench"))
     args = ap.parse_args()
@@ -272,10 +301,19 @@ def main():
             src = [x["restored"]["source"] for x in after if x.get("restored")]
             rec[m]["source"] = src
             print(f"round {r + 1} recovery {m}: {rec[m]['recovery'][-1]:.2f} s {src}", file=sys.stderr, flush=True)
+    heal = []
+    if args.torchft:
+        try:
+            for _ in range(args.rounds):
+                reps, _ = run("torchft", args, base)
+                heal.append((max(x["heal_s"] for x in reps), reps[0]["bytes"]))
+        except RuntimeError as e:
+            print(f"torchft: not measured ({str(e).splitlines()[0]}); install it with "
+                  "`pip install torchft==0.2.0 opentelemetry-sdk opentelemetry-exporter-otlp-proto-http`", file=sys.stderr)
     med = statistics.median
     base_step = med(rows["none"]["step"]) if "none" in rows else None
     result = {"mb": args.mb, "ranks": args.ranks, "steps": args.steps, "rounds": args.rounds,
-              "rows": rows, "recovery": rec, "cpu": os.cpu_count()}
+              "rows": rows, "recovery": rec, "torchft_heal": heal, "cpu": os.cpu_count()}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"torch-ckpt-{int(args.mb)}mb.json"
     path.write_text(json.dumps(result, indent=1))
@@ -295,6 +333,10 @@ def main():
         for m in recovery:
             srcs = ", ".join(sorted(set(rec[m].get("source", [])))) or "files"
             print(f"| {m} | {med(rec[m]['recovery']):.2f} | {med(rec[m]['load']):.2f} | {med(rec[m]['join']):.2f} | {srcs} |")
+    if heal:
+        print()
+        print(f"torchft HTTPTransport, rank 1 fetching the state from live rank 0: {med([h[0] for h in heal]):.2f} s "
+              f"for {heal[0][1] / 1e6:.0f} MB")
     print(f"\nwritten {path}", file=sys.stderr)
 
 
