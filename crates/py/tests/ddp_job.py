@@ -1,6 +1,7 @@
 """The tests' DDP job: examples/python/train_ddp.py's loop with a fault and a digest.
 
-Environment: STEPS; FAIL_RANK and FAIL_STEP (that rank SIGKILLs itself after the backward of
+Environment: STEPS; PLAIN_DDP=1 (DDP's bucket all-reduce, not deterministic_ddp); NO_WATCH=1
+(the engine is not shown the step); FAIL_RANK and FAIL_STEP (that rank SIGKILLs itself after the backward of
 that step, in the first attempt only); FAIL_HOST=1 (the failed rank's kept copies are deleted
 before it comes back: its host was lost); OUT (a directory: each rank writes rank-R.json with
 its restore and its state digest).
@@ -29,13 +30,20 @@ if attempt > 0 and rank == fail_rank and os.environ.get("FAIL_HOST") == "1":
 
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-model = net if os.environ.get("NO_DDP") == "1" else deterministic_ddp(DDP(net))
+if os.environ.get("NO_DDP") == "1":
+    model = net
+elif os.environ.get("PLAIN_DDP") == "1":
+    model = DDP(net)  # DDP's own bucket all-reduce (timed by watch unless NO_WATCH=1)
+else:
+    model = deterministic_ddp(DDP(net))
 optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
 steps = int(os.environ.get("STEPS", "30"))
 
 # the picklable value is put back into this dict by a restore
 state = {"model": model, "optim": optim, "seen": 0}
-ckpt = Checkpointer(state, timeout_s=60).watch(model)  # the engine sees layers and all-reduces
+ckpt = Checkpointer(state, timeout_s=60)
+if os.environ.get("NO_WATCH") != "1":
+    ckpt.watch(model)  # the engine sees layers and all-reduces
 info = ckpt.restore()
 for step in range(info["step"] + 1 if info else 1, steps + 1):
     g = torch.Generator().manual_seed(step * 1000 + rank)

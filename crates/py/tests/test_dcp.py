@@ -42,23 +42,20 @@ def test_a_4_rank_checkpoint_round_trips_and_loads_onto_2_ranks_from_peers_copie
             assert st["saves"] == 4 and st["kept"] >= 3 and not st["failures"], st
             # every rank's items crossed to a peer each step
             assert st["replica_bytes_sent"] >= 4 * st["state_bytes"] > 0
+        def load_on_two(name):
+            out = tmp_path / name
+            out.mkdir()
+            shutil.copy(tmp_path / "ref.pt", out / "ref.pt")
+            p = torchrun(JOB, out, nproc=2, restarts=0, MODE="load", KEEP=keep)
+            assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+            for r in reports(out, "load", 2):
+                assert r["step"] == 4 and r["dt_rows"] == 5 and r["matched"] == {k: True for k in KEYS}, r
+
         # a 2-rank job: each rank's 5 rows of the DTensor come from two of the 4 saved shards
-        out2 = tmp_path / "two"
-        out2.mkdir()
-        shutil.copy(tmp_path / "ref.pt", out2 / "ref.pt")
-        p = torchrun(JOB, out2, nproc=2, restarts=0, MODE="load", KEEP=keep)
-        assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-        for r in reports(out2, "load", 2):
-            assert r["step"] == 4 and r["dt_rows"] == 5 and r["matched"] == {k: True for k in KEYS}, r
+        load_on_two("two")
         # rank 1's host is gone: its items come from the copy its peer kept
         shutil.rmtree(keep / "holder-00001")
-        out3 = tmp_path / "three"
-        out3.mkdir()
-        shutil.copy(tmp_path / "ref.pt", out3 / "ref.pt")
-        p = torchrun(JOB, out3, nproc=2, restarts=0, MODE="load", KEEP=keep)
-        assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-        for r in reports(out3, "load", 2):
-            assert r["step"] == 4 and r["matched"] == {k: True for k in KEYS}, r
+        load_on_two("three")
     finally:
         shutil.rmtree(keep, ignore_errors=True)
 

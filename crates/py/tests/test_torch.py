@@ -91,6 +91,22 @@ def test_a_killed_rank_and_a_lost_host_end_bit_for_bit_in_the_clean_run_s_state(
     assert shm_dirs() == before
 
 
+def test_watch_times_ddp_s_own_bucket_all_reduce_without_changing_a_bit(tmp_path):
+    # plain DDP: watch replaces DDP's default averaging with the same bucket all-reduce, timed
+    digests = {}
+    for name, env in {"watched": {}, "unwatched": {"NO_WATCH": 1}}.items():
+        out = tmp_path / name
+        out.mkdir()
+        p = torchrun(JOB, out, nproc=2, restarts=0, STEPS=6, PLAIN_DDP=1, **env)
+        assert p.returncode == 0, f"{name}\n{p.stderr[-4000:]}"
+        rs = ranks(out, 2)
+        assert rs[0]["digest"] == rs[1]["digest"], name
+        digests[name] = rs[0]["digest"]
+        comms = [r["stats"]["training_comms"] for r in rs]
+        assert all(c >= 5 for c in comms) if name == "watched" else comms == [0, 0], (name, comms)
+    assert digests["watched"] == digests["unwatched"]
+
+
 def ironweave_bin():
     exe = os.environ.get("IRONWEAVE_BIN") or str(
         Path(os.environ.get("CARGO_TARGET_DIR", HERE.parents[2] / "target")) / "release" / "ironweave"

@@ -56,23 +56,14 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from ironweave import _native
 from ironweave._native import ConfigurationError, StateMismatchError
+from ironweave.torch import _DTYPES as _TORCH_DTYPES
 from ironweave.torch import keep_dir_for_job
 
 __all__ = ["PeerMemoryWriter", "PeerMemoryReader"]
 
 # torch dtype -> the engine's; one-byte types travel as u8 with their shape (the real dtype is
 # in the save plan every copy holds)
-_DTYPES = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.uint8: "u8",
-    torch.int8: "u8",
-    torch.bool: "u8",
-}
+_DTYPES = {**_TORCH_DTYPES, torch.int8: "u8", torch.bool: "u8"}
 _PLAN = "ironweave.dcp.plan"
 
 
