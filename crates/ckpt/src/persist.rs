@@ -390,6 +390,15 @@ pub fn read_manifest(dir: &Path, iter: u64, rank: u32) -> Result<Manifest> {
     Ok(man)
 }
 
+/// The global index of a checkpoint from every rank's manifest ([`crate::layout::index`], with
+/// each manifest's per-tensor checksums where it has them): refused when the files do not make
+/// one model.
+pub fn global_index(mans: &[Manifest]) -> Result<crate::layout::GlobalIndex> {
+    let files: Vec<(&Registry, Option<&[u64]>)> =
+        mans.iter().map(|m| (&m.registry, (!m.tensor_xxh3.is_empty()).then_some(m.tensor_xxh3.as_slice()))).collect();
+    crate::layout::index(&files)
+}
+
 /// Every rank's manifest of iteration `iter` under `dir` (the world size from rank 0's): a
 /// missing one is an error naming the file (a checkpoint whose write did not finish on every
 /// rank).
@@ -465,9 +474,7 @@ fn data_start(f: &mut File, path: &Path) -> Result<u64> {
 pub fn load_global(dir: &Path, iter: u64, want: &Registry) -> Result<Snapshot> {
     use std::io::{Read, Seek, SeekFrom};
     let mans = read_manifests(dir, iter)?;
-    let files: Vec<(&Registry, Option<&[u64]>)> =
-        mans.iter().map(|m| (&m.registry, (!m.tensor_xxh3.is_empty()).then_some(m.tensor_xxh3.as_slice()))).collect();
-    let idx = crate::layout::index(&files)?;
+    let idx = global_index(&mans)?;
     let fills = crate::layout::plan(&idx, want)?;
     let mut data = vec![0u8; want.total as usize];
     let mut open: BTreeMap<usize, (File, u64, PathBuf)> = BTreeMap::new();

@@ -340,9 +340,7 @@ pub struct SavedTensor {
 pub fn saved(dir: &Path) -> Result<(u64, Vec<SavedTensor>)> {
     let (iter, _) = persist::newest_complete(dir)?;
     let mans = persist::read_manifests(dir, iter)?;
-    let files: Vec<(&Registry, Option<&[u64]>)> =
-        mans.iter().map(|m| (&m.registry, (!m.tensor_xxh3.is_empty()).then_some(m.tensor_xxh3.as_slice()))).collect();
-    let idx = ironweave_ckpt::layout::index(&files)?;
+    let idx = persist::global_index(&mans)?;
     Ok((iter, idx.into_iter().map(|(name, g)| SavedTensor { name, dtype: g.dtype, shape: g.shape }).collect()))
 }
 

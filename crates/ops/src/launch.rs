@@ -2,7 +2,7 @@
 //! output with the rank, and when one fails stops the others and reports which and how.
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
@@ -194,6 +194,7 @@ impl Outcome {
 }
 
 fn describe(st: ExitStatus) -> (String, i32) {
+    use std::os::unix::process::ExitStatusExt;
     if let Some(c) = st.code() {
         (format!("exited with status {c}"), c)
     } else if let Some(s) = st.signal() {
@@ -431,18 +432,18 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             }
             restarts_left -= 1;
             generation += 1;
+            // the failed ranks, and with --restart-all the survivors too (stopped first): every
+            // one of them comes back as the new generation
+            let mut restart: Vec<(usize, String)> = failed.iter().map(|(r, st)| (*r, describe(*st).0)).collect();
             if spec.restart_all {
-                // the survivors go too, and every rank comes back as the new generation
                 let alive: Vec<usize> = (0..children.len()).filter(|&r| children[r].is_some()).collect();
                 stop_all(&mut children);
                 remaining = 0;
-                failed.extend(alive.into_iter().map(|r| (r, ExitStatus::from_raw(0))));
-                failed.sort_by_key(|f| f.0);
+                restart.extend(alive.into_iter().map(|r| (r, "was stopped (--restart-all)".to_string())));
+                restart.sort_by_key(|r| r.0);
             }
             let mut ok = true;
-            for (rank, st) in &failed {
-                let (how, _) = describe(*st);
-                let how = if st.success() { "was stopped (--restart-all)".to_string() } else { how };
+            for (rank, how) in &restart {
                 eprintln!(
                     "ironweave launch: rank {rank} {how}; restarting it as generation {generation} ({} restart{} left)",
                     restarts_left,

@@ -95,6 +95,27 @@ fn to_spec((name, dtype, shape, global): Spec) -> PyResult<TensorSpec> {
     })
 }
 
+/// Each buffer's (address, length).
+type Spans = Vec<(usize, usize)>;
+
+/// `buffers` as byte buffers (writable ones checked) and each one's (address, length); the
+/// views keep the memory in place until they are dropped.
+fn views(buffers: &[Bound<'_, PyAny>], writable: bool) -> PyResult<(Vec<Bytes>, Spans)> {
+    let held = buffers.iter().enumerate().map(|(i, b)| Bytes::get(b, writable, i)).collect::<PyResult<Vec<_>>>()?;
+    let spans = held.iter().map(Bytes::ptr_len).collect();
+    Ok((held, spans))
+}
+
+/// The spans of writable [`views`] as slices to fill.
+///
+/// # Safety
+/// Each span must be a writable, C-contiguous buffer that a live view holds, no two spans may
+/// overlap, and nothing else may touch the memory while the slices live.
+unsafe fn slices_mut<'a>(spans: &[(usize, usize)]) -> Vec<&'a mut [u8]> {
+    // SAFETY: the caller's contract above.
+    spans.iter().map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) }).collect()
+}
+
 /// One rank's checkpointer (`ironweave.torch.Checkpointer` builds it from a state dict).
 #[pyclass(module = "ironweave._native")]
 struct Engine {
@@ -179,8 +200,7 @@ impl Engine {
     /// Snapshots `step`'s state (one buffer per registered tensor, in order) and agrees on the
     /// newest committed step (collective); replication goes on in the background.
     fn save(&self, py: Python<'_>, step: u64, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<u64> {
-        let bufs = buffers.iter().enumerate().map(|(i, b)| Bytes::get(b, false, i)).collect::<PyResult<Vec<_>>>()?;
-        let spans: Vec<(usize, usize)> = bufs.iter().map(Bytes::ptr_len).collect();
+        let (bufs, spans) = views(&buffers, false)?;
         let r = py.detach(|| {
             // SAFETY: each (pointer, length) is a C-contiguous buffer that `bufs` holds a view
             // of (PyBuffer keeps the exporter alive and its memory in place until released);
@@ -197,13 +217,11 @@ impl Engine {
     /// Restores the newest step every rank has a whole copy of into `buffers`, in place, all
     /// or nothing (collective). None: no rank holds any copy (a fresh start).
     fn restore<'py>(&self, py: Python<'py>, buffers: Vec<Bound<'py, PyAny>>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let bufs = buffers.iter().enumerate().map(|(i, b)| Bytes::get(b, true, i)).collect::<PyResult<Vec<_>>>()?;
-        let spans: Vec<(usize, usize)> = bufs.iter().map(Bytes::ptr_len).collect();
+        let (bufs, spans) = views(&buffers, true)?;
         let r = py.detach(|| {
-            // SAFETY: as in `save`; the buffers are writable (checked) and distinct tensors'
-            // memory, written only inside this call.
-            let mut slices: Vec<&mut [u8]> =
-                spans.iter().map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) }).collect();
+            // SAFETY: writable views (checked) that `bufs` holds until after this call, of
+            // distinct tensors' memory, written only inside this call.
+            let mut slices = unsafe { slices_mut(&spans) };
             self.with(|ck| ck.restore(&mut slices))
         });
         drop(bufs);
@@ -300,13 +318,11 @@ fn saved(py: Python<'_>, dir: PathBuf) -> PyResult<(u64, Vec<SavedTensor>)> {
 #[pyfunction]
 fn load_saved(py: Python<'_>, dir: PathBuf, iteration: u64, specs: Vec<Spec>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<u64> {
     let specs = specs.into_iter().map(to_spec).collect::<PyResult<Vec<_>>>()?;
-    let bufs = buffers.iter().enumerate().map(|(i, b)| Bytes::get(b, true, i)).collect::<PyResult<Vec<_>>>()?;
-    let spans: Vec<(usize, usize)> = bufs.iter().map(Bytes::ptr_len).collect();
+    let (bufs, spans) = views(&buffers, true)?;
     let r = py.detach(|| {
-        // SAFETY: as in `Engine::restore`: writable (checked), C-contiguous buffers that `bufs`
-        // keeps in place, written only inside this call.
-        let mut slices: Vec<&mut [u8]> =
-            spans.iter().map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) }).collect();
+        // SAFETY: as in `Engine::restore`: writable views that `bufs` holds until after this
+        // call, of distinct buffers, written only inside this call.
+        let mut slices = unsafe { slices_mut(&spans) };
         checkpointer::load_saved(&dir, iteration, &specs, &mut slices)
     });
     drop(bufs);

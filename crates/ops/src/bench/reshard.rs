@@ -86,9 +86,7 @@ pub fn bench(a: &ReshardBenchArgs) -> Result<Vec<ReshardRow>> {
     let dir = src.join("persist");
     let (iter, _) = persist::newest_complete(&dir)?;
     let mans = persist::read_manifests(&dir, iter)?;
-    let files: Vec<(&ironweave::ckpt::Registry, Option<&[u64]>)> =
-        mans.iter().map(|m| (&m.registry, (!m.tensor_xxh3.is_empty()).then_some(m.tensor_xxh3.as_slice()))).collect();
-    let idx = layout::index(&files)?;
+    let idx = persist::global_index(&mans)?;
     let file_bytes: u64 =
         (0..mans.len()).map(|r| std::fs::metadata(persist::paths(&dir, iter, r as u32).0).map_or(0, |m| m.len())).sum();
     let mut rows = Vec::new();

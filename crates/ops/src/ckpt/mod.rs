@@ -129,9 +129,7 @@ pub fn inspect(dir: &Path, iter: Option<u64>) -> Result<Inspection> {
         None => persist::newest_complete(dir).with_context(|| format!("inspecting {}", dir.display()))?,
     };
     let mans = persist::read_manifests(dir, iter)?;
-    let files: Vec<(&ironweave::ckpt::Registry, Option<&[u64]>)> =
-        mans.iter().map(|m| (&m.registry, (!m.tensor_xxh3.is_empty()).then_some(m.tensor_xxh3.as_slice()))).collect();
-    let idx = layout::index(&files)?;
+    let idx = persist::global_index(&mans)?;
     let mut file_bytes = 0u64;
     let mut per_tensor: BTreeMap<String, [u8; 32]> = BTreeMap::new();
     for (r, m) in mans.iter().enumerate() {
@@ -276,9 +274,7 @@ pub fn reshard(dir: &Path, iter: Option<u64>, to: &Path, ranks: usize, cfg: &iro
         crate::error::bail!("--to {}: reshard writes a new directory beside the source, not into it", to.display());
     }
     let mans = persist::read_manifests(dir, iter)?;
-    let files: Vec<(&ironweave::ckpt::Registry, Option<&[u64]>)> =
-        mans.iter().map(|m| (&m.registry, (!m.tensor_xxh3.is_empty()).then_some(m.tensor_xxh3.as_slice()))).collect();
-    let idx = layout::index(&files)?;
+    let idx = persist::global_index(&mans)?;
     let regs = moe_registries(cfg, ranks)?;
     let mut by = persist::Written { layout: mans[0].layout.clone(), job: mans[0].job.clone() };
     by.layout.insert("world".into(), ranks.to_string());

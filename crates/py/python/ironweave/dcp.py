@@ -31,7 +31,6 @@ import dataclasses
 import io
 import os
 import pickle
-import struct
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -57,7 +56,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from ironweave import _native
 from ironweave._native import ConfigurationError, StateMismatchError
 from ironweave.torch import _DTYPES as _TORCH_DTYPES
-from ironweave.torch import keep_dir_for_job
+from ironweave.torch import _frame_into, _unframe, keep_dir_for_job
 
 __all__ = ["PeerMemoryWriter", "PeerMemoryReader"]
 
@@ -92,19 +91,8 @@ def _dtype_name(fqn: str, dtype: torch.dtype) -> str:
 def _framed(blob: bytes, cap: int) -> torch.Tensor:
     """`blob` behind its 8-byte length in a buffer of `cap` + 8 bytes."""
     buf = torch.zeros(cap + 8, dtype=torch.uint8)
-    buf[:8] = torch.frombuffer(bytearray(struct.pack("<Q", len(blob))), dtype=torch.uint8)
-    if blob:
-        buf[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    _frame_into(buf, blob)
     return buf
-
-
-def _unframed(buf: torch.Tensor, what: str) -> bytes:
-    if buf.numel() < 8:
-        raise StateMismatchError(f"{what}: {buf.numel()} bytes, shorter than its length field")
-    (n,) = struct.unpack("<Q", buf[:8].numpy().tobytes())
-    if n > buf.numel() - 8:
-        raise StateMismatchError(f"{what}: claims {n} bytes in a buffer of {buf.numel() - 8}")
-    return buf[8 : 8 + n].numpy().tobytes()
 
 
 def _bytes_of(t: torch.Tensor):
@@ -349,7 +337,7 @@ class PeerMemoryReader(StorageReader):
             raise StateMismatchError(f"{self.path}: step {step} was not written by a PeerMemoryWriter (no save plan in it)")
         buf = torch.empty(shapes[plan_name][0], dtype=torch.uint8)
         _native.load_saved(self.path, step, [(plan_name, "u8", [buf.numel()], (plan_name, [buf.numel()], [0]))], [_bytes_of(buf)])
-        plans: List[List[WriteItem]] = pickle.loads(_unframed(buf, plan_name))
+        plans: List[List[WriteItem]] = pickle.loads(_unframe(buf, plan_name))
         sd_meta: Dict[str, Any] = {}
         storage: Dict[MetadataIndex, Tuple[str, int]] = {}
         for items in plans:
@@ -396,7 +384,7 @@ class PeerMemoryReader(StorageReader):
         with torch.no_grad():
             for ri, b in zip(plan.items, bufs):
                 if ri.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(ri, io.BytesIO(_unframed(b, ri.storage_index.fqn)))
+                    planner.load_bytes(ri, io.BytesIO(_unframe(b, ri.storage_index.fqn)))
                 else:
                     target = planner.resolve_tensor(ri).detach()
                     if target.shape != b.shape:

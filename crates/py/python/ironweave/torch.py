@@ -41,6 +41,23 @@ _DTYPES = {
 _EXTRAS = "ironweave.extras"
 
 
+def _frame_into(buf: torch.Tensor, blob: bytes) -> None:
+    """`blob` behind its 8-byte length at the start of the uint8 tensor `buf` (which has room)."""
+    buf[:8] = torch.frombuffer(bytearray(struct.pack("<Q", len(blob))), dtype=torch.uint8)
+    if blob:
+        buf[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def _unframe(buf: torch.Tensor, what: str) -> bytes:
+    """The bytes `_frame_into` put in `buf`; a length that does not fit is a StateMismatchError."""
+    if buf.numel() < 8:
+        raise StateMismatchError(f"{what}: {buf.numel()} bytes, shorter than its length field")
+    (n,) = struct.unpack("<Q", buf[:8].numpy().tobytes())
+    if n > buf.numel() - 8:
+        raise StateMismatchError(f"{what}: claims {n} bytes in a room of {buf.numel() - 8}")
+    return buf[8 : 8 + n].numpy().tobytes()
+
+
 def keep_dir_for_job() -> Optional[str]:
     """Where copies that must outlive the processes go: ``IRONWEAVE_KEEP_DIR`` if set, else
     under torchrun (which restarts every worker when one fails) ``/dev/shm/ironweave-<run id>``,
@@ -332,15 +349,10 @@ class Checkpointer:
                 f"the state's picklable values take {len(blob)} bytes, more than extras_bytes={self._extras_cap}: "
                 "raise extras_bytes, or keep large values in tensors"
             )
-        self._extras[:8] = torch.frombuffer(bytearray(struct.pack("<Q", len(blob))), dtype=torch.uint8)
-        if blob:
-            self._extras[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        _frame_into(self._extras, blob)
 
     def _unpack_extras(self) -> None:
-        (n,) = struct.unpack("<Q", bytes(self._extras[:8].tolist()))
-        if n > self._extras_cap:
-            raise StateMismatchError(f"restored picklable values claim {n} bytes, more than extras_bytes={self._extras_cap}")
-        values = pickle.loads(self._extras[8 : 8 + n].numpy().tobytes())
+        values = pickle.loads(_unframe(self._extras, f"restored picklable values (extras_bytes={self._extras_cap})"))
         for key, v in values.items():
             obj = self._state.get(key)
             if isinstance(obj, torch.optim.Optimizer):
