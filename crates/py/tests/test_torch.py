@@ -25,6 +25,10 @@ def torchrun(script, out, nproc=4, restarts=2, **env):
     e = dict(os.environ, OUT=str(out), **{k: str(v) for k, v in env.items()})
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "IRONWEAVE_RANK", "IRONWEAVE_KEEP_DIR"):
         e.pop(k, None)
+    # the checkpointer's own port, free now (torchrun's MASTER_PORT + 1 was once taken: a flake)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        e.setdefault("IRONWEAVE_CKPT_PORT", str(s.getsockname()[1]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={restarts}", str(script)]
     p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=600)
