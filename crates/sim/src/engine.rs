@@ -321,13 +321,15 @@ pub fn run(dag: &Dag) -> Result<Trace> {
                 }
             }
         }
-        // 3. transfers whose latency has passed become flows
-        for &i in &active {
-            if state[i] == State::Latency && phase_end[i] <= t + eps {
-                state[i] = State::Running;
-                if let Work::Transfer { res, .. } = dag.ops[i].work {
-                    flows[res].push(i);
-                }
+        // 3. transfers whose latency has passed become flows; those that arrive together
+        // queue in creation order (program order), whatever order they were released in
+        let mut arriving: Vec<OpId> =
+            active.iter().copied().filter(|&i| state[i] == State::Latency && phase_end[i] <= t + eps).collect();
+        arriving.sort_unstable();
+        for i in arriving {
+            state[i] = State::Running;
+            if let Work::Transfer { res, .. } = dag.ops[i].work {
+                flows[res].push(i);
             }
         }
         // 4. rates

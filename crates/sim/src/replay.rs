@@ -4,7 +4,9 @@
 //! bandwidth; each strategy's checkpoint traffic is added as the engine would plan it (the same
 //! pure functions as [`crate::ckpt`]). The link is a first-come-first-served queue (a host's
 //! egress with deep socket and shaper buffers): a training message behind a checkpoint chunk
-//! waits for it — the collision that sizing chunks to the windows avoids.
+//! waits for it — the collision that sizing chunks to the windows avoids. A training call's
+//! bytes that its measured span cannot have carried drain behind it (the transport buffered
+//! them), and a checkpoint sender may run ahead of the wire by the host's queue.
 //!
 //! What the emulation adds and the model keeps: every emulated host runs on the same machine's
 //! cores, fully busy with training, so the CPU that moves checkpoint bytes (socket copies on
@@ -58,6 +60,15 @@ pub struct Bed {
     pub cpu_s_per_byte: f64,
     /// Cores of the machine the emulated hosts share.
     pub cores: u32,
+    /// The iteration the profiler saw before the replayed one, whose windows Capricorn plans
+    /// on (its profile is an iteration old; the router moves the windows in between). Empty:
+    /// the replayed iteration's own windows (a perfect profile).
+    #[serde(default)]
+    pub profiled: Vec<Step>,
+    /// Seconds of the host's egress queue (the shaper's) that a sender's writes may run ahead
+    /// of the wire by: a training message behind them waits that long. 0: one chunk at a time.
+    #[serde(default)]
+    pub queue_s: f64,
 }
 
 /// One strategy's prediction.
@@ -69,6 +80,10 @@ pub struct Predicted {
     pub iter_time_s: f64,
     /// Partition accuracy (in-memory strategies).
     pub partition_accuracy: Option<f64>,
+    /// Seconds per iteration that the host's training communications lasted, from each call's
+    /// start to its completion (what rank 0's profile records), mean after the warm-up.
+    #[serde(default)]
+    pub training_comm_s: f64,
 }
 
 /// Iterations replayed; the first three are warm-up (no previous snapshot, no profile yet,
@@ -126,6 +141,49 @@ pub fn replay_with(
     Ok(out)
 }
 
+/// The factor on the profile's compute that makes the replayed `none` iteration last
+/// `measured_s`: `none` is the calibration row. Found on the replay itself (bisection), not
+/// by subtracting the measured spans, because a span's bytes can outlast it (a buffered send
+/// drains behind the call and may hold the next call in the host's queue). Errors when the
+/// communications alone already outlast `measured_s`.
+pub fn calibrate(bed: &Bed, measured_s: f64) -> Result<f64> {
+    if !(measured_s.is_finite() && measured_s > 0.0) {
+        return Err(SimError::Invalid(format!("calibration: the measured iteration is {measured_s} s")));
+    }
+    let at = |k: f64| -> Result<f64> { Ok(one(&scaled(bed, k), Strategy::None, 1.0, 0.0, None, 1)?.0.iter_time_s) };
+    if at(0.0)? > measured_s {
+        return Err(SimError::Invalid(format!(
+            "calibration: the replayed communications alone take {:.1} ms, more than the measured {:.1} ms iteration",
+            at(0.0)? * 1e3,
+            measured_s * 1e3
+        )));
+    }
+    let (mut lo, mut hi) = (0.0, 1.0);
+    while at(hi)? < measured_s {
+        lo = hi;
+        hi *= 2.0;
+        if hi > 1e9 {
+            return Err(SimError::Invalid("calibration: the profile has no compute to scale".into()));
+        }
+    }
+    // the replayed time is continuous and non-decreasing in the factor
+    for _ in 0..60 {
+        let mid = 0.5 * (lo + hi);
+        if at(mid)? < measured_s {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(0.5 * (lo + hi))
+}
+
+/// `bed` with every compute step (of the replayed and the profiled iteration) times `k`.
+pub fn scaled(bed: &Bed, k: f64) -> Bed {
+    let f = |v: &[Step]| v.iter().map(|s| if let Step::Compute(c) = s { Step::Compute(c * k) } else { *s }).collect();
+    Bed { steps: f(&bed.steps), profiled: f(&bed.profiled), ..bed.clone() }
+}
+
 /// Index of the iteration whose spans Gemini keeps (the engine's third, `gemini_profile_iters`).
 const GEMINI_PROFILED: usize = 2;
 
@@ -162,9 +220,14 @@ fn one(
     let mut writes: Vec<OpId> = Vec::new();
     let mut sent: Vec<OpId> = Vec::new();
     let mut chunks: Vec<Vec<(OpId, bool, bool)>> = Vec::new();
-    let predicted: Vec<PWindow> = as_profile(&windows, 0);
+    let predicted: Vec<PWindow> = if bed.profiled.is_empty() {
+        as_profile(&windows, 0)
+    } else {
+        as_profile(&windows_of(&Bed { steps: bed.profiled.clone(), ..bed.clone() })?, 0)
+    };
     let spans: Vec<PWindow> = gemini_spans.map(<[PWindow]>::to_vec).unwrap_or_else(|| predicted.clone());
-    let mut comms_of: Vec<Vec<OpId>> = Vec::new();
+    // per iteration, each training communication's (measured span, completion)
+    let mut comms_of: Vec<Vec<(OpId, OpId)>> = Vec::new();
     for it in 0..ITERATIONS {
         let mut deps: Vec<OpId> = prev_end.into_iter().collect();
         match strat {
@@ -180,10 +243,27 @@ fn one(
             prev = match *st {
                 Step::Compute(c) => dag.compute(format!("it{it} compute {k}"), "compute", cpu, c * scale, vec![prev]),
                 Step::Comm { bytes, seconds } => {
-                    let wait = (seconds - bytes / bed.link_bytes_per_s).max(0.0);
-                    let x = dag.transfer(format!("it{it} comm {k}"), "train", link, bytes, wait, Class::Training, vec![prev]);
-                    comms.push(x);
-                    x
+                    // the call lasts at least its measured span (peers, latency) and until its
+                    // bytes are through the host's queue; bytes the span cannot have carried
+                    // were buffered by the transport (the call returned before they left): they
+                    // drain behind it while the host computes, on a link the profiler saw idle
+                    let carried = bytes.min(bed.link_bytes_per_s * seconds);
+                    let span = dag.delay(format!("it{it} comm {k} span"), seconds, vec![prev]);
+                    let x = dag.transfer(format!("it{it} comm {k}"), "train", link, carried, 0.0, Class::Training, vec![prev]);
+                    if bytes > carried {
+                        dag.transfer(
+                            format!("it{it} comm {k} drain"),
+                            "train",
+                            link,
+                            bytes - carried,
+                            0.0,
+                            Class::Training,
+                            vec![prev],
+                        );
+                    }
+                    let done = dag.mark(format!("it{it} comm {k} done"), vec![span, x]);
+                    comms.push((span, done));
+                    done
                 }
             };
         }
@@ -214,20 +294,32 @@ fn one(
                 _ => schedule::capricorn(total, &[], 1.0, 1.0, 1, u64::MAX),
             };
             let mut last: [Option<OpId>; 2] = [None, None];
+            let mut onlink: [Vec<(OpId, f64)>; 2] = [Vec::new(), Vec::new()];
+            let queue = bed.queue_s.max(0.0) * bed.link_bytes_per_s;
             for (k, sc) in plan.iter().enumerate() {
                 let trigger = match sc.trigger {
                     schedule::Trigger::Start => start,
-                    schedule::Trigger::AfterComm(c) => comms.get(c as usize).or(comms.last()).copied().unwrap_or(start),
+                    schedule::Trigger::AfterComm(c) => comms.get(c as usize).or(comms.last()).map_or(start, |c| c.1),
                     schedule::Trigger::At(t) => dag.delay(format!("it{it} timer {k}"), t as f64 * 1e-9, vec![start]),
                     schedule::Trigger::End => end,
                 };
                 let slot = sc.link as usize;
                 let mut deps = vec![trigger, snap];
-                // one sender per link, in order
-                deps.extend(last[slot.min(1)]);
+                // one sender per link, in order; it may run ahead of the wire by the host's
+                // queue: a chunk enters once the chunks queued before it hold `queue` bytes or less
+                let q = if slot == 0 { queue } else { 0.0 };
+                let mut ahead = 0.0;
+                for &(op, len) in onlink[slot.min(1)].iter().rev() {
+                    ahead += len;
+                    if ahead > q {
+                        deps.push(op);
+                        break;
+                    }
+                }
                 let res = if slot == 1 { link2 } else { link };
                 let x = dag.transfer(format!("it{it} chunk {k}"), "ckpt", res, sc.chunk.len as f64, 0.0, Class::Checkpoint, deps);
                 last[slot.min(1)] = Some(x);
+                onlink[slot.min(1)].push((x, sc.chunk.len as f64));
                 mine.push((x, sc.trigger == schedule::Trigger::End, slot == 1));
             }
             let done: Vec<OpId> = last.iter().flatten().copied().collect();
@@ -262,6 +354,10 @@ fn one(
         iters.push(t(starts[it + 1]) - t(starts[it]));
     }
     let iter_time_s = iters.iter().sum::<f64>() / iters.len() as f64;
+    let comm_time: Vec<f64> = (WARM..ITERATIONS - 1)
+        .map(|it| comms_of[it].iter().map(|&(span, done)| tr.ops[done].end - tr.ops[span].start).sum())
+        .collect();
+    let training_comm_s = comm_time.iter().sum::<f64>() / comm_time.len() as f64;
     let training: Vec<(u32, u64, u64)> =
         tr.spans.iter().filter(|sp| sp.res == link && sp.training_flows > 0).map(|sp| (0, ns(sp.t0), ns(sp.t1))).collect();
     let acc: Vec<f64> = (WARM..ITERATIONS - 1)
@@ -285,8 +381,8 @@ fn one(
             let (t0, t1) = (t(starts[it]), t(starts[it + 1]));
             let mut steps = Vec::new();
             let mut cursor = t0;
-            for &c in &comms_of[it] {
-                let (a, b) = (tr.ops[c].start.max(cursor), tr.ops[c].end);
+            for &(span, done) in &comms_of[it] {
+                let (a, b) = (tr.ops[span].start.max(cursor), tr.ops[done].end);
                 steps.push(Step::Compute(a - cursor));
                 steps.push(Step::Comm { bytes: 0.0, seconds: (b - a).max(0.0) });
                 cursor = b.max(cursor);
@@ -300,6 +396,7 @@ fn one(
             strategy: strat.name().into(),
             iter_time_s,
             partition_accuracy: (!acc.is_empty()).then(|| acc.iter().sum::<f64>() / acc.len() as f64),
+            training_comm_s,
         },
         seen,
     ))
@@ -382,6 +479,8 @@ mod tests {
             snapshot_s: 0.005,
             cpu_s_per_byte: 0.0,
             cores: 2,
+            queue_s: 0.0,
+            profiled: Vec::new(),
         }
     }
 
@@ -411,5 +510,55 @@ mod tests {
         let m = replay(&bed(), &[], 0.9, 1e8).unwrap();
         assert_eq!(m[0].strategy, "capricorn-multilink");
         assert!(replay(&Bed { steps: vec![], ..bed() }, &Strategy::ALL, 0.9, 0.0).is_err());
+    }
+
+    fn tight() -> Bed {
+        // the 1 MB exchange's call returns after 1 ms (the transport buffered it): its bytes
+        // need 10 ms and drain while the host computes
+        let steps = vec![
+            Step::Compute(0.1),
+            Step::Comm { bytes: 1e6, seconds: 0.001 },
+            Step::Compute(0.1),
+            Step::Comm { bytes: 1e5, seconds: 0.001 },
+            Step::Compute(0.1),
+        ];
+        Bed { steps, state_bytes_per_rank: 7e6, ..bed() }
+    }
+
+    #[test]
+    fn a_buffered_send_drains_behind_its_call_and_calibration_meets_the_measured_time() {
+        let b = tight();
+        let t = |b: &Bed, s: Strategy| replay(b, &[s], 0.9, 0.0).unwrap()[0].iter_time_s;
+        // the drain does not hold the iteration: 3 x 100 ms + 2 x 1 ms (it used to be 311 ms: the call waited for its bytes)
+        assert!((t(&b, Strategy::None) - 0.302).abs() < 1e-6, "{}", t(&b, Strategy::None));
+        // calibration is found on the replay: the factor that gives the measured time
+        let k = calibrate(&b, 0.602).unwrap();
+        assert!((k - 2.0).abs() < 1e-6, "{k}");
+        assert!((t(&scaled(&b, k), Strategy::None) - 0.602).abs() < 1e-6);
+        assert!(calibrate(&b, 0.001).is_err(), "the communications alone outlast 1 ms");
+        // the profiler saw the link idle after the 1 ms call; the drain is on it for 9 ms more,
+        // so a chunk planned right after the call lands behind it: not all in its window
+        let p = replay(&b, &[Strategy::Capricorn], 0.9, 0.0).unwrap();
+        assert!(p[0].partition_accuracy.unwrap() < 1.0, "{p:?}");
+    }
+
+    #[test]
+    fn the_host_queue_and_an_older_profile_cost_what_they_should() {
+        // a tight bed: 14 MB a host in 300 ms of compute and 110 ms of training bytes
+        let b = Bed { state_bytes_per_rank: 1.4e7, ..tight() };
+        let t = |b: &Bed, s: Strategy| replay(b, &[s], 0.9, 0.0).unwrap()[0].clone();
+        // a sender running 50 ms ahead of the wire puts training messages behind its backlog
+        let queued = Bed { queue_s: 0.05, ..b.clone() };
+        for s in [Strategy::Gemini, Strategy::Capricorn] {
+            assert!(t(&queued, s).iter_time_s >= t(&b, s).iter_time_s - 1e-9, "{s:?}");
+        }
+        // planned on another iteration's windows (the first exchange 50 ms later), Capricorn
+        // places worse than with the replayed iteration's own
+        let mut other = b.steps.clone();
+        other[0] = Step::Compute(0.15);
+        other[2] = Step::Compute(0.05);
+        let old = Bed { profiled: other, ..b.clone() };
+        let (own, stale) = (t(&b, Strategy::Capricorn), t(&old, Strategy::Capricorn));
+        assert!(stale.partition_accuracy.unwrap() < own.partition_accuracy.unwrap(), "{own:?} {stale:?}");
     }
 }

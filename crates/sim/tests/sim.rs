@@ -118,6 +118,21 @@ fn priority_gives_training_the_link() {
 }
 
 #[test]
+fn a_fifo_link_serves_transfers_that_arrive_together_in_program_order() {
+    // a timer released beside them used to reorder the release list, so the big transfer,
+    // created second, took the link first and the small one waited a whole second behind it
+    let mut d = Dag::default();
+    let l = d.fifo_link("l", 1e6);
+    let m = d.mark("m", vec![]);
+    let _timer = d.delay("timer", 0.5, vec![m]);
+    let small = d.transfer("small", "x", l, 1.0, 0.0, Class::Training, vec![m]);
+    let big = d.transfer("big", "x", l, 1e6, 0.0, Class::Training, vec![m]);
+    let tr = run(&d).unwrap();
+    assert!((tr.ops[small].end - 1e-6).abs() < 1e-9, "{:?}", tr.ops[small]);
+    assert!((tr.ops[big].end - (1.0 + 1e-6)).abs() < 1e-9, "{:?}", tr.ops[big]);
+}
+
+#[test]
 fn runs_are_deterministic() {
     let d = random_dag(99, true);
     let a = serde_json::to_string(&run(&d).unwrap()).unwrap();

@@ -16,6 +16,15 @@ mod probe;
 pub use crate::topology::{LinkDef, Topology};
 pub use probe::{probe, probe_worker, ProbeArgs, ProbeWorkerArgs};
 
+/// Longest a packet may wait in a host's shaper (`tc tbf ... latency`): the egress queue a
+/// sender's writes can run ahead of the wire by.
+pub const SHAPER_QUEUE_S: f64 = 0.05;
+
+/// Payload bytes per byte the shaper counts: TCP segments of 1,448 bytes (MTU 1,500 less the
+/// IP and TCP headers with timestamps) in 1,514-byte Ethernet frames; the shaper's rate is the
+/// frames'.
+pub const TCP_PAYLOAD_SHARE: f64 = 1448.0 / 1514.0;
+
 /// `ironweave cluster`'s subcommands.
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum ClusterCmd {
@@ -135,10 +144,10 @@ fn build(t: &Topology, made: &mut Vec<String>) -> Result<()> {
             sh(&["ip", "-n", &sw, "link", "set", "dev", &port, "up"])?;
             sh(&["ip", "-n", &ns, "addr", "add", &format!("{}/24", t.addr(h, l)), "dev", &link.name])?;
             sh(&["ip", "-n", &ns, "link", "set", "dev", &link.name, "up"])?;
-            sh(&[
-                "ip", "netns", "exec", &ns, "tc", "qdisc", "add", "dev", &link.name, "root", "tbf", "rate", &link.rate, "burst",
-                "256kb", "latency", "50ms",
-            ])?;
+            let queue = format!("{}ms", (SHAPER_QUEUE_S * 1e3).round());
+            #[rustfmt::skip]
+            sh(&["ip", "netns", "exec", &ns, "tc", "qdisc", "add", "dev", &link.name, "root", "tbf", "rate", &link.rate,
+                "burst", "256kb", "latency", &queue])?;
         }
     }
     Ok(())

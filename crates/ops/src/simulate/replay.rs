@@ -21,12 +21,24 @@ use serde_json::Value;
 /// (a training communication?, seconds, rank 0's bytes).
 pub type TraceStep = (bool, f64, f64);
 
+/// One iteration of a trace: (start µs, seconds, steps).
+pub type TraceIteration = (f64, f64, Vec<TraceStep>);
+
 /// One measured iteration from a `trace.json`: steps in time order and rank 0's bytes per
 /// training communication (merged where they overlap).
 pub fn steps_from_trace(trace: &Value) -> Result<(Vec<TraceStep>, f64)> {
+    let (its, k) = trace_iterations(trace)?;
+    let (_, dur, steps) = its.into_iter().nth(k).expect("index of a listed iteration");
+    Ok((steps, dur))
+}
+
+/// Every iteration of a `trace.json` in time order, and the
+/// index of the one to replay: the iteration of median length among the steady ones (the
+/// trace keeps the last few; the first of them is left out when there are more than 3).
+pub fn trace_iterations(trace: &Value) -> Result<(Vec<TraceIteration>, usize)> {
     let ev = trace.get("traceEvents").and_then(Value::as_array).or_else(|| trace.as_array()).context("no trace events")?;
     let f = |e: &Value, k: &str| e.get(k).and_then(Value::as_f64);
-    let iters: Vec<(f64, f64)> = ev
+    let mut iters: Vec<(f64, f64)> = ev
         .iter()
         .filter(|e| e.get("cat").and_then(Value::as_str) == Some("iteration"))
         .filter_map(|e| Some((f(e, "ts")?, f(e, "dur")?)))
@@ -34,19 +46,29 @@ pub fn steps_from_trace(trace: &Value) -> Result<(Vec<TraceStep>, f64)> {
     if iters.is_empty() {
         bail!("the trace has no iterations");
     }
-    // the iteration of median length among the steady ones (the trace keeps the last few)
-    let mut steady: Vec<(f64, f64)> = if iters.len() > 3 { iters[1..].to_vec() } else { iters.clone() };
-    steady.sort_by(|a, b| a.1.total_cmp(&b.1));
-    let (ts, dur) = steady[steady.len() / 2];
-    let mut comms: Vec<(f64, f64, f64)> = ev
+    iters.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let first = usize::from(iters.len() > 3);
+    let mut steady: Vec<usize> = (first..iters.len()).collect();
+    steady.sort_by(|&a, &b| iters[a].1.total_cmp(&iters[b].1));
+    let median = steady[steady.len() / 2];
+    let comms: Vec<(f64, f64, f64)> = ev
         .iter()
         .filter(|e| e.get("cat").and_then(Value::as_str) == Some("training"))
         .filter_map(|e| {
             let (s, d) = (f(e, "ts")?, f(e, "dur")?);
             let bytes: f64 = e.get("name")?.as_str()?.split_whitespace().nth(1)?.parse().ok()?;
-            (s >= ts && s < ts + dur).then_some((s, (s + d).min(ts + dur), bytes))
+            Some((s, s + d, bytes))
         })
         .collect();
+    let out = iters.iter().map(|&(ts, dur)| (ts, dur * 1e-6, iteration_steps(&comms, ts, dur))).collect();
+    Ok((out, median))
+}
+
+/// The steps of the iteration `[ts, ts + dur)` (µs) given every training communication as
+/// (start, end, bytes).
+fn iteration_steps(all: &[(f64, f64, f64)], ts: f64, dur: f64) -> Vec<TraceStep> {
+    let mut comms: Vec<(f64, f64, f64)> =
+        all.iter().filter(|c| c.0 >= ts && c.0 < ts + dur).map(|&(s, e, b)| (s, e.min(ts + dur), b)).collect();
     comms.sort_by(|a, b| a.0.total_cmp(&b.0));
     let mut merged: Vec<(f64, f64, f64)> = Vec::new();
     for c in comms {
@@ -71,7 +93,7 @@ pub fn steps_from_trace(trace: &Value) -> Result<(Vec<TraceStep>, f64)> {
     if ts + dur > t {
         out.push((false, (ts + dur - t) * 1e-6, 0.0));
     }
-    Ok((out, dur * 1e-6))
+    out
 }
 
 /// Training-thread seconds of one snapshot of `bytes` (the engine's copy and checksums, all
@@ -340,6 +362,17 @@ fn measured(dir: &Path) -> Result<Measured> {
     }
 }
 
+/// Seconds per iteration rank 0's training communications lasted in a strategy's run of a
+/// bench directory (the median over its steady iterations), if its trace is there.
+fn measured_comm_s(dir: &Path, strategy: &str) -> Option<f64> {
+    let trace = [dir.join(strategy), dir.join(format!("{strategy}-r1"))].into_iter().find(|d| d.join("trace.json").exists())?;
+    let (its, _) = trace_iterations(&read_json(&trace.join("trace.json")).ok()?).ok()?;
+    let first = usize::from(its.len() > 3);
+    let mut per: Vec<f64> = its[first..].iter().map(|(_, _, st)| st.iter().filter(|s| s.0).map(|s| s.1).sum()).collect();
+    per.sort_by(f64::total_cmp);
+    per.get(per.len() / 2).copied()
+}
+
 /// Runs the replay; prints predicted vs measured; writes JSON.
 pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
     let m = measured(dir)?;
@@ -350,25 +383,20 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
     let rate = |i: usize| -> Result<f64> {
         Ok(topo.links.get(i).map(|l| ironweave_units::parse_rate(&l.rate)).transpose()?.unwrap_or(0) as f64)
     };
-    let (steps, _) = steps_from_trace(&read_json(&m.profile_dir.join("trace.json"))?)?;
+    let (its, median) = trace_iterations(&read_json(&m.profile_dir.join("trace.json"))?)?;
+    let steps = its[median].2.clone();
+    // the iteration before it, in time: what Capricorn's profile saw (none when it is the first)
+    let before = median.checked_sub(1).map(|k| its[k].2.clone()).unwrap_or_default();
     eprintln!("replaying the profile of {}", m.profile_dir.display());
     // rank 0's bytes per communication, scaled to what the host's link carried
     let rank0: f64 = steps.iter().map(|s| s.2).sum();
     let hosts = topo.hosts as f64;
     let per_host = m.link_bytes_per_iter_per_host.unwrap_or(rank0 * m.ranks_per_host as f64 * (hosts - 1.0) / hosts);
     let scale = if rank0 > 0.0 { per_host / rank0 } else { 0.0 };
-    // the profiled iteration is one sample; its compute is scaled so the replayed `none`
-    // iteration takes the measured (pooled) median: `none` is the calibration row
-    let comm_s: f64 = steps.iter().filter(|s| s.0).map(|s| s.1).sum();
-    let comp_s: f64 = steps.iter().filter(|s| !s.0).map(|s| s.1).sum();
-    let calib = match m.rows.iter().find(|r| r.0 == "none") {
-        Some(&(_, t)) if comp_s > 0.0 && t > comm_s => (t - comm_s) / comp_s,
-        _ => 1.0,
+    let to_bed = |v: &[TraceStep]| -> Vec<Step> {
+        v.iter().map(|&(comm, s, b)| if comm { Step::Comm { bytes: b * scale, seconds: s } } else { Step::Compute(s) }).collect()
     };
-    let bed_steps: Vec<Step> = steps
-        .iter()
-        .map(|&(comm, s, b)| if comm { Step::Comm { bytes: b * scale, seconds: s } } else { Step::Compute(s * calib) })
-        .collect();
+    let raw = to_bed(&steps);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as u32;
     let ranks = topo.hosts * m.ranks_per_host;
     eprintln!("probing this machine: one snapshot of {:.1} MB, and the CPU of a socket byte ...", m.state_bytes_per_rank / 1e6);
@@ -390,8 +418,9 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
     // (the run's machine CPU busy share says whether the cores had room)
     let emulated = m.compute.starts_with("emulated");
     let bed = Bed {
-        steps: bed_steps,
-        link_bytes_per_s: rate(0)?,
+        steps: raw,
+        // the shaper paces frames; the replay moves payload
+        link_bytes_per_s: rate(0)? * crate::cluster::TCP_PAYLOAD_SHARE,
         hosts: topo.hosts as u32,
         ranks_per_host: m.ranks_per_host as u32,
         state_bytes_per_rank: m.state_bytes_per_rank,
@@ -399,7 +428,22 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
         snapshot_s,
         cpu_s_per_byte: if emulated { 0.0 } else { cpu },
         cores,
+        queue_s: crate::cluster::SHAPER_QUEUE_S,
+        profiled: to_bed(&before),
     };
+    // the profiled iteration is one sample; its compute is scaled so the replayed `none`
+    // iteration takes the measured (pooled) median: `none` is the calibration row
+    let calib = match m.rows.iter().find(|r| r.0 == "none") {
+        Some(&(_, t)) => match ironweave_sim::replay::calibrate(&bed, t) {
+            Ok(k) => k,
+            Err(e) => {
+                eprintln!("simulate ckpt: {e}; replaying the profile's compute as measured");
+                1.0
+            }
+        },
+        None => 1.0,
+    };
+    let bed = ironweave_sim::replay::scaled(&bed, calib);
     let strategies = Strategy::ALL;
     let fill = ironweave_ckpt::EngineConfig::default().window_fill;
     // every capricorn-sparse[K] row measured is replayed with its K
@@ -408,7 +452,8 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
         .iter()
         .filter_map(|r| crate::train::args::parse_strategy(&r.0).ok().filter(|c| c.spread > 1).map(|c| c.spread))
         .collect();
-    let pred: Vec<Predicted> = replay_with(&bed, &strategies, fill, if topo.links.len() > 1 { rate(1)? } else { 0.0 }, &sparse)?;
+    let second = if topo.links.len() > 1 { rate(1)? * crate::cluster::TCP_PAYLOAD_SHARE } else { 0.0 };
+    let pred: Vec<Predicted> = replay_with(&bed, &strategies, fill, second, &sparse)?;
     println!(
         "Replay of {} on {} ({} hosts x {} ranks, link {:.0} MB/s per host, {:.1} MB of state per rank, storage {}), probes: snapshot {:.1} ms, {:.2} ns of CPU per checkpoint byte {path}",
         dir.display(),
@@ -425,18 +470,24 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
     if emulated {
         println!("(compute {}: the checkpoint's CPU is not charged to the device's compute)", m.compute);
     }
-    println!("| strategy | predicted | measured | error | predicted accuracy |\n|---|---:|---:|---:|---:|");
+    println!(
+        "| strategy | predicted | measured | error | predicted accuracy | training comm per iteration, predicted | measured (rank 0) |\n|---|---:|---:|---:|---:|---:|---:|"
+    );
     let mut out = Vec::new();
     for p in &pred {
         let meas = m.rows.iter().find(|r| r.0 == p.strategy).map(|r| r.1);
         let err = meas.map(|x| p.iter_time_s / x - 1.0);
+        let comm = measured_comm_s(dir, &p.strategy);
+        let ms = |x: Option<f64>| x.map(|x| format!("{:.1} ms", x * 1e3)).unwrap_or_else(|| "-".into());
         println!(
-            "| {} | {:.1} ms | {} | {} | {} |",
+            "| {} | {:.1} ms | {} | {} | {} | {:.1} ms | {} |",
             p.strategy,
             p.iter_time_s * 1e3,
-            meas.map(|x| format!("{:.1} ms", x * 1e3)).unwrap_or_else(|| "-".into()),
+            ms(meas),
             err.map(|e| format!("{:+.1}%", e * 100.0)).unwrap_or_else(|| "-".into()),
-            p.partition_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into())
+            p.partition_accuracy.map(|a| format!("{:.0}%", a * 100.0)).unwrap_or_else(|| "-".into()),
+            p.training_comm_s * 1e3,
+            ms(comm),
         );
         out.push(serde_json::json!({
             "strategy": p.strategy,
@@ -444,6 +495,8 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
             "measured_iter_time_s": meas,
             "error": err,
             "predicted_partition_accuracy": p.partition_accuracy,
+            "predicted_training_comm_s": p.training_comm_s,
+            "measured_training_comm_s": comm,
         }));
     }
     if let Some(p) = json {
