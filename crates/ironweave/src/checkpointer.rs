@@ -10,7 +10,9 @@
 //!
 //! The checkpointer joins the job's launcher environment (torchrun, SLURM, OpenMPI or
 //! `ironweave launch`) on its own port: torchrun's `MASTER_PORT` + 1 unless
-//! `IRONWEAVE_CKPT_PORT` names one, so it never competes with the framework's store.
+//! `IRONWEAVE_CKPT_PORT` names one, so it never competes with the framework's store (the
+//! Python package sets `IRONWEAVE_CKPT_PORT` under torchrun to a port rank 0 found free and
+//! published in torchrun's store).
 //!
 //! ```no_run
 //! use ironweave::checkpointer::Checkpointer;

@@ -21,15 +21,16 @@ HERE = Path(__file__).resolve().parent
 JOB = HERE / "ddp_job.py"
 
 
-def torchrun(script, out, nproc=4, restarts=2, **env):
+def torchrun(script, out, nproc=4, restarts=2, master_port=None, **env):
     e = dict(os.environ, OUT=str(out), **{k: str(v) for k, v in env.items()})
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "IRONWEAVE_RANK", "IRONWEAVE_KEEP_DIR"):
-        e.pop(k, None)
-    # the checkpointer's own port, free now (torchrun's MASTER_PORT + 1 was once taken: a flake)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        e.setdefault("IRONWEAVE_CKPT_PORT", str(s.getsockname()[1]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "IRONWEAVE_RANK", "IRONWEAVE_KEEP_DIR",
+              "IRONWEAVE_CKPT_PORT"):
+        if k not in env:
+            e.pop(k, None)
+    # torchrun's own rendezvous on a free port, or the static one on `master_port`
+    where = ["--standalone"] if master_port is None else [
+        "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={master_port}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}",
            f"--max-restarts={restarts}", str(script)]
     p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=600)
     return p
@@ -93,6 +94,29 @@ def test_a_killed_rank_and_a_lost_host_end_bit_for_bit_in_the_clean_run_s_state(
         s = r["stats"]
         assert s["profiled_steps"] >= 1 and s["training_comms"] >= 4 * 19 and s["chunks"] > 0, s
     assert shm_dirs() == before
+
+
+def test_the_checkpointer_s_port_is_agreed_in_torchrun_s_store_not_taken_from_master_port_plus_one(tmp_path):
+    # a socket already listens on MASTER_PORT + 1, where the checkpointer's rendezvous used to
+    # go (a clean-clone CI run once failed there: "Address already in use")
+    for _ in range(50):
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        master = taken.getsockname()[1] - 1
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", master))
+                break
+            except OSError:
+                taken.close()
+    else:
+        pytest.fail("found no free port below a listening one in 50 tries")
+    with taken:
+        p = torchrun(JOB, tmp_path, nproc=2, restarts=0, master_port=master, STEPS=3)
+    assert p.returncode == 0, f"torchrun failed\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    rs = ranks(tmp_path, n=2)
+    assert rs[0]["digest"] == rs[1]["digest"]
 
 
 def test_watch_times_ddp_s_own_bucket_all_reduce_without_changing_a_bit(tmp_path):

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from ironweave import _native
 from ironweave._native import ConfigurationError, StateMismatchError
 from ironweave.torch import _DTYPES as _TORCH_DTYPES
-from ironweave.torch import _frame_into, _unframe, keep_dir_for_job
+from ironweave.torch import _agree_on_port, _frame_into, _unframe, keep_dir_for_job
 
 __all__ = ["PeerMemoryWriter", "PeerMemoryReader"]
 
@@ -249,6 +249,7 @@ class PeerMemoryWriter(StorageWriter, AsyncStager):
         keep.append(pbuf)
         bufs.append(_bytes_of(pbuf))
         if first:
+            _agree_on_port(self._opts.get("timeout_s", 300.0))
             self._engine = _native.Engine(specs, **self._opts)
             self._specs = specs
         elif specs != self._specs:

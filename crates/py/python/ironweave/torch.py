@@ -110,6 +110,47 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
+_OUR_PORT: Optional[str] = None  # the IRONWEAVE_CKPT_PORT this module set (a user's own is left alone)
+_ENGINES = 0  # engines this process started under torchrun: names the next one's port in the store
+
+
+def _agree_on_port(timeout_s: float) -> None:
+    """Under torchrun, the checkpointer's port is one the system says is free: rank 0 binds port
+    0 and publishes the number in torchrun's store, and every rank reads it there before its
+    engine starts. The Rust default (the master port + 1) collided once with another socket.
+    The store is torchrun's TCP store, not a process group: no collective, safe on the thread
+    DCP writes from. A port the user set (``IRONWEAVE_CKPT_PORT``) and ``ironweave launch`` (its
+    own port) are left alone, as is a job outside torchrun (the Rust default stands)."""
+    global _OUR_PORT, _ENGINES
+    user = os.environ.get("IRONWEAVE_CKPT_PORT")
+    if user is not None and user != _OUR_PORT:
+        return
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "IRONWEAVE_RANK" in os.environ:
+        return
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    # every rank starts its engines in the same order (starting one is collective)
+    key = f"ironweave-ckpt-port-{os.environ['TORCHELASTIC_RESTART_COUNT']}-{_ENGINES}"
+    _ENGINES += 1
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    if int(os.environ["RANK"]) == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            store.set(key, str(s.getsockname()[1]))
+    port = store.get(key).decode()
+    os.environ["IRONWEAVE_CKPT_PORT"] = port
+    _OUR_PORT = port
+
+
 class _HookState:
     """What a DDP communication hook of this module holds: the process group, and the
     checkpointer that times its all-reduces (set by ``Checkpointer.watch``)."""
@@ -258,6 +299,7 @@ class Checkpointer:
         if keep_dir == "auto":
             keep_dir = keep_dir_for_job()
         self.keep_dir = keep_dir
+        _agree_on_port(timeout_s)
         self._engine = _native.Engine(
             specs,
             strategy=strategy,
