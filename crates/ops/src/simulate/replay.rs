@@ -32,9 +32,9 @@ pub fn steps_from_trace(trace: &Value) -> Result<(Vec<TraceStep>, f64)> {
     Ok((steps, dur))
 }
 
-/// Every iteration of a `trace.json` in time order, and the
-/// index of the one to replay: the iteration of median length among the steady ones (the
-/// trace keeps the last few; the first of them is left out when there are more than 3).
+/// Every iteration of a `trace.json` in time order, and the index of the one to replay: the
+/// iteration of median length among the steady ones (the trace keeps the last few; the first
+/// of them is left out when there are more than 3).
 pub fn trace_iterations(trace: &Value) -> Result<(Vec<TraceIteration>, usize)> {
     let ev = trace.get("traceEvents").and_then(Value::as_array).or_else(|| trace.as_array()).context("no trace events")?;
     let f = |e: &Value, k: &str| e.get(k).and_then(Value::as_f64);
