@@ -151,10 +151,11 @@ pub fn calibrate(bed: &Bed, measured_s: f64) -> Result<f64> {
         return Err(SimError::Invalid(format!("calibration: the measured iteration is {measured_s} s")));
     }
     let at = |k: f64| -> Result<f64> { Ok(one(&scaled(bed, k), Strategy::None, 1.0, 0.0, None, 1)?.0.iter_time_s) };
-    if at(0.0)? > measured_s {
+    let floor = at(0.0)?;
+    if floor > measured_s {
         return Err(SimError::Invalid(format!(
             "calibration: the replayed communications alone take {:.1} ms, more than the measured {:.1} ms iteration",
-            at(0.0)? * 1e3,
+            floor * 1e3,
             measured_s * 1e3
         )));
     }
@@ -206,7 +207,6 @@ fn one(
     let cpu_stretch = moved * bed.cpu_s_per_byte / bed.cores.max(1) as f64;
     let compute_total: f64 = bed.steps.iter().map(|s| if let Step::Compute(c) = s { *c } else { 0.0 }).sum();
     let scale = if compute_total > 0.0 { 1.0 + cpu_stretch / compute_total } else { 1.0 };
-    let windows = windows_of(bed)?;
     let mut dag = Dag::default();
     let cpu = dag.stream("host");
     // a host's egress: one queue with deep buffers (socket buffers, the shaper's backlog), so a
@@ -220,11 +220,7 @@ fn one(
     let mut writes: Vec<OpId> = Vec::new();
     let mut sent: Vec<OpId> = Vec::new();
     let mut chunks: Vec<Vec<(OpId, bool, bool)>> = Vec::new();
-    let predicted: Vec<PWindow> = if bed.profiled.is_empty() {
-        as_profile(&windows, 0)
-    } else {
-        as_profile(&windows_of(&Bed { steps: bed.profiled.clone(), ..bed.clone() })?, 0)
-    };
+    let predicted = profile_of(if bed.profiled.is_empty() { &bed.steps } else { &bed.profiled });
     let spans: Vec<PWindow> = gemini_spans.map(<[PWindow]>::to_vec).unwrap_or_else(|| predicted.clone());
     // per iteration, each training communication's (measured span, completion)
     let mut comms_of: Vec<Vec<(OpId, OpId)>> = Vec::new();
@@ -293,7 +289,6 @@ fn one(
                 // nothing profiled yet: everything after the iteration's traffic
                 _ => schedule::capricorn(total, &[], 1.0, 1.0, 1, u64::MAX),
             };
-            let mut last: [Option<OpId>; 2] = [None, None];
             let mut onlink: [Vec<(OpId, f64)>; 2] = [Vec::new(), Vec::new()];
             let queue = bed.queue_s.max(0.0) * bed.link_bytes_per_s;
             for (k, sc) in plan.iter().enumerate() {
@@ -318,11 +313,11 @@ fn one(
                 }
                 let res = if slot == 1 { link2 } else { link };
                 let x = dag.transfer(format!("it{it} chunk {k}"), "ckpt", res, sc.chunk.len as f64, 0.0, Class::Checkpoint, deps);
-                last[slot.min(1)] = Some(x);
                 onlink[slot.min(1)].push((x, sc.chunk.len as f64));
                 mine.push((x, sc.trigger == schedule::Trigger::End, slot == 1));
             }
-            let done: Vec<OpId> = last.iter().flatten().copied().collect();
+            // each link's last chunk, which its queue delivers last
+            let done: Vec<OpId> = onlink.iter().filter_map(|l| l.last().map(|c| c.0)).collect();
             sent.push(dag.mark(format!("it{it} sent"), done));
         }
         chunks.push(mine);
@@ -388,7 +383,7 @@ fn one(
                 cursor = b.max(cursor);
             }
             steps.push(Step::Compute((t1 - cursor).max(0.0)));
-            as_profile(&windows_of(&Bed { steps, ..bed.clone() }).unwrap_or_default(), 0)
+            profile_of(&steps)
         })
         .collect();
     Ok((
@@ -416,14 +411,20 @@ fn iteration_s(bed: &Bed) -> f64 {
         .sum()
 }
 
-/// The link's idle windows in the measured iteration, as (after the k-th communication or
-/// the start, offset, length) in seconds: what the profiler would report.
-fn windows_of(bed: &Bed) -> Result<Vec<(Option<usize>, f64, f64)>> {
+/// The link's idle windows in an iteration's steps, as the profiler would report them (link 0,
+/// each after the communication that opens it).
+fn profile_of(steps: &[Step]) -> Vec<PWindow> {
+    as_profile(&windows_of(steps), 0)
+}
+
+/// The link's idle windows in an iteration's steps, as (after the k-th communication or the
+/// start, offset, length) in seconds.
+fn windows_of(steps: &[Step]) -> Vec<(Option<usize>, f64, f64)> {
     let mut out = Vec::new();
     let (mut t, mut k) = (0.0, None);
     let mut open = 0.0;
     let mut comm_no = 0usize;
-    for st in &bed.steps {
+    for st in steps {
         match *st {
             Step::Compute(c) => t += c,
             Step::Comm { seconds, .. } => {
@@ -440,7 +441,7 @@ fn windows_of(bed: &Bed) -> Result<Vec<(Option<usize>, f64, f64)>> {
     if t > open {
         out.push((k, open, t - open));
     }
-    Ok(out)
+    out
 }
 
 fn as_profile(w: &[(Option<usize>, f64, f64)], link: u32) -> Vec<PWindow> {
@@ -529,7 +530,8 @@ mod tests {
     fn a_buffered_send_drains_behind_its_call_and_calibration_meets_the_measured_time() {
         let b = tight();
         let t = |b: &Bed, s: Strategy| replay(b, &[s], 0.9, 0.0).unwrap()[0].iter_time_s;
-        // the drain does not hold the iteration: 3 x 100 ms + 2 x 1 ms (it used to be 311 ms: the call waited for its bytes)
+        // the drain does not hold the iteration: 3 x 100 ms + 2 x 1 ms (it used to be 311 ms:
+        // the call waited for its bytes)
         assert!((t(&b, Strategy::None) - 0.302).abs() < 1e-6, "{}", t(&b, Strategy::None));
         // calibration is found on the replay: the factor that gives the measured time
         let k = calibrate(&b, 0.602).unwrap();

@@ -47,8 +47,7 @@ pub fn trace_iterations(trace: &Value) -> Result<(Vec<TraceIteration>, usize)> {
         bail!("the trace has no iterations");
     }
     iters.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let first = usize::from(iters.len() > 3);
-    let mut steady: Vec<usize> = (first..iters.len()).collect();
+    let mut steady: Vec<usize> = (first_steady(iters.len())..iters.len()).collect();
     steady.sort_by(|&a, &b| iters[a].1.total_cmp(&iters[b].1));
     let median = steady[steady.len() / 2];
     let comms: Vec<(f64, f64, f64)> = ev
@@ -62,6 +61,12 @@ pub fn trace_iterations(trace: &Value) -> Result<(Vec<TraceIteration>, usize)> {
         .collect();
     let out = iters.iter().map(|&(ts, dur)| (ts, dur * 1e-6, iteration_steps(&comms, ts, dur))).collect();
     Ok((out, median))
+}
+
+/// Index of the first steady iteration of the `n` a trace keeps: the first is left out when
+/// there are more than 3.
+fn first_steady(n: usize) -> usize {
+    usize::from(n > 3)
 }
 
 /// The steps of the iteration `[ts, ts + dur)` (µs) given every training communication as
@@ -367,8 +372,8 @@ fn measured(dir: &Path) -> Result<Measured> {
 fn measured_comm_s(dir: &Path, strategy: &str) -> Option<f64> {
     let trace = [dir.join(strategy), dir.join(format!("{strategy}-r1"))].into_iter().find(|d| d.join("trace.json").exists())?;
     let (its, _) = trace_iterations(&read_json(&trace.join("trace.json")).ok()?).ok()?;
-    let first = usize::from(its.len() > 3);
-    let mut per: Vec<f64> = its[first..].iter().map(|(_, _, st)| st.iter().filter(|s| s.0).map(|s| s.1).sum()).collect();
+    let mut per: Vec<f64> =
+        its[first_steady(its.len())..].iter().map(|(_, _, st)| st.iter().filter(|s| s.0).map(|s| s.1).sum()).collect();
     per.sort_by(f64::total_cmp);
     per.get(per.len() / 2).copied()
 }

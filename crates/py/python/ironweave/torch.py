@@ -102,12 +102,25 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         dist.init_process_group(backend, timeout=timeout)
         return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    base = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    store = dist.PrefixStore(f"ironweave-attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", _torchrun_store(timeout_s))
+    dist.init_process_group(
+        backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout
     )
-    store = dist.PrefixStore(f"ironweave-attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", base)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _torchrun_store(timeout_s: float):
+    """A client of torchrun's TCP store (at ``MASTER_ADDR:MASTER_PORT``)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 _OUR_PORT: Optional[str] = None  # the IRONWEAVE_CKPT_PORT this module set (a user's own is left alone)
@@ -127,21 +140,12 @@ def _agree_on_port(timeout_s: float) -> None:
         return
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "IRONWEAVE_RANK" in os.environ:
         return
-    import datetime
     import socket
-
-    import torch.distributed as dist
 
     # every rank starts its engines in the same order (starting one is collective)
     key = f"ironweave-ckpt-port-{os.environ['TORCHELASTIC_RESTART_COUNT']}-{_ENGINES}"
     _ENGINES += 1
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        int(os.environ["WORLD_SIZE"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    store = _torchrun_store(timeout_s)
     if int(os.environ["RANK"]) == 0:
         with socket.socket() as s:
             s.bind(("", 0))
