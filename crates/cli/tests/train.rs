@@ -72,6 +72,12 @@ fn kill_9_mid_backward_recovers_to_the_same_final_state() {
         assert!(!clean[key].is_null(), "report.json lacks {key}");
     }
     assert!(base.join("clean/trace.json").exists() && base.join("clean/timeline.svg").exists());
+    // every other rank's profile beside it, each its own rank's process
+    for r in 1..4 {
+        let t: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(base.join(format!("clean/trace-rank{r}.json"))).unwrap()).unwrap();
+        assert_eq!(t["traceEvents"][0]["pid"], r, "{r}");
+    }
     // the recorded expert load feeds the simulator
     let sim = |model: &str| {
         Command::new(env!("CARGO_BIN_EXE_ironweave"))

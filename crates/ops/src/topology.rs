@@ -154,6 +154,8 @@ mod tests {
             ("emulated-2host.toml", "2host-2link.toml", 1.0),
             ("emulated-2host-2link.toml", "2host-2link.toml", 1.0),
             ("emu-2host-2link-a100.toml", "2host-2link-emu.toml", 200.0),
+            // the same A100 bed at twice the dilation
+            ("emu-2host-2link-a100.toml", "2host-2link-emu-half.toml", 400.0),
             ("emu-2host-2link-h100.toml", "2host-2link-emu.toml", 400.0),
             ("emu-2host-a100.toml", "2host-tp-emu.toml", 200.0),
             ("emu-2host-h100.toml", "2host-tp-emu.toml", 400.0),
@@ -166,6 +168,7 @@ mod tests {
         found.sort();
         let mut listed: Vec<String> = beds.iter().map(|(c, _, _)| c.to_string()).collect();
         listed.sort();
+        listed.dedup();
         assert_eq!(found, listed, "a new emulated cluster description: name its topology in this test");
         for (cluster, topology, dilation) in beds {
             let c = ClusterDesc::from_toml_str(&std::fs::read_to_string(root.join("configs/clusters").join(cluster)).unwrap())

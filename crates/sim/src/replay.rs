@@ -84,6 +84,10 @@ pub struct Predicted {
     /// start to its completion (what rank 0's profile records), mean after the warm-up.
     #[serde(default)]
     pub training_comm_s: f64,
+    /// The same, for each training communication of the replayed iteration (its `Comm` steps
+    /// in order): which calls a collision lengthens.
+    #[serde(default)]
+    pub training_comm_per_step_s: Vec<f64>,
 }
 
 /// Iterations replayed; the first three are warm-up (no previous snapshot, no profile yet,
@@ -353,6 +357,10 @@ fn one(
         .map(|it| comms_of[it].iter().map(|&(span, done)| tr.ops[done].end - tr.ops[span].start).sum())
         .collect();
     let training_comm_s = comm_time.iter().sum::<f64>() / comm_time.len() as f64;
+    let steady = &comms_of[WARM..ITERATIONS - 1];
+    let training_comm_per_step_s = (0..comms_of[0].len())
+        .map(|k| steady.iter().map(|c| tr.ops[c[k].1].end - tr.ops[c[k].0].start).sum::<f64>() / steady.len() as f64)
+        .collect();
     let training: Vec<(u32, u64, u64)> =
         tr.spans.iter().filter(|sp| sp.res == link && sp.training_flows > 0).map(|sp| (0, ns(sp.t0), ns(sp.t1))).collect();
     let acc: Vec<f64> = (WARM..ITERATIONS - 1)
@@ -392,6 +400,7 @@ fn one(
             iter_time_s,
             partition_accuracy: (!acc.is_empty()).then(|| acc.iter().sum::<f64>() / acc.len() as f64),
             training_comm_s,
+            training_comm_per_step_s,
         },
         seen,
     ))
@@ -495,6 +504,10 @@ mod tests {
         let p = replay(&bed(), &Strategy::ALL, 0.9, 0.0).unwrap();
         let t = |s: &str| p.iter().find(|x| x.strategy == s).unwrap().iter_time_s;
         assert!((t("none") - 0.42).abs() < 1e-6, "{}", t("none"));
+        // one duration per training communication, adding up to the iteration's total
+        let none = p.iter().find(|x| x.strategy == "none").unwrap();
+        assert_eq!(none.training_comm_per_step_s.len(), 2);
+        assert!((none.training_comm_per_step_s.iter().sum::<f64>() - none.training_comm_s).abs() < 1e-12);
         // blocking: snapshot, then 10 MB at 10 MB/s
         assert!((t("blocking") - (0.42 + 0.005 + 1.0)).abs() < 1e-6, "{}", t("blocking"));
         // async: the write (1 s) paces the iterations

@@ -378,6 +378,36 @@ fn measured_comm_s(dir: &Path, strategy: &str) -> Option<f64> {
     per.get(per.len() / 2).copied()
 }
 
+/// Rank 0's bytes that bound the classes of training communications: below 64 KB a call's
+/// bytes take under a millisecond on these links (its time is latency and waiting for peers),
+/// from 1 MB on they take several.
+const CLASS_BOUNDS: [f64; 2] = [65_536.0, 1_048_576.0];
+/// The classes' names, for tables.
+const CLASS_NAMES: [&str; 3] = ["< 64 KB", "64 KB - 1 MB", ">= 1 MB"];
+
+fn class_of(rank0_bytes: f64) -> usize {
+    CLASS_BOUNDS.iter().filter(|&&b| rank0_bytes >= b).count()
+}
+
+/// Seconds per iteration of training communication in each class of [`CLASS_NAMES`], mean over
+/// the iterations given (a trace's merged steps).
+fn comm_by_class(its: &[TraceIteration]) -> [f64; 3] {
+    let mut out = [0.0; 3];
+    for (_, _, st) in its {
+        for &(_, s, b) in st.iter().filter(|s| s.0) {
+            out[class_of(b)] += s / its.len().max(1) as f64;
+        }
+    }
+    out
+}
+
+/// [`comm_by_class`] of rank 0's steady iterations in a strategy's run of a bench directory.
+fn measured_comm_by_class(dir: &Path, strategy: &str) -> Option<[f64; 3]> {
+    let trace = [dir.join(strategy), dir.join(format!("{strategy}-r1"))].into_iter().find(|d| d.join("trace.json").exists())?;
+    let (its, _) = trace_iterations(&read_json(&trace.join("trace.json")).ok()?).ok()?;
+    Some(comm_by_class(&its[first_steady(its.len())..]))
+}
+
 /// Runs the replay; prints predicted vs measured; writes JSON.
 pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
     let m = measured(dir)?;
@@ -504,6 +534,39 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
             "measured_training_comm_s": comm,
         }));
     }
+    // where a strategy's added training communication time goes, by call size: the replayed
+    // iteration is one (the median) and the measured ones are all of rank 0's steady ones, so
+    // each side is compared with its own `none`
+    let comm_steps: Vec<f64> = steps.iter().filter(|s| s.0).map(|s| s.2).collect();
+    let by_class = |p: &Predicted| {
+        let mut c = [0.0; 3];
+        for (&b, &t) in comm_steps.iter().zip(&p.training_comm_per_step_s) {
+            c[class_of(b)] += t;
+        }
+        c
+    };
+    let base = pred.iter().find(|p| p.strategy == "none").map(by_class).zip(measured_comm_by_class(dir, "none"));
+    if let Some((pred_none, meas_none)) = base {
+        let calls: Vec<usize> = (0..3).map(|c| comm_steps.iter().filter(|&&b| class_of(b) == c).count()).collect();
+        println!(
+            "\nTraining communication per iteration added over none, by rank 0's bytes per call (predicted / measured; measured: the mean over rank 0's steady iterations; calls of the replayed iteration: {} / {} / {}):",
+            calls[0], calls[1], calls[2]
+        );
+        println!("| strategy | {} | {} | {} |\n|---|---:|---:|---:|", CLASS_NAMES[0], CLASS_NAMES[1], CLASS_NAMES[2]);
+        for (p, row) in pred.iter().zip(out.iter_mut()) {
+            let Some(meas) = measured_comm_by_class(dir, &p.strategy).filter(|_| p.strategy != "none") else { continue };
+            let predicted = by_class(p);
+            let added = |a: [f64; 3], b: [f64; 3]| [a[0] - b[0], a[1] - b[1], a[2] - b[2]];
+            let (pa, ma) = (added(predicted, pred_none), added(meas, meas_none));
+            let cell = |c: usize| format!("{:+.0} / {:+.0} ms", pa[c] * 1e3, ma[c] * 1e3);
+            println!("| {} | {} | {} | {} |", p.strategy, cell(0), cell(1), cell(2));
+            row["training_comm_added_by_call_size"] = serde_json::json!({
+                "classes": CLASS_NAMES,
+                "predicted_s": pa,
+                "measured_s": ma,
+            });
+        }
+    }
     if let Some(p) = json {
         let v = serde_json::json!({ "from": dir.display().to_string(), "bed": bed, "rows": out });
         std::fs::write(p, serde_json::to_vec_pretty(&v)?).with_context(|| format!("writing {}", p.display()))?;
@@ -530,5 +593,10 @@ mod tests {
         let kinds: Vec<(bool, i64, f64)> = s.iter().map(|x| (x.0, (x.1 * 1e6).round() as i64, x.2)).collect();
         assert_eq!(kinds, vec![(false, 100, 0.0), (true, 150, 150.0), (false, 250, 0.0), (true, 100, 10.0), (false, 400, 0.0)]);
         assert!(steps_from_trace(&serde_json::json!({"traceEvents": []})).is_err());
+        // by class: the merged 150-byte and the 10-byte call are both latency-bound
+        let (its, _) = trace_iterations(&t).unwrap();
+        let c = comm_by_class(&its[1..]);
+        assert!((c[0] - 250e-6).abs() < 1e-12 && c[1] == 0.0 && c[2] == 0.0, "{c:?}");
+        assert_eq!([class_of(65_535.0), class_of(65_536.0), class_of(2e6)], [0, 1, 2]);
     }
 }

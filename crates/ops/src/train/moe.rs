@@ -311,6 +311,12 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
     rep.tokens_per_iter = (cfg.train.batch * cfg.model.seq * comm.size()) as u64;
     if rank == 0 {
         write_rank0_files(&mut rep, &cfg, &a.run.report_dir, iters, &tr, e)?;
+    } else {
+        // every other rank's profile beside rank 0's trace.json: an all-to-all lasts as long as
+        // its slowest peer, which only the peers' own traces show
+        let trace =
+            ironweave_profile::export::chrome_trace(&e.profiler().history(), &[], u32::try_from(rank).unwrap_or(u32::MAX));
+        std::fs::write(a.run.report_dir.join(format!("trace-rank{rank}.json")), serde_json::to_vec(&trace)?)?;
     }
     done.shutdown()?;
     Ok(())
@@ -318,7 +324,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
 
 /// Rank 0's files: `report.json` from the per-iteration lines (the last line of a re-run
 /// iteration wins, so a restarted rank 0 still reports every iteration), `expert_load.json`,
-/// `trace.json` and `timeline.svg`.
+/// `trace.json` and `timeline.svg` (the other ranks write `trace-rank<r>.json`).
 fn write_rank0_files(rep: &mut Report, cfg: &TrainConfig, report_dir: &Path, iters: u64, tr: &Trainer, e: &Engine) -> Result<()> {
     let last = crate::rundir::read_iterations(report_dir);
     let n = iters as usize;
