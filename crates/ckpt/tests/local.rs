@@ -65,6 +65,21 @@ fn snapshots_copy_exactly_and_never_refill_an_iteration_to_keep() {
             one.take(it, u64::MAX, &reg, &refs(&bufs)).unwrap();
         }
         assert_eq!(one.held().count(), 1);
+        // prepared buffers serve the slots' first snapshots, and copy exactly like fresh ones
+        let mut warm = SnapshotBuffers::new(threads, 4096);
+        warm.prepare(5, reg.total);
+        assert_eq!(warm.spare_buffers(), 3, "never more than the slots");
+        for k in 0..3u64 {
+            let b = if k % 2 == 0 { &bufs } else { &bufs2 };
+            let s = warm.take(20 + k, 0, &reg, &refs(b)).unwrap();
+            assert_eq!(s.data, b.concat());
+            Snapshot::verify(&s.data, s.sums(), "prepared").unwrap();
+            assert_eq!(warm.spare_buffers(), 2 - k as usize, "the slot's first snapshot took a prepared buffer");
+        }
+        assert_eq!(warm.spare_buffers(), 0);
+        // once the slots hold snapshots, preparing again adds nothing
+        warm.prepare(3, reg.total);
+        assert_eq!(warm.spare_buffers(), 0);
     }
 }
 

@@ -42,8 +42,11 @@ fn bench_sdp_rows_carry_their_links_and_predictions() {
     if within < 0.999 {
         assert!(link("hsdp", "a") > 1e6 && link("hsdp", "b") > 1e6, "plan {within}: {text}");
     } else {
-        // `inter_link` carries the all-device part (empty here), `rail_link` the all-reduce
-        assert!(link("hsdp", rail) > 1e6 && link("hsdp", inter) < 1e5, "plan {within}: {text}");
+        // `rail_link` carries the all-reduce, `inter_link` the all-device part: the loss
+        // average and the few layers outside the host (a plan of 99.97% within the host put
+        // ~0.1 MB an iteration there, over the 1e5 a plan of exactly 100% stays under)
+        let all_device = (1.0 - within) * link("full (a)", "a");
+        assert!(link("hsdp", rail) > 1e6 && link("hsdp", inter) < 1e5 + 3.0 * all_device, "plan {within}: {text}");
     }
     let ran = |i: usize| row("hsdp")["links"][i].as_str().unwrap().rsplit(':').next().unwrap().to_string();
     assert_eq!((ran(0), ran(1)), (inter.to_string(), rail.to_string()), "{text}");

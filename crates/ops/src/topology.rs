@@ -140,6 +140,24 @@ mod tests {
         }
     }
 
+    /// A topology's name prefixes its namespaces (`iw-<name>-h<i>`): two files with one name
+    /// would bring up, and tear down, each other's hosts.
+    #[test]
+    fn every_topology_has_its_own_name() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../topologies");
+        let mut seen = std::collections::BTreeMap::new();
+        for e in std::fs::read_dir(&root).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "toml") {
+                let t = Topology::load(&p).unwrap();
+                if let Some(other) = seen.insert(t.name.clone(), p.clone()) {
+                    panic!("{} and {} are both named {:?}", other.display(), p.display(), t.name);
+                }
+            }
+        }
+        assert!(seen.len() >= 10, "{seen:?}");
+    }
+
     /// The emulated beds are described twice, once for `cluster up` (a topology) and once for
     /// the planners (a cluster description): the planner's inter-node links must be the
     /// topology's links at the topology's rates, or plans are made for a bed that is not there.
@@ -158,6 +176,7 @@ mod tests {
             ("emu-2host-2link-a100.toml", "2host-2link-emu-half.toml", 400.0),
             ("emu-2host-2link-h100.toml", "2host-2link-emu.toml", 400.0),
             ("emu-2host-a100.toml", "2host-tp-emu.toml", 200.0),
+            ("emu-2host-a100.toml", "2host-tp-emu-half.toml", 400.0),
             ("emu-2host-h100.toml", "2host-tp-emu.toml", 400.0),
         ];
         let mut found: Vec<String> = std::fs::read_dir(root.join("configs/clusters"))

@@ -35,6 +35,25 @@ pub struct Resource {
     /// until it ends (a host's egress queue with deep buffers), instead of equal shares.
     #[serde(default)]
     pub fifo: bool,
+    /// FIFO links: how the two classes meet on the link (see [`Sharing`]). `None`: one queue
+    /// for both classes.
+    #[serde(default)]
+    pub sharing: Option<Sharing>,
+}
+
+/// Two classes on one FIFO link that interleave instead of queueing whole transfers behind
+/// each other — TCP flows through one shaper queue, packet by packet: each class serves its own
+/// transfers first come, first served; while both have bytes on the link the training class
+/// gets `training_share` of the rate; and a training transfer that arrives while checkpoint
+/// bytes are on the link first waits `queue_wait_s` (the shaper's queue ahead of its first
+/// packet). Both are measured on the link, not fitted.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Sharing {
+    /// Fraction of the rate training gets while both classes have bytes on the link, in (0, 1].
+    pub training_share: f64,
+    /// Seconds a training transfer waits before its bytes move when it finds checkpoint bytes
+    /// on the link.
+    pub queue_wait_s: f64,
 }
 
 /// What an op does.
@@ -94,7 +113,7 @@ pub struct Dag {
 impl Dag {
     /// Add a compute stream.
     pub fn stream(&mut self, name: &str) -> ResId {
-        self.resources.push(Resource { name: name.into(), bytes_per_s: None, priority: false, fifo: false });
+        self.resources.push(Resource { name: name.into(), bytes_per_s: None, priority: false, fifo: false, sharing: None });
         self.resources.len() - 1
     }
     /// A first-come-first-served link (see [`Resource::fifo`]).
@@ -104,9 +123,16 @@ impl Dag {
         r
     }
 
+    /// A FIFO link whose two classes interleave (see [`Sharing`]).
+    pub fn shared_link(&mut self, name: &str, bytes_per_s: f64, sharing: Sharing) -> ResId {
+        let r = self.fifo_link(name, bytes_per_s);
+        self.resources[r].sharing = Some(sharing);
+        r
+    }
+
     /// Add a link.
     pub fn link(&mut self, name: &str, bytes_per_s: f64, priority: bool) -> ResId {
-        self.resources.push(Resource { name: name.into(), bytes_per_s: Some(bytes_per_s), priority, fifo: false });
+        self.resources.push(Resource { name: name.into(), bytes_per_s: Some(bytes_per_s), priority, fifo: false, sharing: None });
         self.resources.len() - 1
     }
     /// Add an op.
@@ -226,6 +252,16 @@ pub fn run(dag: &Dag) -> Result<Trace> {
                     return Err(SimError::BadDag(format!("link `{}` has no bandwidth", resource.name)));
                 }
             }
+            if let Some(sh) = resource.sharing {
+                let ok =
+                    sh.training_share > 0.0 && sh.training_share <= 1.0 && sh.queue_wait_s.is_finite() && sh.queue_wait_s >= 0.0;
+                if !ok {
+                    return Err(SimError::BadDag(format!(
+                        "link `{}`: a training share in (0, 1] and a queue wait of 0 s or more, got {} and {} s",
+                        resource.name, sh.training_share, sh.queue_wait_s
+                    )));
+                }
+            }
         }
     }
     let mut dependents: Vec<Vec<OpId>> = vec![Vec::new(); n];
@@ -250,6 +286,7 @@ pub fn run(dag: &Dag) -> Result<Trace> {
     let mut t = 0.0f64;
     let mut active: Vec<OpId> = Vec::new(); // ready, in latency or running
     let mut rate = vec![0.0f64; n]; // valid for ops that are flows now
+    let mut held = vec![false; n]; // training transfers that waited for a shared link's queue
     pending.extend((0..n).filter(|&i| missing[i] == 0));
     let eps = 1e-12;
     let mut guard = 0u64;
@@ -326,7 +363,23 @@ pub fn run(dag: &Dag) -> Result<Trace> {
         let mut arriving: Vec<OpId> =
             active.iter().copied().filter(|&i| state[i] == State::Latency && phase_end[i] <= t + eps).collect();
         arriving.sort_unstable();
+        let class_of = |i: OpId| match dag.ops[i].work {
+            Work::Transfer { class, .. } => class,
+            _ => Class::Training,
+        };
         for i in arriving {
+            // on a shared link, a training transfer that finds checkpoint bytes there waits
+            // for the queue ahead of it first (once)
+            if let Work::Transfer { res, .. } = dag.ops[i].work {
+                if let Some(sh) = dag.resources[res].sharing {
+                    let checkpoint_on = flows[res].iter().any(|&f| class_of(f) == Class::Checkpoint);
+                    if class_of(i) == Class::Training && !held[i] && checkpoint_on && sh.queue_wait_s > 0.0 {
+                        held[i] = true;
+                        phase_end[i] = t + sh.queue_wait_s;
+                        continue;
+                    }
+                }
+            }
             state[i] = State::Running;
             if let Work::Transfer { res, .. } = dag.ops[i].work {
                 flows[res].push(i);
@@ -339,13 +392,22 @@ pub fn run(dag: &Dag) -> Result<Trace> {
             }
             let res = &dag.resources[r];
             let bw = res.bytes_per_s.unwrap_or(0.0);
-            let class_of = |i: OpId| match dag.ops[i].work {
-                Work::Transfer { class, .. } => class,
-                _ => Class::Training,
-            };
             let tr = fl.iter().filter(|&&i| class_of(i) == Class::Training).count();
+            // a shared link serves the first flow of each class; they split the rate
+            let heads = res.sharing.map(|sh| {
+                let first = |c: Class| fl.iter().position(|&i| class_of(i) == c);
+                (first(Class::Training), first(Class::Checkpoint), sh.training_share)
+            });
             for (k, &i) in fl.iter().enumerate() {
-                rate[i] = if res.fifo {
+                rate[i] = if let Some((first_t, first_c, w)) = heads {
+                    match (first_t, first_c) {
+                        (Some(ft), Some(_)) if k == ft => bw * w,
+                        (Some(_), Some(fc)) if k == fc => bw * (1.0 - w),
+                        (Some(ft), None) if k == ft => bw,
+                        (None, Some(fc)) if k == fc => bw,
+                        _ => 0.0,
+                    }
+                } else if res.fifo {
                     // flows are listed in the order they started
                     if k == 0 {
                         bw

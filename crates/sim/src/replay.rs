@@ -21,7 +21,7 @@ use ironweave_ckpt::schedule;
 use ironweave_profile::{Anchor, Window as PWindow};
 
 use crate::ckpt::Strategy;
-use crate::engine::{run, Class, Dag, OpId};
+use crate::engine::{run, Class, Dag, OpId, Sharing};
 use crate::error::{Result, SimError};
 
 /// One step of the measured iteration, in time order.
@@ -69,6 +69,11 @@ pub struct Bed {
     /// of the wire by: a training message behind them waits that long. 0: one chunk at a time.
     #[serde(default)]
     pub queue_s: f64,
+    /// How training and checkpoint bytes meet on the host's egress when measured on the link
+    /// (`ironweave cluster probe --beside-bulk`): they interleave, training at its measured
+    /// share, after the measured queue wait. `None`: one first-come-first-served queue.
+    #[serde(default)]
+    pub sharing: Option<Sharing>,
 }
 
 /// One strategy's prediction.
@@ -215,7 +220,10 @@ fn one(
     let cpu = dag.stream("host");
     // a host's egress: one queue with deep buffers (socket buffers, the shaper's backlog), so a
     // training message that arrives behind a checkpoint chunk waits for it
-    let link = dag.fifo_link("link", bed.link_bytes_per_s);
+    let link = match bed.sharing {
+        Some(sh) => dag.shared_link("link", bed.link_bytes_per_s, sh),
+        None => dag.fifo_link("link", bed.link_bytes_per_s),
+    };
     let link2 = dag.fifo_link("link b", second.max(1.0));
     let storage = dag.link("storage", bed.storage_bytes_per_s_per_host.max(1.0), false);
     let mut starts = Vec::new();
@@ -491,6 +499,7 @@ mod tests {
             cores: 2,
             queue_s: 0.0,
             profiled: Vec::new(),
+            sharing: None,
         }
     }
 

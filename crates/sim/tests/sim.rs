@@ -3,7 +3,7 @@
 
 use ironweave_plan::{sdp as psdp, tp as ptp, ClusterDesc, CostModel, ModelDesc};
 use ironweave_sim::ckpt::{self, CkptOptions, Strategy};
-use ironweave_sim::engine::{run, Class, Dag, Work};
+use ironweave_sim::engine::{run, Class, Dag, Sharing, Work};
 use ironweave_sim::load::{LoadSource, LoadTrace, Rng, SyntheticLoad};
 use ironweave_sim::{sdp, tp, SimError};
 
@@ -130,6 +130,36 @@ fn a_fifo_link_serves_transfers_that_arrive_together_in_program_order() {
     let tr = run(&d).unwrap();
     assert!((tr.ops[small].end - 1e-6).abs() < 1e-9, "{:?}", tr.ops[small]);
     assert!((tr.ops[big].end - (1.0 + 1e-6)).abs() < 1e-9, "{:?}", tr.ops[big]);
+}
+
+#[test]
+fn a_shared_link_interleaves_the_classes_after_the_queue_wait() {
+    // 100 B/s; training gets a quarter while both classes are on the link, and waits 0.5 s for
+    // the queue ahead when it finds checkpoint bytes there
+    let sh = Sharing { training_share: 0.25, queue_wait_s: 0.5 };
+    let mut d = Dag::default();
+    let l = d.shared_link("l", 100.0, sh);
+    let m = d.mark("m", vec![]);
+    let ckpt = d.transfer("ckpt", "x", l, 100.0, 0.0, Class::Checkpoint, vec![m]);
+    let at = d.delay("at", 0.2, vec![m]);
+    let train = d.transfer("train", "x", l, 50.0, 0.0, Class::Training, vec![at]);
+    let after = d.delay("after", 2.0, vec![m]);
+    let alone = d.transfer("alone", "x", l, 50.0, 0.0, Class::Training, vec![after]);
+    let tr = run(&d).unwrap();
+    // 0-0.2 s: the checkpoint alone (20 B); 0.2-0.7 s: training waits, the checkpoint alone
+    // (50 B); then 25 and 75 B/s: the checkpoint's last 30 B by 1.1 s, training's 10 B by
+    // then and its last 40 B alone by 1.5 s
+    assert!((tr.ops[ckpt].end - 1.1).abs() < 1e-9, "{:?}", tr.ops[ckpt]);
+    assert!((tr.ops[train].end - 1.5).abs() < 1e-9, "{:?}", tr.ops[train]);
+    // with the link to itself, no wait and the whole rate
+    assert!((tr.ops[alone].end - 2.5).abs() < 1e-9, "{:?}", tr.ops[alone]);
+    // a share outside (0, 1] or a negative wait is refused
+    for bad in [Sharing { training_share: 0.0, queue_wait_s: 0.0 }, Sharing { training_share: 0.5, queue_wait_s: -1.0 }] {
+        let mut d = Dag::default();
+        let l = d.shared_link("l", 100.0, bad);
+        d.transfer("t", "x", l, 1.0, 0.0, Class::Training, vec![]);
+        assert!(matches!(run(&d), Err(SimError::BadDag(_))), "{bad:?}");
+    }
 }
 
 #[test]

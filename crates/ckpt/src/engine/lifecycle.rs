@@ -44,6 +44,14 @@ impl Engine {
         }
         let mut snaps = SnapshotBuffers::new(cfg.copy_threads, cfg.checksum_bytes);
         snaps.set_wait(cfg.timeout);
+        // every buffer the strategy will fill, allocated and touched now rather than inside
+        // a training step (the in-memory strategies hold up to three snapshots; the storage
+        // ones refill one)
+        match cfg.strategy {
+            Strategy::None => {}
+            s if s.in_memory() => snaps.prepare(crate::snapshot::SNAPSHOT_BUFFERS, registry.total),
+            _ => snaps.prepare(1, registry.total),
+        }
         // a bucket of one write block: the declared rate holds from the first block on
         let storage = cfg.storage_bytes_per_s.map(|r| Arc::new(Mutex::new(TokenBucket::new(r, persist::PACE_BLOCK as u64))));
         let written = Arc::new(persist::Written {

@@ -27,6 +27,12 @@ pub struct SimArgs {
     /// iteration time on the emulated bed, beside the measured ones.
     #[arg(long)]
     from_report: Option<PathBuf>,
+    /// ckpt --from-report: replay the host's egress as two interleaved classes instead of one
+    /// first-come-first-served queue: SHARE,WAIT — training's share of the link while checkpoint
+    /// bytes are on it, and the seconds a training transfer first waits behind them (measure both
+    /// on the emulated link with benches/python/link_share.py).
+    #[arg(long, value_name = "SHARE,WAIT")]
+    link_sharing: Option<String>,
     /// Write the timeline here (SVG).
     #[arg(long)]
     svg: Option<PathBuf>,
@@ -106,11 +112,17 @@ pub fn run(scenario: &str, a: &SimArgs) -> Result<()> {
     if a.from_report.is_some() && scenario != "ckpt" {
         bail!("--from-report replays a checkpoint run: use it with `simulate ckpt`");
     }
+    if a.link_sharing.is_some() && a.from_report.is_none() {
+        bail!("--link-sharing changes the replay's link: use it with `simulate ckpt --from-report DIR`");
+    }
     match scenario {
         "tp" => run_tp(a),
         "sdp" => run_sdp(a),
         "ckpt" => match &a.from_report {
-            Some(dir) => crate::simulate::replay::run(dir, a.json.as_deref()),
+            Some(dir) => {
+                let sharing = a.link_sharing.as_deref().map(crate::simulate::replay::parse_sharing).transpose()?;
+                crate::simulate::replay::run(dir, a.json.as_deref(), sharing)
+            }
             None => run_ckpt(a),
         },
         other => bail!("unknown scenario `{other}` (expected tp, sdp or ckpt)"),

@@ -13,8 +13,9 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::error::{bail, Context, Result};
+use crate::error::{bail, err, Context, Result};
 use ironweave_sim::ckpt::Strategy;
+use ironweave_sim::engine::Sharing;
 use ironweave_sim::replay::{replay_with, Bed, Predicted, Step};
 use serde_json::Value;
 
@@ -241,7 +242,7 @@ fn socket_cpu_probe() -> Result<f64> {
         s.write_all(&msg)?;
     }
     drop(s);
-    rx.join().map_err(|_| crate::error::err!("socket probe: the receiver panicked"))??;
+    rx.join().map_err(|_| err!("socket probe: the receiver panicked"))??;
     Ok((cpu_s() - cpu0) / TOTAL as f64)
 }
 
@@ -408,8 +409,25 @@ fn measured_comm_by_class(dir: &Path, strategy: &str) -> Option<[f64; 3]> {
     Some(comm_by_class(&its[first_steady(its.len())..]))
 }
 
-/// Runs the replay; prints predicted vs measured; writes JSON.
-pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
+/// `SHARE,WAIT` of `--link-sharing`: training's share of the link in (0, 1] and the queue wait
+/// in seconds (0 or more).
+pub fn parse_sharing(v: &str) -> Result<Sharing> {
+    let bad = || {
+        err!(
+            "--link-sharing {v:?}: give SHARE,WAIT — training's share of the link in (0, 1] and the wait in seconds, e.g. 0.33,0.002"
+        )
+    };
+    let (w, q) = v.split_once(',').ok_or_else(bad)?;
+    let (w, q): (f64, f64) = (w.trim().parse().map_err(|_| bad())?, q.trim().parse().map_err(|_| bad())?);
+    if !(w > 0.0 && w <= 1.0 && q.is_finite() && q >= 0.0) {
+        return Err(bad());
+    }
+    Ok(Sharing { training_share: w, queue_wait_s: q })
+}
+
+/// Runs the replay; prints predicted vs measured; writes JSON. `sharing`: the link model
+/// (`None`: one first-come-first-served queue).
+pub fn run(dir: &Path, json: Option<&Path>, sharing: Option<Sharing>) -> Result<()> {
     let m = measured(dir)?;
     if m.state_bytes_per_rank <= 0.0 {
         bail!("the run's report has no state size (state_bytes_per_rank): rerun it with this ironweave");
@@ -465,6 +483,7 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
         cores,
         queue_s: crate::cluster::SHAPER_QUEUE_S,
         profiled: to_bed(&before),
+        sharing,
     };
     // the profiled iteration is one sample; its compute is scaled so the replayed `none`
     // iteration takes the measured (pooled) median: `none` is the calibration row
@@ -502,6 +521,14 @@ pub fn run(dir: &Path, json: Option<&Path>) -> Result<()> {
         cpu * 1e9
     );
     println!("(none is the calibration row: the profile's compute is scaled by {calib:.3} to its measured median)");
+    match sharing {
+        None => println!("(the host's egress: one first-come-first-served queue)"),
+        Some(sh) => println!(
+            "(the host's egress: training and checkpoint bytes interleave, training at {:.0}% of the link while both are on it, after a {:.1} ms wait behind checkpoint bytes: --link-sharing)",
+            sh.training_share * 100.0,
+            sh.queue_wait_s * 1e3
+        ),
+    }
     if emulated {
         println!("(compute {}: the checkpoint's CPU is not charged to the device's compute)", m.compute);
     }
@@ -598,5 +625,14 @@ mod tests {
         let c = comm_by_class(&its[1..]);
         assert!((c[0] - 250e-6).abs() < 1e-12 && c[1] == 0.0 && c[2] == 0.0, "{c:?}");
         assert_eq!([class_of(65_535.0), class_of(65_536.0), class_of(2e6)], [0, 1, 2]);
+    }
+
+    #[test]
+    fn link_sharing_is_parsed_and_bad_values_say_what_to_give() {
+        assert_eq!(parse_sharing("0.33,0.002").unwrap(), Sharing { training_share: 0.33, queue_wait_s: 0.002 });
+        for bad in ["0.33", "0,0.002", "1.5,0", "0.5,-1", "x,0", "0.5,nan"] {
+            let e = parse_sharing(bad).unwrap_err().to_string();
+            assert!(e.contains("SHARE,WAIT"), "{bad}: {e}");
+        }
     }
 }
