@@ -269,7 +269,14 @@ impl SnapshotBuffers {
             }
         });
         self.slots[slot] = Some(arc.clone());
+        self.trim_spare();
         Ok(arc)
+    }
+
+    /// Never more prepared buffers than empty slots to fill.
+    fn trim_spare(&mut self) {
+        let empty = self.slots.iter().filter(|s| s.is_none()).count();
+        self.spare.truncate(empty);
     }
 
     /// The newest snapshot.
@@ -287,9 +294,19 @@ impl SnapshotBuffers {
         self.slots.iter().flatten()
     }
 
-    /// Drop every held snapshot (e.g. after restoring an older iteration).
+    /// Drop every held snapshot (e.g. after restoring an older iteration); the buffers nobody
+    /// else holds are kept, warm, for the next snapshots.
     pub fn clear(&mut self) {
-        self.slots = Default::default();
+        // a buffer nobody else holds stays warm for the next snapshots
+        for slot in &mut self.slots {
+            if let Some(snap) = slot.take() {
+                if let Ok(s) = Arc::try_unwrap(snap) {
+                    if !s.data.is_empty() {
+                        self.spare.push(s.data);
+                    }
+                }
+            }
+        }
     }
 
     /// Hold `snap` (a restored state: the copy of the committed iteration this rank keeps
@@ -297,6 +314,7 @@ impl SnapshotBuffers {
     pub fn adopt(&mut self, snap: Arc<Snapshot>) {
         self.clear();
         self.slots[0] = Some(snap);
+        self.trim_spare();
     }
 
     /// Hold `snaps` (copies adopted from the keep directory) in place of every held snapshot,
@@ -307,6 +325,7 @@ impl SnapshotBuffers {
         for (slot, s) in self.slots.iter_mut().zip(snaps) {
             *slot = Some(s);
         }
+        self.trim_spare();
     }
 
     /// Test hook: flip one byte of a held snapshot (simulates memory corruption).

@@ -80,6 +80,14 @@ fn snapshots_copy_exactly_and_never_refill_an_iteration_to_keep() {
         // once the slots hold snapshots, preparing again adds nothing
         warm.prepare(3, reg.total);
         assert_eq!(warm.spare_buffers(), 0);
+        // a restore drops the held snapshots: their buffers stay warm, never more than the
+        // empty slots, and the next snapshots still copy exactly
+        let restored = warm.get(22).unwrap().clone();
+        warm.adopt(restored);
+        assert_eq!(warm.spare_buffers(), 2, "two of the three buffers kept for the empty slots");
+        let s = warm.take(30, 22, &reg, &refs(&bufs2)).unwrap();
+        assert_eq!(s.data, bufs2.concat());
+        assert_eq!(warm.spare_buffers(), 1);
     }
 }
 
