@@ -371,10 +371,8 @@ fn measured(dir: &Path) -> Result<Measured> {
 /// Seconds per iteration rank 0's training communications lasted in a strategy's run of a
 /// bench directory (the median over its steady iterations), if its trace is there.
 fn measured_comm_s(dir: &Path, strategy: &str) -> Option<f64> {
-    let trace = [dir.join(strategy), dir.join(format!("{strategy}-r1"))].into_iter().find(|d| d.join("trace.json").exists())?;
-    let (its, _) = trace_iterations(&read_json(&trace.join("trace.json")).ok()?).ok()?;
     let mut per: Vec<f64> =
-        its[first_steady(its.len())..].iter().map(|(_, _, st)| st.iter().filter(|s| s.0).map(|s| s.1).sum()).collect();
+        steady_iterations(dir, strategy)?.iter().map(|(_, _, st)| st.iter().filter(|s| s.0).map(|s| s.1).sum()).collect();
     per.sort_by(f64::total_cmp);
     per.get(per.len() / 2).copied()
 }
@@ -404,9 +402,15 @@ fn comm_by_class(its: &[TraceIteration]) -> [f64; 3] {
 
 /// [`comm_by_class`] of rank 0's steady iterations in a strategy's run of a bench directory.
 fn measured_comm_by_class(dir: &Path, strategy: &str) -> Option<[f64; 3]> {
-    let trace = [dir.join(strategy), dir.join(format!("{strategy}-r1"))].into_iter().find(|d| d.join("trace.json").exists())?;
-    let (its, _) = trace_iterations(&read_json(&trace.join("trace.json")).ok()?).ok()?;
-    Some(comm_by_class(&its[first_steady(its.len())..]))
+    Some(comm_by_class(&steady_iterations(dir, strategy)?))
+}
+
+/// Rank 0's steady iterations in a strategy's run of a bench directory (its first round's
+/// trace), if the trace is there.
+fn steady_iterations(dir: &Path, strategy: &str) -> Option<Vec<TraceIteration>> {
+    let run = [dir.join(strategy), dir.join(format!("{strategy}-r1"))].into_iter().find(|d| d.join("trace.json").exists())?;
+    let (mut its, _) = trace_iterations(&read_json(&run.join("trace.json")).ok()?).ok()?;
+    Some(its.split_off(first_steady(its.len())))
 }
 
 /// `SHARE,WAIT` of `--link-sharing`: training's share of the link in (0, 1] and the queue wait
