@@ -100,7 +100,6 @@ def worker():
         nbytes = sum(p.numel() * 4 for p in params) + sum(
             v.numel() * v.element_size() for st in optim.state.values() for v in st.values() if torch.is_tensor(v))
         (out / f"rank{rank}-0.json").write_text(json.dumps({"rank": rank, "heal_s": t1 - t0, "bytes": nbytes}))
-        dist.destroy_process_group()
         return
 
     def sd():
@@ -223,7 +222,6 @@ def worker():
     if writer is not None:
         writer.close()
     dist.barrier()
-    dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,5 +344,8 @@ if __name__ == "__main__":
                 and os.environ.get("RANK") == "1":
             shutil.rmtree(Path(os.environ["SHM"]) / "keep" / "holder-00001", ignore_errors=True)
         worker()
+        from ironweave.torch import finish
+
+        finish()  # not a return into interpreter finalization: see ironweave.torch.finish
     else:
         main()

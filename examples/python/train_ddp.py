@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ironweave.torch import Checkpointer, deterministic_ddp, init_process_group
+from ironweave.torch import Checkpointer, deterministic_ddp, finish, init_process_group
 
 init_process_group("gloo")  # torch.distributed's, restart-safe
 rank = dist.get_rank()
@@ -31,4 +31,4 @@ with Checkpointer({"model": model, "optim": optim}).watch(model) as ckpt:
         ckpt.save(step)
         if rank == 0 and step % 10 == 0:
             print(f"step {step} loss {loss.item():.4f} committed {ckpt.committed()}")
-dist.destroy_process_group()
+finish()  # destroys the process groups; see ironweave.torch.finish

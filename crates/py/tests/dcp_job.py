@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from ironweave.dcp import PeerMemoryReader, PeerMemoryWriter
-from ironweave.torch import init_process_group
+from ironweave.torch import finish, init_process_group
 
 torch.set_num_threads(1)
 init_process_group("gloo")
@@ -131,4 +131,4 @@ else:
 dist.barrier()
 with open(os.path.join(out, f"{mode}-{rank}.json"), "w") as f:
     json.dump(report, f, default=str)
-dist.destroy_process_group()
+finish()  # destroys the process groups; see ironweave.torch.finish

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ironweave.torch import Checkpointer, deterministic_ddp, init_process_group, keep_dir_for_job
+from ironweave.torch import Checkpointer, deterministic_ddp, finish, init_process_group, keep_dir_for_job
 
 torch.set_num_threads(1)
 init_process_group("gloo")  # torch.distributed's, restart-safe
@@ -73,4 +73,4 @@ out = os.environ.get("OUT")
 if out:
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump({"digest": h.hexdigest(), "restored": info, "attempt": attempt, "seen": state["seen"], "stats": stats}, f)
-dist.destroy_process_group()
+finish()  # destroys the process groups; see ironweave.torch.finish

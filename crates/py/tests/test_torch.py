@@ -298,3 +298,31 @@ def test_a_full_keep_directory_is_a_clear_error_not_a_crash(world_of_one, monkey
         assert str(tiny) in msg and ("space" in msg.lower() or "room" in msg.lower()), msg
     finally:
         subprocess.run(["umount", str(tiny)], capture_output=True)
+
+
+def test_finish_destroys_the_group_flushes_and_exits_with_the_code_it_is_given():
+    # finish() leaves through os._exit (no interpreter finalization, where torch 2.15's gloo
+    # threads can abort the process): the output written without a newline must still arrive
+    # (flushed), the group must be gone before the exit, and the code must be the one asked for
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = (
+        "import sys, torch.distributed as dist\n"
+        "from ironweave.torch import finish\n"
+        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1)\n"
+        "import torch.distributed.distributed_c10d as c\n"
+        "real = c.destroy_process_group\n"
+        "def spy(*a, **k):\n"
+        "    real(*a, **k)\n"
+        "    print('destroyed ' + str(dist.is_initialized()), end=' ')\n"
+        "dist.destroy_process_group = spy\n"
+        "print('done', end=' ')\n"
+        "sys.stderr.write('err')\n"
+        "finish(3)\n"
+        "print('after')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3, p.stderr
+    assert p.stdout == "done destroyed False ", p.stdout
+    assert p.stderr.endswith("err"), p.stderr

@@ -26,7 +26,7 @@ import torch
 from ironweave import _native
 from ironweave._native import ConfigurationError, StateMismatchError  # noqa: F401
 
-__all__ = ["Checkpointer", "deterministic_ddp", "init_process_group", "keep_dir_for_job"]
+__all__ = ["Checkpointer", "deterministic_ddp", "finish", "init_process_group", "keep_dir_for_job"]
 
 _DTYPES = {
     torch.float32: "f32",
@@ -106,6 +106,28 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
     dist.init_process_group(
         backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout
     )
+
+
+def finish(code: int = 0) -> None:
+    """Ends a torch.distributed worker: destroys the process groups, flushes stdout and stderr,
+    and exits with ``code`` without finalizing the interpreter. Call it last, after the job's
+    results are written and its checkpointers closed (``atexit`` handlers do not run).
+
+    Why: with torch 2.15 a gloo worker thread may still be dropping a finished collective when
+    the script ends (``destroy_process_group`` does not join gloo's threads). If that work holds
+    tensors Python created, dropping them takes the GIL; during finalization that ends the
+    thread and the process aborts ("terminate called without an active exception", SIGABRT),
+    after all the job's work is done and reported — measured here in 4 of 78 torchrun jobs of
+    the DCP test with both cores busy, 0 of 88 ending this way (docs/PYTORCH.md)."""
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _torchrun_store(timeout_s: float):
