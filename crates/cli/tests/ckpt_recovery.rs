@@ -66,13 +66,8 @@ fn setup(name: &str) -> (PathBuf, u16) {
     let dir = std::env::temp_dir().join(format!("ironweave-recovery-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    // two consecutive free ports: generation 0 and 1
-    let port = loop {
-        let p = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        if p < 65000 && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            break p;
-        }
-    };
+    // generation 0 and the re-formed ones after a kill, each on its own port
+    let port = ironweave_testkit::master_port(8);
     (dir, port)
 }
 

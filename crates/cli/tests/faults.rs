@@ -13,7 +13,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_ironweave");
 const GUARD: Duration = Duration::from_secs(90);
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    ironweave_testkit::master_port(4)
 }
 
 fn rank_cmd(rank: usize, world: usize, port: u16, scenario: &str) -> Command {

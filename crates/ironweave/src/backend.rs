@@ -98,11 +98,16 @@ impl FromStr for Backend {
 }
 
 /// Joins the job described by `env` over `backend`, each backend configured from its own
-/// environment variables (`IRONWEAVE_TCP_LINKS`, `IRONWEAVE_UCX_LINKS`, ...).
+/// environment variables (`IRONWEAVE_TCP_LINKS`, `IRONWEAVE_UCX_LINKS`, ...). Every wait of the
+/// joining itself (rendezvous, connecting the links) has `opts.timeout`, as every wait after it
+/// does.
 pub fn connect(backend: Backend, env: &JobEnv, opts: CommOptions) -> Result<Communicator> {
     backend.check()?;
     match backend {
-        Backend::Tcp => ironweave_tcp::connect(env, &ironweave_tcp::TcpConfig::from_env()?, opts),
+        Backend::Tcp => {
+            let cfg = ironweave_tcp::TcpConfig { timeout: opts.timeout, ..ironweave_tcp::TcpConfig::from_env()? };
+            ironweave_tcp::connect(env, &cfg, opts)
+        }
         Backend::Ucx => ucx::connect(env, opts),
         Backend::Verbs => verbs::connect(env, opts),
         Backend::Nccl => nccl::connect(env, opts),
@@ -148,7 +153,8 @@ pub(crate) mod ucx {
         ironweave_ucx::available()
     }
     pub fn connect(env: &JobEnv, opts: CommOptions) -> Result<Communicator> {
-        ironweave_ucx::connect(env, &ironweave_ucx::UcxConfig::from_env()?, opts)
+        let cfg = ironweave_ucx::UcxConfig { timeout: opts.timeout, ..ironweave_ucx::UcxConfig::from_env()? };
+        ironweave_ucx::connect(env, &cfg, opts)
     }
     pub fn doctor() -> Result<(String, Vec<LinkReport>)> {
         let version = ironweave_ucx::available()?;
@@ -177,7 +183,8 @@ pub(crate) mod verbs {
         ironweave_verbs::available().map(drop)
     }
     pub fn connect(env: &JobEnv, opts: CommOptions) -> Result<Communicator> {
-        ironweave_verbs::connect(env, &ironweave_verbs::VerbsConfig::from_env()?, opts)
+        let cfg = ironweave_verbs::VerbsConfig { timeout: opts.timeout, ..ironweave_verbs::VerbsConfig::from_env()? };
+        ironweave_verbs::connect(env, &cfg, opts)
     }
     pub fn doctor() -> Result<(String, Vec<LinkReport>)> {
         let devs = ironweave_verbs::available()?;
@@ -197,7 +204,8 @@ pub(crate) mod nccl {
         ironweave_nccl::available().map(drop)
     }
     pub fn connect(env: &JobEnv, opts: CommOptions) -> Result<Communicator> {
-        ironweave_nccl::connect(env, &ironweave_tcp::TcpConfig::from_env()?, opts)
+        let tcp = ironweave_tcp::TcpConfig { timeout: opts.timeout, ..ironweave_tcp::TcpConfig::from_env()? };
+        ironweave_nccl::connect(env, &tcp, opts)
     }
     pub fn doctor() -> Result<(String, Vec<LinkReport>)> {
         let info = ironweave_nccl::available()?;

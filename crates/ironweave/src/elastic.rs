@@ -70,7 +70,7 @@
 //! }
 //!
 //! # // a job of one rank, as `ironweave launch -n 1` would describe it
-//! # let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+//! # let port = ironweave::transport::rendezvous::free_base_port(ironweave::transport::rendezvous::RENDEZVOUS_SPAN)?;
 //! # for (k, v) in [("IRONWEAVE_RANK", "0"), ("IRONWEAVE_WORLD_SIZE", "1"), ("IRONWEAVE_MASTER_ADDR", "127.0.0.1")] {
 //! #     std::env::set_var(k, v);
 //! # }

@@ -112,7 +112,8 @@ fn job(
     resume: Option<&Path>,
     make: impl Fn(usize) -> Fit + Send + Sync + 'static,
 ) -> Vec<Result<Ended, Error>> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // a failure re-forms the job as generation 1, on `port + 1`
+    let port = ironweave_testkit::master_port(4);
     let make = Arc::new(make);
     let (persist, resume): (Option<PathBuf>, Option<PathBuf>) = (persist.map(Into::into), resume.map(Into::into));
     let hs: Vec<_> = (0..2)
@@ -201,4 +202,37 @@ fn a_resumed_job_that_fails_before_its_first_commit_loads_the_checkpoint_again()
         assert!(failed[r].state == clean[r].state, "rank {r} ended in another state than the uninterrupted resumed run");
     }
     std::fs::remove_dir_all(&base).ok();
+}
+
+#[test]
+fn joining_waits_for_the_job_s_timeout_not_the_transport_s_default() {
+    // rank 1 of a 2-rank job whose rank 0 never comes: the rendezvous gives up at the job's
+    // `Config::timeout` (1 s here), as every later wait does, and says so
+    let env = JobEnv {
+        rank: 1,
+        world_size: 2,
+        local_rank: 1,
+        local_world_size: Some(2),
+        master: (std::net::Ipv4Addr::LOCALHOST, ironweave_testkit::master_port(1)).into(),
+        job_id: "elastic-lonely".into(),
+        secret: b"test".to_vec(),
+        source: ironweave::transport::rendezvous::EnvSource::Ironweave,
+        generation: 0,
+        board: None,
+    };
+    let mut cfg = Config::new(3, EngineConfig::default());
+    cfg.timeout = Duration::from_secs(1);
+    cfg.engine.timeout = cfg.timeout;
+    cfg.backend = Some(Backend::Tcp);
+    cfg.set_threads = false;
+    let r = Job::new(cfg, env).and_then(|j| j.run(&mut Fit::new(1)));
+    match r {
+        Err(Error::Transport(ironweave::transport::Error::Timeout { what, after })) => {
+            assert!(what.contains("connecting to"), "{what}");
+            // the deadline the rendezvous had: the job's, not the transport's 300 s default
+            assert!(after <= Duration::from_secs(1), "waited under a deadline of {after:?}");
+        }
+        Err(e) => panic!("expected the rendezvous to time out, got {e}"),
+        Ok(_) => panic!("a job without its rank 0 ran"),
+    }
 }

@@ -10,7 +10,7 @@ use ironweave_testkit::{assert_restored_from_memory, example, final_states, laun
 
 /// Runs `data_parallel ITERS DIR` on two ranks; returns each rank's stdout.
 fn job(iters: u64, dir: &Path) -> Vec<String> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = ironweave_testkit::master_port(4);
     let kids: Vec<_> = (0..2)
         .map(|r| {
             Command::new(example("data_parallel"))

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{bail, Context, Result};
+pub use ironweave_transport::rendezvous::RENDEZVOUS_SPAN;
 
 static SIGNALLED: AtomicI32 = AtomicI32::new(0);
 
@@ -216,36 +217,10 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Ports a job may use for its rendezvous: one per generation (`IRONWEAVE_MASTER_PORT +
-/// generation`), so a re-formed job never meets a stale one.
-/// (A restarted rank goes one generation past every one announced, and ranks failing moments
-/// apart each do: a job with a few restarts can use a few dozen.)
-pub const RENDEZVOUS_SPAN: u16 = 128;
-
-/// A base port for the rendezvous whose next [`RENDEZVOUS_SPAN`] ports are free now, chosen
-/// below the kernel's ephemeral range: a port the kernel hands out to an outgoing connection
-/// (any of the job's own) can never take a later generation's rendezvous port.
+/// A base port for the rendezvous whose next [`RENDEZVOUS_SPAN`] ports are free now, below
+/// the kernel's ephemeral range ([`ironweave_transport::rendezvous::free_base_port`]).
 pub fn free_port() -> Result<u16> {
-    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|t| t.split_whitespace().next().and_then(|x| x.parse::<u16>().ok()))
-        .unwrap_or(32768);
-    let (lo, hi) = (10_000u16, low.saturating_sub(RENDEZVOUS_SPAN));
-    if hi <= lo {
-        // an unusual range: whatever the kernel gives
-        return Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port());
-    }
-    let nonce = ironweave_transport::wire::nonce();
-    let mut x = u64::from_le_bytes(nonce[..8].try_into().expect("16 bytes"));
-    for _ in 0..64 {
-        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-        let base = lo + ((x >> 33) % u64::from(hi - lo)) as u16;
-        let all_free = (0..RENDEZVOUS_SPAN).all(|g| std::net::TcpListener::bind(("0.0.0.0", base + g)).is_ok());
-        if all_free {
-            return Ok(base);
-        }
-    }
-    bail!("no {RENDEZVOUS_SPAN} consecutive free ports between {lo} and {hi} for the rendezvous after 64 tries")
+    Ok(ironweave_transport::rendezvous::free_base_port(RENDEZVOUS_SPAN)?)
 }
 
 /// Starts the ranks and supervises them until they all end or one fails.

@@ -3,6 +3,7 @@
 //!
 //! - [`target_bin`], [`example`], [`repo_root`], [`tmpdir`]: the binaries and examples
 //!   `cargo test --workspace` built beside the test, and scratch directories;
+//! - [`master_port`]: a rendezvous port for a job a test plays the launcher of;
 //! - [`launch`] / [`Launch`]: ranks under the real `ironweave launch`, their output streamed
 //!   line by line to the test, every wait with a deadline; [`final_states`] reads the digests
 //!   the examples print;
@@ -62,6 +63,14 @@ pub fn tmpdir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("creating a temporary directory");
     d
+}
+
+/// A rendezvous port (`IRONWEAVE_MASTER_PORT`) for a job this test starts itself, free with
+/// the next `generations - 1` ports (generation `g` listens on `port + g`), below the kernel's
+/// ephemeral range so no outgoing connection of the job's can take a later generation's port
+/// (see [`ironweave_transport::rendezvous::free_base_port`]).
+pub fn master_port(generations: u16) -> u16 {
+    ironweave_transport::rendezvous::free_base_port(generations).expect("a free rendezvous port")
 }
 
 /// A job under `ironweave launch ARGS` (the workspace's own launcher), run to its end.

@@ -266,10 +266,16 @@ impl Rendezvous {
                     TcpListener::bind(any).map_err(|e| Error::io(format!("bind rendezvous port {any}"), &e))?
                 }
                 Err(e) => {
+                    // a re-formed job's generation g listens on the base port + g
+                    let which = match env.generation {
+                        0 => String::new(),
+                        g => format!(", generation {g}'s port: IRONWEAVE_MASTER_PORT + {g}"),
+                    };
                     return Err(Error::Config(format!(
-                        "rank 0 cannot listen on {} ({e}): pick a free IRONWEAVE_MASTER_PORT",
+                        "rank 0 cannot listen on {} ({e}{which}): pick an IRONWEAVE_MASTER_PORT whose next \
+                         ports are free too, below the ephemeral range (`ironweave launch` does)",
                         env.master
-                    )))
+                    )));
                 }
             };
             let (c, size, watch) = (creds.clone(), env.world_size, watcher(env));
@@ -526,6 +532,49 @@ fn host_name_from(get: impl Fn(&str) -> Option<String>, kernel: impl Fn() -> Opt
     kernel().or_else(|| get("HOSTNAME")).map(|h| h.trim().to_string()).unwrap_or_default()
 }
 
+/// How many rendezvous ports a job launched by `ironweave launch` may use: one per generation
+/// (`IRONWEAVE_MASTER_PORT + generation`), so a re-formed job never meets a stale one. (A
+/// restarted rank goes one generation past every one announced, and ranks failing moments
+/// apart each do: a job with a few restarts can use a few dozen.)
+pub const RENDEZVOUS_SPAN: u16 = 128;
+
+/// A base port for a job's rendezvous whose next `span` ports (one per generation, see
+/// [`RENDEZVOUS_SPAN`]) are free now, chosen below the kernel's ephemeral range
+/// (`/proc/sys/net/ipv4/ip_local_port_range`).
+///
+/// Why below it: a port the kernel hands to an outgoing connection — any of the job's own data
+/// links — can then never take a later generation's rendezvous port. A port from
+/// `bind(…:0)` is in that range, and Linux gives `bind` odd ports and `connect` even ones, so
+/// `port + 1`, generation 1's, is exactly where an outgoing connection lands.
+pub fn free_base_port(span: u16) -> Result<u16> {
+    let span = span.max(1);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next().and_then(|x| x.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    let (lo, hi) = (10_000u16, low.saturating_sub(span));
+    if hi <= lo {
+        // an unusual ephemeral range leaves no room below it: whatever the kernel gives
+        return TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .map_err(|e| Error::Config(format!("no free loopback port for the rendezvous: {e}")));
+    }
+    let nonce = crate::wire::nonce();
+    let mut x = u64::from_le_bytes(nonce[..8].try_into().expect("16 bytes"));
+    for _ in 0..64 {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        let base = lo + ((x >> 33) % u64::from(hi - lo)) as u16;
+        if (0..span).all(|g| TcpListener::bind(("0.0.0.0", base + g)).is_ok()) {
+            return Ok(base);
+        }
+    }
+    Err(Error::Config(format!(
+        "no {span} consecutive free ports between {lo} and {hi} for the rendezvous after 64 tries: \
+         set IRONWEAVE_MASTER_PORT to a free one"
+    )))
+}
+
 /// Runs an `n`-rank job inside this process: one thread per rank calls `join` with its
 /// [`JobEnv`] (a loopback rendezvous on a free port, job id `local-<what>-<port>`). Returns
 /// the results in rank order, or the first rank's error. Backends build their `local_world`
@@ -535,10 +584,7 @@ where
     T: Send + 'static,
     F: Fn(JobEnv) -> Result<T> + Send + Sync + 'static,
 {
-    let port = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
-        .and_then(|l| l.local_addr())
-        .map_err(|e| Error::Config(format!("no free loopback port for the rendezvous: {e}")))?
-        .port();
+    let port = free_base_port(1)?;
     let join = std::sync::Arc::new(join);
     let hs: Vec<_> = (0..n)
         .map(|rank| {
@@ -580,6 +626,22 @@ mod tests {
         assert_eq!(host_name_from(env(Some("1")), || Some("box\n".into())), "emulated-host-1");
         assert_eq!(host_name_from(env(None), || Some("box\n".into())), "box");
         assert_eq!(host_name_from(env(Some(" ")), || None), "");
+    }
+
+    #[test]
+    fn a_base_port_lies_below_the_ephemeral_range_with_its_span_free() {
+        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|t| t.split_whitespace().next().and_then(|x| x.parse().ok()))
+            .unwrap_or(32768);
+        for span in [1, 4, RENDEZVOUS_SPAN] {
+            let base = free_base_port(span).unwrap();
+            // no outgoing connection can be handed any of the job's generation ports
+            assert!(base >= 10_000 && base + span <= low, "base {base} span {span} ephemeral from {low}");
+            // each is free, the last included (the check does not leave them bound)
+            let ls: Vec<_> = (0..span).map(|g| TcpListener::bind(("127.0.0.1", base + g))).collect();
+            assert!(ls.iter().all(std::result::Result::is_ok), "a port of {base}+{span} is taken");
+        }
     }
 
     fn env_of(pairs: &[(&str, &str)]) -> Result<JobEnv> {
