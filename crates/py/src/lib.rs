@@ -329,12 +329,21 @@ fn load_saved(py: Python<'_>, dir: PathBuf, iteration: u64, specs: Vec<Spec>, bu
     r.map_err(to_py)
 }
 
+/// A port for a rendezvous, free now and below the kernel's ephemeral range, so none of the
+/// job's own outgoing connections can be handed it before the server listens there
+/// (`ironweave::transport::rendezvous::free_base_port`, as `ironweave launch` picks its own).
+#[pyfunction]
+fn free_port() -> PyResult<u16> {
+    ironweave::transport::rendezvous::free_base_port(1).map_err(|e| to_py(Error::Transport(e)))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<Engine>()?;
     m.add_function(wrap_pyfunction!(saved, m)?)?;
     m.add_function(wrap_pyfunction!(load_saved, m)?)?;
+    m.add_function(wrap_pyfunction!(free_port, m)?)?;
     m.add("IronweaveError", py.get_type::<IronweaveError>())?;
     m.add("ConfigurationError", py.get_type::<ConfigurationError>())?;
     m.add("StateMismatchError", py.get_type::<StateMismatchError>())?;

@@ -119,6 +119,18 @@ def test_the_checkpointer_s_port_is_agreed_in_torchrun_s_store_not_taken_from_ma
     assert rs[0]["digest"] == rs[1]["digest"]
 
 
+def test_the_port_rank_0_publishes_lies_below_the_ephemeral_range_and_is_free():
+    # below the range the kernel hands outgoing connections from: none of the job's own can
+    # take it between rank 0's choice and its rendezvous listening there
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for _ in range(3):
+        port = ironweave._native.free_port()
+        assert 10000 <= port < low, (port, low)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
 def test_watch_times_ddp_s_own_bucket_all_reduce_without_changing_a_bit(tmp_path):
     # plain DDP: watch replaces DDP's default averaging with the same bucket all-reduce, timed
     digests = {}

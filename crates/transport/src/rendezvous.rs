@@ -560,12 +560,23 @@ pub fn free_base_port(span: u16) -> Result<u16> {
             .map(|a| a.port())
             .map_err(|e| Error::Config(format!("no free loopback port for the rendezvous: {e}")));
     }
+    // Jobs of one process (tests running side by side, a tool forming many) never get
+    // overlapping spans while one of them may still be about to listen: the check below only
+    // sees ports already bound.
+    static GIVEN: std::sync::Mutex<std::collections::VecDeque<(u16, u16)>> =
+        std::sync::Mutex::new(std::collections::VecDeque::new());
     let nonce = crate::wire::nonce();
     let mut x = u64::from_le_bytes(nonce[..8].try_into().expect("16 bytes"));
+    let mut given = GIVEN.locked();
     for _ in 0..64 {
         x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
         let base = lo + ((x >> 33) % u64::from(hi - lo)) as u16;
-        if (0..span).all(|g| TcpListener::bind(("0.0.0.0", base + g)).is_ok()) {
+        let overlaps = given.iter().any(|&(b, n)| base < b + n && b < base + span);
+        if !overlaps && (0..span).all(|g| TcpListener::bind(("0.0.0.0", base + g)).is_ok()) {
+            if given.len() == 256 {
+                given.pop_front();
+            }
+            given.push_back((base, span));
             return Ok(base);
         }
     }
@@ -641,6 +652,11 @@ mod tests {
             // each is free, the last included (the check does not leave them bound)
             let ls: Vec<_> = (0..span).map(|g| TcpListener::bind(("127.0.0.1", base + g))).collect();
             assert!(ls.iter().all(std::result::Result::is_ok), "a port of {base}+{span} is taken");
+        }
+        // jobs formed side by side in one process never share a port, even before they listen
+        let spans: Vec<u16> = (0..100).map(|_| free_base_port(4).unwrap()).collect();
+        for (i, a) in spans.iter().enumerate() {
+            assert!(spans[i + 1..].iter().all(|b| a.abs_diff(*b) >= 4), "{a} overlaps another span of {spans:?}");
         }
     }
 

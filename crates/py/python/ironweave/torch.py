@@ -150,9 +150,11 @@ _ENGINES = 0  # engines this process started under torchrun: names the next one'
 
 
 def _agree_on_port(timeout_s: float) -> None:
-    """Under torchrun, the checkpointer's port is one the system says is free: rank 0 binds port
-    0 and publishes the number in torchrun's store, and every rank reads it there before its
-    engine starts. The Rust default (the master port + 1) collided once with another socket.
+    """Under torchrun, the checkpointer's port is one rank 0 finds free below the kernel's
+    ephemeral range (``_native.free_port``, as ``ironweave launch`` picks its own: no outgoing
+    connection can be handed it) and publishes in torchrun's store, and every rank reads it there
+    before its engine starts. The Rust default (the master port + 1) collided once with another
+    socket.
     The store is torchrun's TCP store, not a process group: no collective, safe on the thread
     DCP writes from. A port the user set (``IRONWEAVE_CKPT_PORT``) and ``ironweave launch`` (its
     own port) are left alone, as is a job outside torchrun (the Rust default stands)."""
@@ -162,16 +164,12 @@ def _agree_on_port(timeout_s: float) -> None:
         return
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "IRONWEAVE_RANK" in os.environ:
         return
-    import socket
-
     # every rank starts its engines in the same order (starting one is collective)
     key = f"ironweave-ckpt-port-{os.environ['TORCHELASTIC_RESTART_COUNT']}-{_ENGINES}"
     _ENGINES += 1
     store = _torchrun_store(timeout_s)
     if int(os.environ["RANK"]) == 0:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            store.set(key, str(s.getsockname()[1]))
+        store.set(key, str(_native.free_port()))
     port = store.get(key).decode()
     os.environ["IRONWEAVE_CKPT_PORT"] = port
     _OUR_PORT = port
