@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -229,9 +228,11 @@ def worker():
 # ---------------------------------------------------------------------------------------------
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # below the ephemeral range, as the launcher picks its own: the restarted job listens on it
+    # again, after the first one's connections were handed ports of that range
+    from ironweave import _native
+
+    return _native.free_port()
 
 
 def run(method, args, base, kill_step=0):
