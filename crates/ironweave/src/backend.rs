@@ -104,14 +104,17 @@ impl FromStr for Backend {
 pub fn connect(backend: Backend, env: &JobEnv, opts: CommOptions) -> Result<Communicator> {
     backend.check()?;
     match backend {
-        Backend::Tcp => {
-            let cfg = ironweave_tcp::TcpConfig { timeout: opts.timeout, ..ironweave_tcp::TcpConfig::from_env()? };
-            ironweave_tcp::connect(env, &cfg, opts)
-        }
+        Backend::Tcp => ironweave_tcp::connect(env, &tcp_config(&opts)?, opts),
         Backend::Ucx => ucx::connect(env, opts),
         Backend::Verbs => verbs::connect(env, opts),
         Backend::Nccl => nccl::connect(env, opts),
     }
+}
+
+/// The TCP configuration from the environment, its joining waits bounded by `opts.timeout`
+/// (TCP links, and NCCL's bootstrap over them).
+fn tcp_config(opts: &CommOptions) -> Result<ironweave_tcp::TcpConfig> {
+    Ok(ironweave_tcp::TcpConfig { timeout: opts.timeout, ..ironweave_tcp::TcpConfig::from_env()? })
 }
 
 /// Joins the job in the environment over `backend`; compute threads are set first (see
@@ -204,8 +207,7 @@ pub(crate) mod nccl {
         ironweave_nccl::available().map(drop)
     }
     pub fn connect(env: &JobEnv, opts: CommOptions) -> Result<Communicator> {
-        let tcp = ironweave_tcp::TcpConfig { timeout: opts.timeout, ..ironweave_tcp::TcpConfig::from_env()? };
-        ironweave_nccl::connect(env, &tcp, opts)
+        ironweave_nccl::connect(env, &tcp_config(&opts)?, opts)
     }
     pub fn doctor() -> Result<(String, Vec<LinkReport>)> {
         let info = ironweave_nccl::available()?;

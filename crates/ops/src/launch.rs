@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{bail, Context, Result};
-pub use ironweave_transport::rendezvous::RENDEZVOUS_SPAN;
+use ironweave_transport::rendezvous::{free_base_port, RENDEZVOUS_SPAN};
 
 static SIGNALLED: AtomicI32 = AtomicI32::new(0);
 
@@ -217,12 +217,6 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// A base port for the rendezvous whose next [`RENDEZVOUS_SPAN`] ports are free now, below
-/// the kernel's ephemeral range ([`ironweave_transport::rendezvous::free_base_port`]).
-pub fn free_port() -> Result<u16> {
-    Ok(ironweave_transport::rendezvous::free_base_port(RENDEZVOUS_SPAN)?)
-}
-
 /// Starts the ranks and supervises them until they all end or one fails.
 /// The ranks of a training run: this binary's hidden worker subcommand (`args`, e.g.
 /// `train-worker ...`) on `ranks` local or emulated ranks, with the backend (`backend`) and
@@ -265,7 +259,8 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     let threads = thread_choice(spec)?;
     eprintln!("ironweave launch: {threads}");
     let thread_env = threads.env(|k| std::env::var(k).ok());
-    let port = free_port().context("finding a free port for the rendezvous")?;
+    // one port per generation, below the kernel's ephemeral range
+    let port = free_base_port(RENDEZVOUS_SPAN).context("finding a free port for the rendezvous")?;
     let secret = hex(&ironweave_transport::wire::nonce());
     let job = format!("iw-{}-{port}", std::process::id());
     // the job's board: ranks announce the generation they go to and the job's end there (a

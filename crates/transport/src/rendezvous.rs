@@ -548,11 +548,7 @@ pub const RENDEZVOUS_SPAN: u16 = 128;
 /// `port + 1`, generation 1's, is exactly where an outgoing connection lands.
 pub fn free_base_port(span: u16) -> Result<u16> {
     let span = span.max(1);
-    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|t| t.split_whitespace().next().and_then(|x| x.parse::<u16>().ok()))
-        .unwrap_or(32768);
-    let (lo, hi) = (10_000u16, low.saturating_sub(span));
+    let (lo, hi) = (10_000u16, ephemeral_low().saturating_sub(span));
     if hi <= lo {
         // an unusual ephemeral range leaves no room below it: whatever the kernel gives
         return TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
@@ -586,6 +582,14 @@ pub fn free_base_port(span: u16) -> Result<u16> {
         "no {span} consecutive free ports between {lo} and {hi} for the rendezvous after 64 tries: \
          set IRONWEAVE_MASTER_PORT to a free one"
     )))
+}
+
+/// The first port of the kernel's ephemeral range (Linux's default where it cannot be read).
+fn ephemeral_low() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next().and_then(|x| x.parse().ok()))
+        .unwrap_or(32768)
 }
 
 /// Runs an `n`-rank job inside this process: one thread per rank calls `join` with its
@@ -643,10 +647,7 @@ mod tests {
 
     #[test]
     fn a_base_port_lies_below_the_ephemeral_range_with_its_span_free() {
-        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-            .ok()
-            .and_then(|t| t.split_whitespace().next().and_then(|x| x.parse().ok()))
-            .unwrap_or(32768);
+        let low = ephemeral_low();
         for span in [1, 4, RENDEZVOUS_SPAN] {
             let base = free_base_port(span).unwrap();
             // no outgoing connection can be handed any of the job's generation ports
