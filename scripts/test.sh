@@ -18,7 +18,11 @@ IRONWEAVE_SKIP_LOG="$skips" cargo test --workspace --release --all-features "$@"
 # ranks, real processes) under pytest. Left out when the arguments pick cargo tests.
 if [ $# -eq 0 ]; then
   echo "== Python package: wheel (maturin) and pytest crates/py/tests"
-  wheels="${CARGO_TARGET_DIR:-target}/wheels"
+  # an absolute path: maturin runs inside crates/py, where a relative one would point elsewhere
+  # (a newcomer's run, with no CARGO_TARGET_DIR, put the wheel in crates/py/target/wheels)
+  target="${CARGO_TARGET_DIR:-target}"
+  case "$target" in /*) ;; *) target="$PWD/$target" ;; esac
+  wheels="$target/wheels"
   rm -f "$wheels"/ironweave-*.whl
   if (cd crates/py && python3 -m maturin build --release --quiet -o "$wheels") \
     && python3 -m pip install --quiet --root-user-action=ignore --force-reinstall --no-deps "$wheels"/ironweave-*.whl; then

@@ -822,6 +822,12 @@ impl Worker for ElasticRun {
         self.history.copy_from_slice(h);
         Ok(())
     }
+    fn restored_state(&self) -> Result<Vec<Vec<u8>>, BoxError> {
+        // the model's variables (not the trainer's host copies), then the history
+        let mut v = self.trainer.as_ref().ok_or("no generation joined")?.state_from_variables()?;
+        v.push(self.history.clone());
+        Ok(v)
+    }
     fn start_over(&mut self) -> Result<(), BoxError> {
         self.history.fill(0);
         Ok(self.trainer()?.start_over()?)

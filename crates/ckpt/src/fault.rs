@@ -8,7 +8,10 @@
 //! - `replica:R:I` — after the first chunk of iteration `I`'s snapshot went to a holder;
 //! - `commit:R:I` — entering the commit of iteration `I`;
 //! - `persist:R:I` — after the first block of iteration `I`'s persistent file was written;
-//! - `restore:R:N` — entering the `N`-th restore of the process (1: the first).
+//! - `restore:R:N` — entering the `N`-th restore of the process (1: the first);
+//! - `done:R:N` — in an elastic job of `N` iterations, after its last iteration and whatever
+//!   the program does after `Job::run`, before the end every rank passes together
+//!   (`Finished::shutdown`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -17,7 +20,7 @@ use std::sync::OnceLock;
 pub const VAR: &str = "IRONWEAVE_FAULT";
 
 /// The points a campaign can arm.
-pub const POINTS: [&str; 4] = ["replica", "commit", "persist", "restore"];
+pub const POINTS: [&str; 5] = ["replica", "commit", "persist", "restore", "done"];
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Armed {

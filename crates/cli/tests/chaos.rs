@@ -39,6 +39,7 @@ fn campaign(name: &str, runs: usize, args: &[&str]) -> (Vec<serde_json::Value>, 
         assert!(!r["hang"].as_bool().unwrap(), "{r}\n{text}");
         assert!(r["finished"].as_bool().unwrap(), "{r}\n{text}");
         assert!(r["final_state_matches"].as_bool().unwrap(), "{r}\n{text}");
+        assert!(!r["retrained_from_scratch"].as_bool().unwrap(), "trained again from scratch after a commit: {r}\n{text}");
     }
     std::fs::remove_dir_all(&base).ok();
     (rs, text)

@@ -172,14 +172,17 @@ fn bench_ckpt_rows_carry_their_mechanism_and_replay() {
         // in-memory replicas cross the inter-host links, counted on the links themselves
         assert!(n("capricorn", "ckpt_bytes_inter_host") > 0 && n("capricorn", "ckpt_bytes_inter_host_sent") > 0, "{v}");
         assert_eq!(n("none", "ckpt_bytes_inter_host_sent"), 0);
-        // what each replicated byte cost the cores that train: the replica threads' own clock
-        // (a byte read from a socket and checksummed costs more than a twentieth of a ns on any
-        // machine), and every thread's, the processes' CPU against the none run of the round
-        // (a difference: its sign is noise on a run this short, so only its presence is checked)
-        let cpu = row("capricorn")["replica_threads_cpu_ns_per_byte"].as_f64().unwrap_or(0.0);
-        assert!(cpu > 0.05, "capricorn's replica threads spent {cpu} ns per byte? {v}");
-        assert!(row("capricorn")["ckpt_cpu_ns_per_byte"].is_number(), "{v}");
-        assert_eq!(row("capricorn")["ckpt_cpu_ns_per_byte_rounds"].as_array().map(Vec::len), Some(1), "{v}");
+        // what each replicated byte cost the cores that train: the replica threads' own clock,
+        // counted (None when no thread's clock was read), and every thread's, the processes'
+        // CPU against the none run of each round: the column is its rounds' (one round here)
+        let cpu = row("capricorn")["replica_threads_cpu_ns_per_byte"].as_f64();
+        assert!(cpu.is_some_and(|c| c > 0.0), "capricorn's replica threads' CPU was not counted: {v}");
+        let rounds: Vec<f64> = row("capricorn")["ckpt_cpu_ns_per_byte_rounds"]
+            .as_array()
+            .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
+            .unwrap_or_default();
+        assert_eq!(rounds.len(), 1, "{v}");
+        assert_eq!(row("capricorn")["ckpt_cpu_ns_per_byte"].as_f64(), Some(rounds[0]), "{v}");
         assert!(row("none")["ckpt_cpu_ns_per_byte"].is_null() && row("none")["replica_threads_cpu_ns_per_byte"].is_null(), "{v}");
         // async writes to the (emulated, paced) persistent tier and sends nothing to peers
         assert!(n("async", "ckpt_bytes_storage") > 0 && row("async")["storage_bytes_per_s_per_host"].as_f64().unwrap() > 0.0);

@@ -210,3 +210,30 @@ fn the_launcher_sets_compute_threads_per_rank_and_keeps_the_users() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("RAYON_NUM_THREADS=\"many\""));
 }
+
+/// A job board that cannot be written is the launcher's error, with the path and the free
+/// space, before any rank starts; a rank that could not write it (exit status 74) stops the
+/// job, named with the board's path and free space, and is not restarted (issue 57, item 9).
+#[test]
+fn a_board_that_cannot_be_written_is_reported_with_its_path_and_free_space() {
+    // the temporary directory is a regular file: no board can be made under it, even by root
+    let file = std::env::temp_dir().join(format!("iw-no-board-{}", std::process::id()));
+    std::fs::write(&file, b"x").unwrap();
+    let o = Command::new(BIN).args(["launch", "-n", "2", "--", "true"]).env("TMPDIR", &file).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("cannot be written") && err.contains(&*file.to_string_lossy()) && err.contains("bytes free of"),
+        "{err}"
+    );
+    std::fs::remove_file(&file).unwrap();
+    // a rank that says the board failed it: reported, and not restarted although restarts are left
+    let o = Command::new(BIN)
+        .args(["launch", "-n", "2", "--max-restarts", "3", "--", "sh", "-c", "[ \"$IRONWEAVE_RANK\" = 1 ] && exit 74; sleep 60"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(74), "{err}");
+    assert!(err.contains("rank 1 could not write the job board") && err.contains("bytes free of"), "{err}");
+    assert!(!err.contains("restarting it"), "{err}");
+}

@@ -73,11 +73,11 @@ fn bench_sdp_rows_carry_their_links_and_predictions() {
         // rates: a byte counted twice (or a phase timed short) shows as a share above 1
         let u = r["link_utilization"].as_f64().unwrap();
         assert!(u > 0.0 && u <= 1.05, "{}: link utilization {u}\n{text}", r["strategy"]);
-        // the communication threads' CPU per inter-host byte: a byte through a socket costs
-        // more than a twentieth of a ns, and those threads' CPU is a part of the processes'
-        let cpu = r["cpu_ns_per_byte"].as_f64().unwrap_or(0.0);
+        // the communication threads' CPU per inter-host byte, counted (None when no thread's
+        // clock was read), and those threads' CPU a part of the processes'
+        let cpu = r["cpu_ns_per_byte"].as_f64();
         let share = r["comm_cpu_share"].as_f64().unwrap_or(0.0);
-        assert!(cpu > 0.05, "{}: cpu_ns_per_byte {cpu}", r["strategy"]);
+        assert!(cpu.is_some_and(|c| c > 0.0), "{}: cpu_ns_per_byte {cpu:?}", r["strategy"]);
         assert!(share > 0.0 && share <= 1.0, "{}: communication threads' share of the CPU {share}", r["strategy"]);
     }
     // the speedups are the best rows' times over each row's, as the rows say

@@ -470,3 +470,33 @@ fn emulated_sdp_reports_device_busy_and_host_work_per_rank() {
     }
     std::fs::remove_dir_all(&base).ok();
 }
+
+/// A training rank the launcher restarts after every rank passed the job's final barrier (the
+/// board says `finished`) leaves at once with exit status 0, as documented — not 1, which a
+/// launcher would count as a failure (issue 57, item 10).
+#[test]
+fn a_worker_restarted_after_the_job_finished_leaves_at_once_with_status_0() {
+    let base = std::env::temp_dir().join(format!("ironweave-finished-{}", std::process::id()));
+    let board = ironweave_transport::board::Board::create(base.join("board")).unwrap();
+    board.finish().unwrap();
+    let port = ironweave_testkit::master_port(4);
+    let o = Command::new(env!("CARGO_BIN_EXE_ironweave"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .args(["train-worker", "--config", "configs/moe-tiny.toml", "--ckpt", "capricorn", "--iters", "4", "--report-dir"])
+        .arg(base.join("run"))
+        .env("IRONWEAVE_RANK", "1")
+        .env("IRONWEAVE_WORLD_SIZE", "2")
+        .env("IRONWEAVE_MASTER_ADDR", "127.0.0.1")
+        .env("IRONWEAVE_MASTER_PORT", port.to_string())
+        .env("IRONWEAVE_JOB_ID", format!("finished-{port}"))
+        .env("IRONWEAVE_GENERATION", "1")
+        .env("IRONWEAVE_JOB_BOARD", board.dir())
+        // were it to wait for peers, it would wait this long and then fail
+        .env("IRONWEAVE_TIMEOUT_S", "20")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains("the job finished before this process could join it"), "{err}");
+    let _ = std::fs::remove_dir_all(&base);
+}

@@ -47,6 +47,11 @@ impl Worker for Run {
     fn restore(&mut self, s: &Snapshot) -> Result<(), BoxError> {
         Ok(self.trainer()?.restore(s)?)
     }
+    fn restored_state(&self) -> Result<Vec<Vec<u8>>, BoxError> {
+        // the model's variables, not the trainer's host copies: the check after a restore
+        // sees whether it reached the model
+        Ok(self.trainer.as_ref().ok_or("no generation joined")?.state_from_variables()?)
+    }
     fn start_over(&mut self) -> Result<(), BoxError> {
         Ok(self.trainer()?.start_over()?)
     }

@@ -88,7 +88,7 @@ use std::time::{Duration, Instant};
 use ironweave_ckpt::engine::IterationReport;
 use ironweave_ckpt::{CkptError, Engine, EngineConfig, Registry, Snapshot, Source, TensorSpec};
 use ironweave_profile::{ExpertLoad, MonotonicClock, Profiler};
-use ironweave_transport::board::Board;
+use ironweave_transport::board::{Board, CommitRecord};
 use ironweave_transport::rendezvous::JobEnv;
 use ironweave_transport::threads::ThreadChoice;
 use ironweave_transport::{CommOptions, Communicator, ReduceOp};
@@ -162,17 +162,31 @@ pub enum Error {
 
 impl Error {
     /// The exit status a rank should end with: [`EXIT_UNRECOVERABLE`] for
-    /// [`Error::Unrecoverable`] and [`Error::Resume`], 0 for [`Error::JobFinished`], 1
-    /// otherwise.
+    /// [`Error::Unrecoverable`] and [`Error::Resume`], [`EXIT_BOARD`] for a job board that
+    /// cannot be written, 0 for [`Error::JobFinished`], 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
             Error::JobFinished => 0,
             // a restart would meet the same copies (or the same files) again
             Error::Unrecoverable { .. } | Error::Resume { .. } => EXIT_UNRECOVERABLE,
+            Error::Transport(ironweave_transport::Error::Board { .. }) => EXIT_BOARD,
             _ => 1,
         }
     }
+
+    /// Whether no re-formation can help: the job ends on every rank.
+    fn is_final(&self) -> bool {
+        matches!(
+            self,
+            Error::Unrecoverable { .. } | Error::Resume { .. } | Error::Transport(ironweave_transport::Error::Board { .. })
+        )
+    }
 }
+
+/// The exit status of a rank that could not write the job's board or commit record (a full or
+/// read-only file system): `ironweave launch` reports the board's path and free space and
+/// does not restart the job (sysexits' `EX_IOERR`).
+pub const EXIT_BOARD: i32 = 74;
 
 /// Result of this module.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -408,6 +422,15 @@ pub trait Worker {
     /// Loads the state from a restored snapshot (tensors by name, as registered).
     fn restore(&mut self, snapshot: &Snapshot) -> Result<(), BoxError>;
 
+    /// The state as the model holds it, in [`Worker::state_specs`] order, for the check after
+    /// a restore (the state must equal what was restored). Default: [`Worker::state`]. A worker
+    /// whose `state` reads copies beside the model (the candle adapter's host copies) returns
+    /// the model's own values here (`candle::Trainer::state_from_variables`), so a restore that
+    /// never reached the model is refused instead of training on.
+    fn restored_state(&self) -> Result<Vec<Vec<u8>>, BoxError> {
+        Ok(self.state().into_iter().map(<[u8]>::to_vec).collect())
+    }
+
     /// Goes back to the initial state (a failure before anything was committed: every rank
     /// starts over, so training must be deterministic from it).
     fn start_over(&mut self) -> Result<(), BoxError>;
@@ -525,7 +548,8 @@ impl Job {
     /// there (`ironweave_transport::Error::Superseded`: the caller goes to it).
     fn form(&self, gen: u16, first: bool) -> Result<Arc<Communicator>> {
         let mut env = self.env.clone();
-        env.master.set_port(self.env.master.port().wrapping_add(gen));
+        // inside the span of ports the launcher found free, however often the job re-forms
+        env.master.set_port(ironweave_transport::rendezvous::generation_port(self.env.master.port(), gen)?);
         env.job_id = format!("{}-g{gen}", self.env.job_id);
         env.generation = gen;
         let opts = CommOptions { timeout: self.cfg.timeout, ..CommOptions::default() };
@@ -568,8 +592,11 @@ impl Job {
             (0, a) => a.unwrap_or(0),
             (g, a) => g.max(a.map_or(0, |a| a.saturating_add(1))),
         };
-        announce(&board, gen);
+        announce(&board, gen)?;
         let mut engine: Option<Engine> = None;
+        // the job's memory of its commits, outside its processes (set with the engine)
+        let mut record: Option<CommitRecord> = None;
+        let mut recorded: Option<u64> = None;
         // a restarted process (a later generation) restores; the job's first generation starts
         let mut need_restore = gen > 0;
         let mut recoveries = 0u64;
@@ -606,9 +633,14 @@ impl Job {
                         None => {
                             let mut ecfg = self.engine_config(&comm)?;
                             ecfg.layout = worker.layout();
-                            // the launcher's job id: a restarted process finds its own files
-                            // in the persistent tier, never another job's
-                            ecfg.job_id.get_or_insert_with(|| self.env.job_id.clone());
+                            // the job's id: a restarted process finds its own files in the
+                            // persistent tier, never another job's
+                            let id = match ecfg.job_id.clone() {
+                                Some(id) => id,
+                                None => self.job_identity(&comm, gen)?,
+                            };
+                            ecfg.job_id = Some(id.clone());
+                            record = self.commit_record(&id)?;
                             engine = Some(Engine::new(comm.clone(), Registry::new(&worker.state_specs())?, ecfg)?);
                         }
                     }
@@ -621,13 +653,16 @@ impl Job {
                             resumed = Some(r);
                         }
                         if need_restore {
-                            let rec = restore(e, worker, gen, self.cfg.resume_from.as_deref(), &mut resumed)?;
+                            let rec = restore(e, worker, gen, self.cfg.resume_from.as_deref(), &mut resumed, record.as_ref())?;
+                            // the restored iteration is the committed one from here on
+                            let ours = !matches!(rec.source, RestoreSource::InitialState | RestoreSource::Resumed);
+                            record_commit(&record, &mut recorded, rank, ours.then_some(rec.iter))?;
                             recoveries += 1;
                             last_source = Some(rec.source);
                             start = rec.iter + 1;
                             worker.on_recovery(&rec, &comm)?;
                         }
-                        self.iterate(e, worker, &comm, start)
+                        self.iterate(e, worker, &comm, start, &mut |c| record_commit(&record, &mut recorded, rank, c))
                     })()
                 }
                 Err(err) => Err(err),
@@ -637,6 +672,7 @@ impl Job {
                 Ok(()) => {
                     let mut e = engine.take().expect("ran");
                     let last_committed = e.commit(true)?;
+                    record_commit(&record, &mut recorded, rank, last_committed)?;
                     return Ok(Finished {
                         engine: e,
                         comm,
@@ -646,16 +682,21 @@ impl Job {
                         generation: gen,
                         resumed,
                         board,
+                        record,
+                        last_iteration: self.cfg.iterations,
                     });
                 }
                 Err(err) => {
                     let err = match err.downcast::<Error>() {
-                        Ok(e) => match *e {
-                            // no re-formation brings lost copies back (or mends the files): end the job
-                            e @ (Error::Unrecoverable { .. } | Error::Resume { .. }) => return Err(e),
-                            e => Box::new(e) as BoxError,
+                        // no re-formation brings lost copies back (or mends the files, or the
+                        // board): end the job
+                        Ok(e) if e.is_final() => return Err(*e),
+                        Ok(e) => e as BoxError,
+                        Err(other) => match other.downcast::<ironweave_transport::Error>() {
+                            Ok(t) if matches!(*t, ironweave_transport::Error::Board { .. }) => return Err(Error::Transport(*t)),
+                            Ok(t) => t as BoxError,
+                            Err(other) => other,
                         },
-                        Err(other) => other,
                     };
                     failures += 1;
                     if failures > self.cfg.max_reformations {
@@ -667,7 +708,7 @@ impl Job {
                     comm.abort(&format!("rank {rank} left generation {gen}: {}", chain(&*err)));
                     // the next generation, or a newer one a restarted process already went to
                     gen = (gen + 1).max(board.as_ref().and_then(Board::generation).unwrap_or(0));
-                    announce(&board, gen);
+                    announce(&board, gen)?;
                     need_restore = true;
                 }
             }
@@ -690,9 +731,49 @@ impl Job {
         })
     }
 
+    /// The job's id for its files and its commit record: the launcher's, or — when none named
+    /// the job — the derived id with rank 0's launcher (its PID and start time) added, so two
+    /// launches of the same program on the same endpoint are two jobs. Collective (rank 0's is
+    /// broadcast) in the job's first generation; a process that joins a later one without a
+    /// launcher's id cannot learn rank 0's and keeps the derived id (give such jobs an id).
+    fn job_identity(&self, comm: &Communicator, gen: u16) -> Result<String> {
+        let id = self.env.job_id.clone();
+        if !self.env.job_id_is_derived() || gen != 0 || self.start_gen != 0 {
+            return Ok(id);
+        }
+        Ok(ironweave_transport::unique_job_id(comm, &id)?)
+    }
+
+    /// Where the job remembers its commits: the launcher's board, or under torchrun (which
+    /// restarts every worker, so nothing lives in memory) a directory of the job's own under
+    /// the temporary directory, cleared by a fresh launch's first process of each host.
+    /// None elsewhere (srun, mpirun restart no process into a running job).
+    fn commit_record(&self, job_id: &str) -> Result<Option<CommitRecord>> {
+        if let Some(b) = &self.env.board {
+            return Ok(Some(b.commits()));
+        }
+        let Some(restarts) = std::env::var_os("TORCHELASTIC_RESTART_COUNT") else { return Ok(None) };
+        let safe: String = job_id.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).take(96).collect();
+        // SAFETY: getuid has no preconditions and cannot fail.
+        let uid = unsafe { libc::getuid() };
+        let rec = CommitRecord::at(std::env::temp_dir().join(format!("ironweave-commits-{uid}-{safe}")));
+        if restarts == "0" && self.env.local_rank == 0 && self.start_gen == 0 {
+            // a fresh launch under an id a finished job may have used (a reused --rdzv-id)
+            rec.clear()?;
+        }
+        Ok(Some(rec))
+    }
+
     /// The iterations of a generation from `start` (after its restore) until the last or the
     /// first error.
-    fn iterate<W: Worker>(&self, e: &mut Engine, worker: &mut W, comm: &Arc<Communicator>, start: u64) -> Result<(), BoxError> {
+    fn iterate<W: Worker>(
+        &self,
+        e: &mut Engine,
+        worker: &mut W,
+        comm: &Arc<Communicator>,
+        start: u64,
+        record: &mut dyn FnMut(Option<u64>) -> Result<()>,
+    ) -> Result<(), BoxError> {
         worker.on_start(start, comm)?;
         let mut last_load: Option<ExpertLoad> = None;
         for it in start..=self.cfg.iterations {
@@ -702,6 +783,7 @@ impl Job {
             let ir = e.end_iteration();
             e.checkpoint(it, &worker.state())?;
             let committed = e.commit(false)?;
+            record(committed)?;
             worker.on_iteration(&Iteration { iter: it, output: &s.output, elapsed: t0.elapsed(), committed, ckpt: &ir, comm })?;
             last_load = s.expert_load;
         }
@@ -710,11 +792,24 @@ impl Job {
 }
 
 /// Announces on the job's board (if any) that this process goes to generation `gen`. A board
-/// that cannot be written only costs the others the wait of a deadline: said, not fatal.
-fn announce(board: &Option<Board>, gen: u16) {
-    if let Some(Err(e)) = board.as_ref().map(|b| b.announce(gen)) {
-        eprintln!("ironweave: warning: {e}");
+/// that cannot be written is an error: without the announcement the others would wait for a
+/// generation nobody forms, the waits the board exists to end.
+fn announce(board: &Option<Board>, gen: u16) -> Result<()> {
+    if let Some(b) = board {
+        b.announce(gen)?;
     }
+    Ok(())
+}
+
+/// Records `committed` in the job's commit record when it is newer than the last recorded.
+fn record_commit(record: &Option<CommitRecord>, recorded: &mut Option<u64>, rank: usize, committed: Option<u64>) -> Result<()> {
+    if let (Some(rec), Some(c)) = (record, committed) {
+        if recorded.is_none_or(|r| c > r) {
+            rec.record(rank, c)?;
+            *recorded = Some(c);
+        }
+    }
+    Ok(())
 }
 
 /// `err` and its sources, `: `-separated.
@@ -735,9 +830,22 @@ fn chain(err: &(dyn std::error::Error + 'static)) -> String {
 /// The first generation's start from another job's checkpoint: the newest complete iteration
 /// under `dir`, loaded into this rank's registered layout.
 fn resume<W: Worker>(e: &mut Engine, worker: &mut W, dir: &std::path::Path) -> Result<Resumed, BoxError> {
-    // every rank loads its part; any failure ends every rank (collective), none starts over
+    // rank 0 chooses the iteration and every rank loads that one: ranks that each looked for
+    // the newest themselves could load different iterations of a directory that changes
+    // between their reads (a live job's persistent tier, a write still running)
+    let chosen = match e.comm().rank() {
+        0 => ironweave_ckpt::persist::newest_complete(dir),
+        _ => Err(CkptError::Invalid(String::new())),
+    };
+    let mut pick = [chosen.as_ref().map_or(-1, |(i, _)| *i as i64)];
+    e.comm().all_reduce(&mut pick, ReduceOp::Max)?;
     let loaded = (|| -> Result<(u64, Vec<String>, u32, Snapshot), BoxError> {
-        let (iter, skipped) = ironweave_ckpt::persist::newest_complete(dir)?;
+        let (iter, skipped) = match (u64::try_from(pick[0]), chosen) {
+            (_, Ok(c)) => c,
+            (Ok(i), Err(_)) => (i, Vec::new()),
+            (Err(_), Err(err)) if e.comm().rank() == 0 => return Err(Box::new(err)),
+            (Err(_), Err(_)) => return Err("rank 0 found no complete checkpoint there".into()),
+        };
         let written_by = ironweave_ckpt::persist::read_manifest(dir, iter, 0)?.world;
         let snap = ironweave_ckpt::persist::load_global(dir, iter, e.registry())?;
         worker.restore(&snap)?;
@@ -834,7 +942,7 @@ pub fn global_state_sha256(comm: &Communicator, registry: &Registry, bufs: &[&[u
 /// tensor: a restore that left a tensor out (or loaded it wrongly) would train on from a state
 /// nobody checkpointed.
 fn check_restored<W: Worker>(worker: &W, snap: &Snapshot) -> Result<(), BoxError> {
-    let state = worker.state();
+    let state = worker.restored_state()?;
     let reg = &snap.registry;
     if state.len() != reg.tensors.len() {
         return Err(format!(
@@ -848,7 +956,7 @@ fn check_restored<W: Worker>(worker: &W, snap: &Snapshot) -> Result<(), BoxError
         .tensors
         .iter()
         .zip(&state)
-        .filter(|(t, b)| snap.data.get(t.offset as usize..(t.offset + t.len) as usize) != Some(**b))
+        .filter(|(t, b)| snap.data.get(t.offset as usize..(t.offset + t.len) as usize) != Some(b.as_slice()))
         .map(|(t, _)| t.name.as_str())
         .collect();
     if !differ.is_empty() {
@@ -871,10 +979,13 @@ fn restore<W: Worker>(
     generation: u16,
     resume_from: Option<&std::path::Path>,
     resumed: &mut Option<Resumed>,
+    record: Option<&CommitRecord>,
 ) -> Result<Recovery, BoxError> {
-    // the newest iteration any rank saw committed before the failure (a restarted rank
-    // remembers nothing; -1: none): collective, as the restore's choice is
-    let mut c = [e.committed().map_or(-1, |i| i as i64)];
+    // the newest iteration any rank saw committed before the failure, in its memory or in the
+    // job's record (which outlives every process: a job whose ranks all restarted still knows
+    // it committed; -1: none): collective, as the restore's choice is
+    let seen = e.committed().max(record.and_then(CommitRecord::newest));
+    let mut c = [seen.map_or(-1, |i| i as i64)];
     e.comm().all_reduce(&mut c, ReduceOp::Max)?;
     let committed_before = u64::try_from(c[0]).ok();
     match e.restore_latest() {
@@ -891,9 +1002,15 @@ fn restore<W: Worker>(
         }
         Err(err @ CkptError::NothingToRestore { .. }) => {
             // every rank got the same answer (the choice is collective): was anything ever
-            // committed?
+            // committed? Only a record that shows nothing lets the job start over.
             if let Some(committed) = committed_before {
                 return Err(Box::new(Error::Unrecoverable { committed, source: err }));
+            }
+            if let (0, CkptError::NothingToRestore { hint, .. }) = (e.comm().rank(), &err) {
+                if hint.contains("another job") {
+                    // refused, not adopted: said with both ids and the way to take it on purpose
+                    eprintln!("ironweave: this job ({}) starts over; {hint}", e.job_id());
+                }
             }
             e.start_over();
             if let Some(dir) = resume_from {
@@ -924,6 +1041,8 @@ pub struct Finished {
     generation: u16,
     resumed: Option<Resumed>,
     board: Option<Board>,
+    record: Option<CommitRecord>,
+    last_iteration: u64,
 }
 
 impl Finished {
@@ -986,9 +1105,16 @@ impl Finished {
     /// every rank passed its final barrier, says on the job's board that the job ended (a rank
     /// the launcher restarts after that leaves at once: [`Error::JobFinished`]).
     pub fn shutdown(self) -> Result<()> {
+        // fault point `done`: between the job's last iteration (and whatever the program does
+        // after `Job::run`) and the end every rank passes together
+        ironweave_ckpt::fault::hit("done", self.comm.rank(), self.last_iteration);
         self.engine.shutdown()?;
-        if let Some(Err(e)) = self.board.as_ref().map(Board::finish) {
-            eprintln!("ironweave: warning: {e}");
+        if let Some(b) = &self.board {
+            b.finish()?;
+        } else if let Some(rec) = &self.record {
+            // the job ended: its record of commits has nothing left to tell
+            let _ = rec.clear();
+            let _ = std::fs::remove_dir(rec.dir());
         }
         Ok(())
     }

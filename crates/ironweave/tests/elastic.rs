@@ -26,6 +26,9 @@ struct Fit {
     /// Fail this rank's step of this iteration once (a generation failure, as a lost peer is).
     fail_at: Option<u64>,
     failed: Arc<AtomicBool>,
+    /// Fail this rank's first step of each of its first generations, this many in all.
+    fail_generations: u32,
+    failures: Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl Fit {
@@ -38,6 +41,8 @@ impl Fit {
             skip_m_on_restore: false,
             fail_at: None,
             failed: Arc::new(AtomicBool::new(false)),
+            fail_generations: 0,
+            failures: Arc::new(std::sync::atomic::AtomicU32::new(0)),
         }
     }
 }
@@ -75,11 +80,17 @@ impl Worker for Fit {
             skip_m_on_restore: self.skip_m_on_restore,
             fail_at: self.fail_at,
             failed: self.failed.clone(),
+            fail_generations: self.fail_generations,
+            failures: self.failures.clone(),
             ..Fit::new(self.rank)
         };
         Ok(())
     }
     fn step(&mut self, it: u64, cx: &StepContext<'_>) -> Result<Step<()>, BoxError> {
+        if self.failures.load(Ordering::SeqCst) < self.fail_generations {
+            let n = self.failures.fetch_add(1, Ordering::SeqCst) + 1;
+            return Err(format!("rank {}: injected failure {n} of {}", self.rank, self.fail_generations).into());
+        }
         if self.fail_at == Some(it) && !self.failed.swap(true, Ordering::SeqCst) {
             return Err(format!("rank {}: injected failure in iteration {it}", self.rank).into());
         }
@@ -113,9 +124,21 @@ fn job(
     make: impl Fn(usize) -> Fit + Send + Sync + 'static,
 ) -> Vec<Result<Ended, Error>> {
     // a failure re-forms the job as generation 1, on `port + 1`
-    let port = ironweave_testkit::master_port(4);
+    let resume: Option<PathBuf> = resume.map(Into::into);
+    job_on(ironweave_testkit::master_port(4), 8, iters, persist, move |_| resume.clone(), make)
+}
+
+/// [`job`] on rendezvous port `port`, re-forming up to `reformations` times.
+fn job_on(
+    port: u16,
+    reformations: u32,
+    iters: u64,
+    persist: Option<&Path>,
+    resume: impl Fn(usize) -> Option<PathBuf> + Send + Sync + 'static,
+    make: impl Fn(usize) -> Fit + Send + Sync + 'static,
+) -> Vec<Result<Ended, Error>> {
     let make = Arc::new(make);
-    let (persist, resume): (Option<PathBuf>, Option<PathBuf>) = (persist.map(Into::into), resume.map(Into::into));
+    let (persist, resume): (Option<PathBuf>, _) = (persist.map(Into::into), Arc::new(resume));
     let hs: Vec<_> = (0..2)
         .map(|rank| {
             let (make, persist, resume) = (make.clone(), persist.clone(), resume.clone());
@@ -127,7 +150,8 @@ fn job(
                 cfg.engine.timeout = cfg.timeout;
                 cfg.backend = Some(Backend::Tcp);
                 cfg.set_threads = false;
-                cfg.resume_from = resume;
+                cfg.resume_from = resume(rank);
+                cfg.max_reformations = reformations;
                 let env = JobEnv {
                     rank,
                     world_size: 2,
@@ -161,9 +185,7 @@ fn job(
 fn a_restore_that_leaves_a_tensor_out_is_refused_naming_it() {
     let base = tmpdir("elastic-bad-restore");
     let persist = base.join("persist");
-    for r in job(4, Some(&persist), None, Fit::new) {
-        r.unwrap();
-    }
+    let written: Vec<Ended> = job(4, Some(&persist), None, Fit::new).into_iter().map(Result::unwrap).collect();
     // the worker's restore forgets `m`: the resume is refused on every rank, naming it
     let out = job(6, None, Some(&persist), |rank| Fit { skip_m_on_restore: true, ..Fit::new(rank) });
     for r in out {
@@ -173,12 +195,18 @@ fn a_restore_that_leaves_a_tensor_out_is_refused_naming_it() {
             Ok(_) => panic!("a restore that left `m` out was taken as a resume"),
         }
     }
-    // a correct restore: the digest of the state after it is the writer's state's
+    // a correct restore: the digest of the state after it is the writer's final state's,
+    // computed here from that state's own bytes (w, m, step: every rank holds them alike)
     let out: Vec<Ended> = job(4, None, Some(&persist), Fit::new).into_iter().map(Result::unwrap).collect();
-    let again: Vec<Ended> = job(4, None, Some(&persist), Fit::new).into_iter().map(Result::unwrap).collect();
     assert_eq!(out[0].resumed_iter, Some(4));
-    assert!(out[0].resumed_digest.is_some());
-    assert_eq!(out[0].resumed_digest, again[0].resumed_digest);
+    use ironweave::ckpt::layout::{global_digest, hex, tensor_sha256};
+    let st = &written[0].state;
+    let per: std::collections::BTreeMap<String, [u8; 32]> =
+        [("w", tensor_sha256(&st[..N * 4])), ("m", tensor_sha256(&st[N * 4..N * 8])), ("step", tensor_sha256(&st[N * 8..]))]
+            .into_iter()
+            .map(|(k, d)| (k.to_string(), d))
+            .collect();
+    assert_eq!(out[0].resumed_digest.as_deref(), Some(hex(&global_digest(&per)).as_str()));
     std::fs::remove_dir_all(&base).ok();
 }
 
@@ -202,6 +230,56 @@ fn a_resumed_job_that_fails_before_its_first_commit_loads_the_checkpoint_again()
         assert!(failed[r].state == clean[r].state, "rank {r} ended in another state than the uninterrupted resumed run");
     }
     std::fs::remove_dir_all(&base).ok();
+}
+
+/// Issue 57, item 2: the ranks of a resumed job see the directory differently — rank 0 read it
+/// before iteration 5's files were there (a live job's tier, a node's copy that lags); rank 1
+/// sees 5. Rank 0 chooses and every rank loads that iteration: the same state everywhere (each
+/// rank picking its own newest loaded 4 and 5, and the job trained on from two states).
+#[test]
+fn the_ranks_of_a_resumed_job_load_the_iteration_rank_0_chose() {
+    let base = tmpdir("elastic-resume-agree");
+    let (newer, older) = (base.join("newer"), base.join("older"));
+    for r in job(5, Some(&newer), None, Fit::new) {
+        r.unwrap();
+    }
+    // the view without iteration 5
+    std::fs::create_dir_all(&older).unwrap();
+    for e in std::fs::read_dir(&newer).unwrap().flatten() {
+        if e.path().is_dir() && e.file_name() != "iter-00000005" {
+            let to = older.join(e.file_name());
+            std::fs::create_dir_all(&to).unwrap();
+            for f in std::fs::read_dir(e.path()).unwrap().flatten() {
+                std::fs::copy(f.path(), to.join(f.file_name())).unwrap();
+            }
+        }
+    }
+    let (o, n) = (older.clone(), newer.clone());
+    let resume = move |r: usize| Some(if r == 0 { o.clone() } else { n.clone() });
+    let out: Vec<Ended> =
+        job_on(ironweave_testkit::master_port(4), 8, 8, None, resume, Fit::new).into_iter().map(Result::unwrap).collect();
+    assert_eq!((out[0].resumed_iter, out[1].resumed_iter), (Some(4), Some(4)));
+    assert!(out[0].state == out[1].state, "the ranks of one data-parallel job ended in different states");
+    std::fs::remove_dir_all(&base).ok();
+}
+
+#[test]
+fn two_hundred_re_formations_stay_inside_the_launcher_s_port_span() {
+    use ironweave::transport::rendezvous::RENDEZVOUS_SPAN;
+    let port = ironweave_testkit::master_port(RENDEZVOUS_SPAN + 1);
+    // the port just past the span is someone else's: a generation that walked out of the span
+    // (`port + 128`) could not listen there
+    let _taken = std::net::TcpListener::bind(("0.0.0.0", port + RENDEZVOUS_SPAN)).unwrap();
+    let out =
+        job_on(port, 210, 3, None, |_| None, |rank| Fit { fail_generations: if rank == 1 { 200 } else { 0 }, ..Fit::new(rank) });
+    let clean: Vec<Ended> = job(3, None, None, Fit::new).into_iter().map(Result::unwrap).collect();
+    for (r, o) in out.into_iter().enumerate() {
+        let e = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        // every failure came before a commit: each generation started over, and the job
+        // ended where an uninterrupted one does
+        assert_eq!(e.sources[r], Some(RestoreSource::InitialState), "rank {r}");
+        assert!(e.state == clean[r].state, "rank {r}");
+    }
 }
 
 #[test]
@@ -235,4 +313,84 @@ fn joining_waits_for_the_job_s_timeout_not_the_transport_s_default() {
         Err(e) => panic!("expected the rendezvous to time out, got {e}"),
         Ok(_) => panic!("a job without its rank 0 ran"),
     }
+}
+
+/// One launch of a 2-rank job (ranks as threads of this process) that no launcher named: its
+/// id is derived. Run by [`two_launches_without_an_id_never_take_each_other_s_files`] in a
+/// process of its own under its own `sh` (each launch its own launcher, as two torchrun or
+/// mpirun runs are). Prints each rank's restore source.
+#[test]
+#[ignore = "run in its own process by two_launches_without_an_id_never_take_each_other_s_files"]
+fn derived_id_launch() {
+    let (Ok(port), Ok(persist), Ok(fail)) =
+        (std::env::var("IW_TEST_PORT"), std::env::var("IW_TEST_PERSIST"), std::env::var("IW_TEST_FAIL"))
+    else {
+        return;
+    };
+    let hs: Vec<_> = (0..2)
+        .map(|rank| {
+            let (port, persist, fail) = (port.clone(), persist.clone(), fail == "1");
+            std::thread::spawn(move || {
+                let vars = [
+                    ("IRONWEAVE_RANK", rank.to_string()),
+                    ("IRONWEAVE_WORLD_SIZE", "2".to_string()),
+                    ("IRONWEAVE_MASTER_ADDR", "127.0.0.1".to_string()),
+                    ("IRONWEAVE_MASTER_PORT", port),
+                ];
+                let env = JobEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())).unwrap();
+                assert!(env.job_id_is_derived(), "{}", env.job_id);
+                let engine = EngineConfig { persist_every: 1, persist_dir: Some(persist.into()), ..Default::default() };
+                let mut cfg = Config::new(4, engine);
+                cfg.timeout = Duration::from_secs(30);
+                cfg.engine.timeout = cfg.timeout;
+                cfg.backend = Some(Backend::Tcp);
+                cfg.set_threads = false;
+                let mut w = Fit { fail_at: (fail && rank == 1).then_some(1), ..Fit::new(rank) };
+                let done = Job::new(cfg, env).unwrap().run(&mut w).unwrap();
+                let sources = done.restore_sources().unwrap();
+                let id = done.engine().job_id().to_string();
+                done.shutdown().unwrap();
+                (sources, id)
+            })
+        })
+        .collect();
+    for h in hs {
+        let (sources, id) = h.join().unwrap();
+        println!("sources {sources:?} job {id}");
+    }
+}
+
+/// Issue 57, item 3: two launches of the same program on the same endpoint, neither named by a
+/// launcher, write to one persistent directory. The second fails before its first commit: it
+/// starts over from its initial state — it never restores the first launch's files as its own
+/// (with the old shared id `default` it restored the first launch's iteration 4).
+#[test]
+fn two_launches_without_an_id_never_take_each_other_s_files() {
+    let base = tmpdir("elastic-derived-id");
+    let port = ironweave_testkit::master_port(4);
+    let exe = std::env::current_exe().unwrap();
+    let launch = |fail: &str| -> String {
+        // `sh` stays the ranks' parent (no exec): each launch has a launcher of its own
+        let o = std::process::Command::new("sh")
+            .args(["-c", "\"$0\" \"$@\"; exit $?"])
+            .arg(&exe)
+            .args(["--exact", "derived_id_launch", "--ignored", "--nocapture", "--test-threads", "1"])
+            .env("IW_TEST_PORT", port.to_string())
+            .env("IW_TEST_PERSIST", base.join("persist"))
+            .env("IW_TEST_FAIL", fail)
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+        out
+    };
+    let first = launch("0");
+    assert!(first.matches("sources [None, None]").count() == 2, "{first}");
+    let second = launch("1");
+    assert_eq!(second.matches("sources [Some(InitialState), Some(InitialState)]").count(), 2, "{second}");
+    let ids =
+        |out: &str| -> Vec<String> { out.lines().filter_map(|l| l.split_once(" job ")).map(|(_, id)| id.to_string()).collect() };
+    let (a, b) = (ids(&first), ids(&second));
+    assert!(a.len() == 2 && a[0] == a[1] && b[0] == b[1] && a[0] != b[0], "{a:?} {b:?}");
+    std::fs::remove_dir_all(&base).ok();
 }

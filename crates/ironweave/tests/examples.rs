@@ -141,6 +141,49 @@ enum Ended {
     Clean,
     /// The job ended with exit status 75 naming the committed iteration whose copies are gone.
     CannotRecover,
+    /// The job restored its initial state although an iteration had been committed before
+    /// (every process died and none remembered it): work lost without a word, which a
+    /// deterministic job hides by ending in the clean state anyway. Counted on its own, and
+    /// the campaign requires none.
+    RetrainedFromScratch,
+}
+
+/// Whether `lines` show a recovery to the initial state after some rank saw a commit.
+fn retrained_from_scratch(lines: &[String]) -> bool {
+    let first_commit = lines.iter().position(|l| l.contains(" committed Some("));
+    let scratch = lines.iter().rposition(|l| l.contains("restored iteration 0 from initial state"));
+    matches!((first_commit, scratch), (Some(c), Some(s)) if s > c)
+}
+
+/// Item 1 of issue 57, deterministically: rank 1 dies (fault point `done`) after the job's last
+/// iteration, in the window before the end every rank passes together. The survivors fail in
+/// that end and exit, the launcher restarts every rank, and no process remembers a commit —
+/// but the job's board does: the job says which committed iteration is gone (exit 75) instead
+/// of training again from scratch.
+#[test]
+fn a_rank_lost_after_the_last_iteration_never_retrains_from_scratch() {
+    let ex = example("elastic_train").display().to_string();
+    let mut child = Command::new(target_bin("ironweave"))
+        .args(["launch", "-n", "4", "--no-prefix", "--max-restarts", "8", "--", &ex, "10", "dp"])
+        .env("IRONWEAVE_TIMEOUT_S", "10")
+        .env("IRONWEAVE_FAULT", "done:1:10")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = std::thread::spawn({
+        let o = child.stdout.take().unwrap();
+        move || std::io::read_to_string(o).unwrap_or_default()
+    });
+    let err = std::io::read_to_string(child.stderr.take().unwrap()).unwrap_or_default();
+    let st = child.wait().unwrap();
+    let out = out.join().unwrap();
+    let text = format!("{out}\n{err}");
+    let lines: Vec<String> = text.lines().map(str::to_string).collect();
+    assert!(text.contains("killing myself with SIGKILL at fault point `done`"), "the fault did not fire\n{text}");
+    assert!(!retrained_from_scratch(&lines), "the job trained again from its initial state\n{text}");
+    assert_eq!(st.code(), Some(75), "{text}");
+    assert!(text.contains("iteration 10 was committed and every copy of it is gone"), "{text}");
 }
 
 /// The kills of one run: these ranks, the first `start` after launch, each next one `gaps[i]`
@@ -230,6 +273,9 @@ fn kill_run(ex: &str, iters: u64, layout: &str, clean: &str, k: &Kills, secs: u6
     let wall = t0.elapsed().as_secs_f64();
     let text = lines.join("\n");
     let states = final_states(&lines);
+    if retrained_from_scratch(&lines) {
+        return (Ended::RetrainedFromScratch, lines, wall);
+    }
     match status.code() {
         Some(0) => {
             assert!(!states.is_empty(), "{layout}: no rank printed a final state\n{text}");
@@ -268,7 +314,7 @@ fn correlated_kills_moments_apart_never_hang_the_job() {
         let clean_s = t0.elapsed().as_secs_f64();
         assert_eq!(clean.len(), 4);
         let mut rng = ironweave::SplitMix64(seed ^ layout.len() as u64);
-        let (mut ended_clean, mut cannot, mut walls, mut restarts) = (0, 0, Vec::new(), 0usize);
+        let (mut ended_clean, mut cannot, mut scratch, mut walls, mut restarts) = (0, 0, 0, Vec::new(), 0usize);
         for run in 0..runs {
             let n = 1 + rng.below(3) as usize;
             let mut ranks: Vec<usize> = (0..4).collect();
@@ -287,14 +333,16 @@ fn correlated_kills_moments_apart_never_hang_the_job() {
             match how {
                 Ended::Clean => ended_clean += 1,
                 Ended::CannotRecover => cannot += 1,
+                Ended::RetrainedFromScratch => scratch += 1,
             }
             walls.push(wall);
         }
         walls.sort_by(f64::total_cmp);
         eprintln!(
-            "campaign {layout}: {runs} runs (seed {seed}): {ended_clean} in the clean state, {cannot} exit 75 naming the lost iteration, 0 hangs; {restarts} rank restarts; wall median {:.1} s, max {:.1} s (clean run {clean_s:.1} s)",
+            "campaign {layout}: {runs} runs (seed {seed}): {ended_clean} in the clean state, {cannot} exit 75 naming the lost iteration, {scratch} retrained from scratch, 0 hangs; {restarts} rank restarts; wall median {:.1} s, max {:.1} s (clean run {clean_s:.1} s)",
             walls[walls.len() / 2],
             walls[walls.len() - 1]
         );
+        assert_eq!(scratch, 0, "{layout}: {scratch} runs trained again from scratch after a commit");
     }
 }

@@ -110,6 +110,11 @@ pub struct RunResult {
     pub wall_s: f64,
     /// The fault happened (a rank was killed, or the persistent tier refused a write).
     pub fault_fired: bool,
+    /// The job went back to its initial state although an iteration had been committed
+    /// before the fault: work lost without a word (a deterministic job still ends in the
+    /// clean state, so only this counter shows it). The campaign requires none.
+    #[serde(default)]
+    pub retrained_from_scratch: bool,
 }
 
 use ironweave_units::SplitMix64 as Rng;
@@ -459,12 +464,13 @@ fn restored_iter(stdout: &str) -> Option<u64> {
     None
 }
 
-/// `ironweave chaos`: the campaign with its table; fails (1) on a hang or a wrong final state
-/// (runs that could not be survived are in the table with their error).
+/// `ironweave chaos`: the campaign with its table; fails (1) on a hang, a wrong final state or
+/// a run retrained from scratch after a commit (runs that could not be survived are in the
+/// table with their error).
 pub fn command(a: &ChaosArgs) -> Result<i32> {
     crate::launch::install_signal_handlers();
     let rs = run(a)?;
-    Ok(if rs.iter().any(|r| r.hang || (r.finished && !r.final_state_matches)) { 1 } else { 0 })
+    Ok(if rs.iter().any(|r| r.hang || r.retrained_from_scratch || (r.finished && !r.final_state_matches)) { 1 } else { 0 })
 }
 
 /// Runs the campaign; returns the faulty runs' results.
@@ -587,6 +593,7 @@ fn campaign(a: &ChaosArgs, kinds: &[String], topo: Option<&crate::cluster::Topol
             fault_fired: o.stderr.contains("with SIGKILL")
                 || o.stderr.contains("persistent tier failed")
                 || o.link_was_down.is_some(),
+            retrained_from_scratch: restored == Some(0) && before.is_some(),
         };
         progress.step(
             k as u64 + 2,
@@ -626,8 +633,8 @@ fn print_summary(a: &ChaosArgs, clean_s: f64, rs: &[RunResult]) {
         );
     }
     // by kind: the table docs/RELIABILITY.md carries
-    println!("\n| fault kind | runs | fired | finished | final state = clean | committed iterations lost | iterations replayed (mean) | recovered without a restart | hangs | median cost (s) |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("\n| fault kind | runs | fired | finished | final state = clean | committed iterations lost | retrained from scratch | iterations replayed (mean) | recovered without a restart | hangs | median cost (s) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut kinds: Vec<&str> = rs.iter().map(|r| r.kind.as_str()).collect();
     kinds.sort();
     kinds.dedup();
@@ -637,12 +644,13 @@ fn print_summary(a: &ChaosArgs, clean_s: f64, rs: &[RunResult]) {
         let mut cost: Vec<f64> = of.iter().filter(|r| r.finished).map(|r| r.recovery_s).collect();
         cost.sort_by(f64::total_cmp);
         println!(
-            "| {k} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {:.1} |",
+            "| {k} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {:.1} |",
             of.len(),
             count(&|r| r.fault_fired),
             count(&|r| r.finished),
             count(&|r| r.finished && r.final_state_matches),
             of.iter().map(|r| r.lost_committed_iterations).sum::<u64>(),
+            count(&|r| r.retrained_from_scratch),
             of.iter().map(|r| r.replayed_iterations).sum::<u64>() as f64 / of.len().max(1) as f64,
             count(&|r| r.finished && r.recoveries == 0),
             count(&|r| r.hang),
@@ -654,11 +662,12 @@ fn print_summary(a: &ChaosArgs, clean_s: f64, rs: &[RunResult]) {
     let hangs = rs.iter().filter(|r| r.hang).count();
     let mismatched = rs.iter().filter(|r| r.finished && !r.final_state_matches).count();
     let lost: u64 = rs.iter().map(|r| r.lost_committed_iterations).sum();
+    let scratch = rs.iter().filter(|r| r.retrained_from_scratch).count();
     let mut rec: Vec<f64> = rs.iter().filter(|r| r.finished).map(|r| r.recovery_s).collect();
     rec.sort_by(f64::total_cmp);
     let median = rec.get(rec.len() / 2).copied().unwrap_or(0.0);
     println!(
-        "\n{} of {n} faulty runs ({} on {} ranks, seed {}) finished with the clean run's final state; {hangs} hangs, {mismatched} finished with another state, {lost} committed iterations lost; median cost of a fault {median:.1} s over the clean run's {clean_s:.1} s",
+        "\n{} of {n} faulty runs ({} on {} ranks, seed {}) finished with the clean run's final state; {hangs} hangs, {mismatched} finished with another state, {lost} committed iterations lost, {scratch} retrained from scratch; median cost of a fault {median:.1} s over the clean run's {clean_s:.1} s",
         ok,
         a.config.display(),
         a.ranks,

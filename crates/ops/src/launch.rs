@@ -384,8 +384,18 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                 eprintln!("ironweave launch: rank {rank} {} after the job finished; not restarted", describe(st).0);
             }
         }
+        // a rank that could not write the job's board: its waits and its record of commits are
+        // gone, and a restart would meet the same file system — said here, with the board's
+        // path and free space, and the job stopped
+        if let Some((rank, _)) = failed.iter().find(|(_, st)| st.code() == Some(EXIT_BOARD)) {
+            eprintln!(
+                "ironweave launch: rank {rank} could not write the job board {} ({}); stopping the job: free space there or set TMPDIR to a writable file system",
+                board.dir().display(),
+                ironweave_transport::board::free_space(board.dir())
+            );
+        }
         // a rank that says its job cannot recover is not restarted (nor is anyone else)
-        let unrecoverable = failed.iter().any(|(_, st)| st.code() == Some(EXIT_UNRECOVERABLE));
+        let unrecoverable = failed.iter().any(|(_, st)| matches!(st.code(), Some(EXIT_UNRECOVERABLE | EXIT_BOARD)));
         if !failed.is_empty() && restarts_left > 0 && !unrecoverable {
             // ranks that die together (a host, a rank and its replica peer) are one failure
             std::thread::sleep(Duration::from_millis(300));
@@ -454,6 +464,10 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
 /// The exit status of a rank whose job cannot recover (every copy of a committed iteration is
 /// gone): the launcher stops the job instead of restarting ranks.
 pub const EXIT_UNRECOVERABLE: i32 = 75;
+
+/// The exit status of a rank that could not write the job's board (`ironweave::elastic::
+/// EXIT_BOARD`): the launcher reports the board's path and free space and stops the job.
+pub const EXIT_BOARD: i32 = 74;
 
 /// Removes a directory when dropped (the job's board, whichever way the launcher returns).
 struct RemoveOnDrop(std::path::PathBuf);

@@ -92,10 +92,13 @@ pub struct Report {
     /// The layout-free digests of the final state and of a resumed job's loaded state.
     #[serde(flatten)]
     pub digests: Digests,
-    /// CPU the replica sender and receiver threads used over the run, all ranks, ns: divided by
-    /// `ckpt_bytes_replicated`, what each checkpoint byte costs the cores that train.
-    #[serde(default)]
-    pub ckpt_cpu_ns: u64,
+    /// CPU the checkpoint engine's own replica sender and receiver threads used over the run,
+    /// all ranks, ns — named for what it counts: the transport's reader threads that take the
+    /// replica bytes off the socket are not in it (they serve training messages too; the whole
+    /// cost, every thread, is `process_cpu_ns` against a `none` run). Reports written before
+    /// the name said what it counts carry it as `ckpt_cpu_ns`.
+    #[serde(default, alias = "ckpt_cpu_ns")]
+    pub ckpt_engine_threads_cpu_ns: u64,
     /// CPU every thread of the ranks' processes used over the whole run, ns, all ranks: a run
     /// minus the `none` run of the same job is what checkpointing cost, on whichever thread
     /// (TCP readers that decode replica frames included).

@@ -10,6 +10,16 @@
 //! Announcements are empty files (`gen-NNNNN`, `finished`): creating one is atomic, several
 //! processes may announce at once, and the newest generation is the largest name. Without a
 //! board (torchrun, srun, mpirun restart every rank together) nothing is announced.
+//!
+//! The board is also the job's memory of its commits ([`Board::commits`], [`CommitRecord::record`]): each rank
+//! records the newest iteration it saw committed (`committed-rNNNNN`, replaced atomically), so
+//! a job whose every process died — a rank lost between its last iteration and the job's end
+//! makes the survivors exit and the launcher restart them all — knows that it committed, and
+//! never starts over from its initial state without a word. A [`CommitRecord`] is that part
+//! alone, for launchers without a board (torchrun).
+//!
+//! A board that cannot be written is an error ([`Error::Board`], with the path and the free
+//! space), never a warning: a failed announcement brings back the waits the board ends.
 
 use std::path::{Path, PathBuf};
 
@@ -19,6 +29,37 @@ use crate::error::{Error, Result};
 pub const BOARD_VAR: &str = "IRONWEAVE_JOB_BOARD";
 
 const FINISHED: &str = "finished";
+const COMMITTED: &str = "committed-r";
+
+/// Free space of the file system holding `path` (or its nearest existing ancestor), for an
+/// error message: `N bytes free of M` or why it is unknown.
+pub fn free_space(path: &Path) -> String {
+    let mut p = path;
+    loop {
+        if p.exists() {
+            break;
+        }
+        match p.parent() {
+            Some(q) if !q.as_os_str().is_empty() => p = q,
+            _ => break,
+        }
+    }
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
+        return "free space unknown".into();
+    };
+    // SAFETY: statvfs fills the zeroed struct we own from a NUL-terminated path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid C string and `st` a valid out-pointer for the call's duration.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return format!("free space of {} unknown: {}", p.display(), std::io::Error::last_os_error());
+    }
+    let (free, total) = (st.f_bavail as u64 * st.f_frsize as u64, st.f_blocks as u64 * st.f_frsize as u64);
+    format!("{free} bytes free of {total} on the file system of {}", p.display())
+}
+
+fn board_error(path: &Path, what: &str, e: &std::io::Error) -> Error {
+    Error::Board { path: path.display().to_string(), detail: format!("{what}: {e}"), free: free_space(path) }
+}
 
 /// A job's board (see the module documentation).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,11 +68,17 @@ pub struct Board {
 }
 
 impl Board {
-    /// The board in `dir` (created when missing: the launcher's call).
+    /// The board in `dir` (created when missing: the launcher's call), checked writable.
     pub fn create(dir: impl Into<PathBuf>) -> Result<Board> {
         let dir = dir.into();
-        std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("creating the job board {}", dir.display()), &e))?;
-        Ok(Board { dir })
+        std::fs::create_dir_all(&dir).map_err(|e| board_error(&dir, "creating the job board", &e))?;
+        let b = Board { dir };
+        // an announcement written and taken back: a board nobody can write fails here, at the
+        // launcher, not in the middle of a recovery
+        let probe = b.dir.join(".probe");
+        std::fs::File::create(&probe).map_err(|e| board_error(&probe, "writing to the job board", &e))?;
+        let _ = std::fs::remove_file(&probe);
+        Ok(b)
     }
 
     /// The board in `dir`, as the launcher made it.
@@ -47,7 +94,7 @@ impl Board {
     /// Announces that this process goes to generation `gen`.
     pub fn announce(&self, gen: u16) -> Result<()> {
         let p = self.dir.join(format!("gen-{gen:05}"));
-        std::fs::File::create(&p).map(drop).map_err(|e| Error::io(format!("announcing generation {gen} at {}", p.display()), &e))
+        std::fs::File::create(&p).map(drop).map_err(|e| board_error(&p, &format!("announcing generation {gen}"), &e))
     }
 
     /// The newest generation announced (None: none yet, or no board directory).
@@ -62,7 +109,7 @@ impl Board {
     /// Says that the job ended: every rank passed its final barrier.
     pub fn finish(&self) -> Result<()> {
         let p = self.dir.join(FINISHED);
-        std::fs::File::create(&p).map(drop).map_err(|e| Error::io(format!("marking the job finished at {}", p.display()), &e))
+        std::fs::File::create(&p).map(drop).map_err(|e| board_error(&p, "marking the job finished", &e))
     }
 
     /// Whether the job ended.
@@ -80,6 +127,65 @@ impl Board {
             Some(newer) if newer > gen => Some(Error::Superseded { generation: gen, by: Some(newer) }),
             _ => None,
         }
+    }
+
+    /// The job's record of its commits, on this board.
+    pub fn commits(&self) -> CommitRecord {
+        CommitRecord { dir: self.dir.clone() }
+    }
+}
+
+/// The newest iteration a job committed, kept in a directory that outlives its processes (a
+/// launcher's [`Board`], or one of its own under torchrun): one small file per rank, written to
+/// a temporary name and renamed, so a reader sees a whole number or the one before.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitRecord {
+    dir: PathBuf,
+}
+
+impl CommitRecord {
+    /// The record in `dir` (created at the first [`CommitRecord::record`]).
+    pub fn at(dir: impl Into<PathBuf>) -> CommitRecord {
+        CommitRecord { dir: dir.into() }
+    }
+
+    /// Its directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Records that `rank` saw iteration `iter` committed.
+    pub fn record(&self, rank: usize, iter: u64) -> Result<()> {
+        let p = self.dir.join(format!("{COMMITTED}{rank:05}"));
+        let tmp = self.dir.join(format!(".{COMMITTED}{rank:05}.tmp"));
+        let what = format!("recording iteration {iter} committed");
+        std::fs::create_dir_all(&self.dir).map_err(|e| board_error(&self.dir, &what, &e))?;
+        std::fs::write(&tmp, iter.to_string()).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            board_error(&tmp, &what, &e)
+        })?;
+        std::fs::rename(&tmp, &p).map_err(|e| board_error(&p, &what, &e))
+    }
+
+    /// The newest iteration any rank recorded committed (None: none, or no record).
+    pub fn newest(&self) -> Option<u64> {
+        std::fs::read_dir(&self.dir)
+            .ok()?
+            .flatten()
+            .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with(COMMITTED)))
+            .filter_map(|e| std::fs::read_to_string(e.path()).ok()?.trim().parse().ok())
+            .max()
+    }
+
+    /// Forgets every commit (a new job that reuses the record's place).
+    pub fn clear(&self) -> Result<()> {
+        let Ok(rd) = std::fs::read_dir(&self.dir) else { return Ok(()) };
+        for e in rd.flatten() {
+            if e.file_name().to_str().is_some_and(|n| n.starts_with(COMMITTED)) {
+                std::fs::remove_file(e.path()).map_err(|err| board_error(&e.path(), "clearing the commit record", &err))?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -106,5 +212,38 @@ mod tests {
         // a board whose directory is gone announces nothing and supersedes nothing
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!((b.generation(), b.superseded(0)), (None, None));
+    }
+
+    #[test]
+    fn commits_are_remembered_across_processes_newest_of_any_rank() {
+        let dir = std::env::temp_dir().join(format!("iw-board-commits-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let b = Board::create(&dir).unwrap();
+        let rec = b.commits();
+        assert_eq!(rec.newest(), None);
+        rec.record(0, 3).unwrap();
+        rec.record(1, 4).unwrap();
+        rec.record(0, 5).unwrap();
+        // another process's view of the same directory
+        assert_eq!(CommitRecord::at(&dir).newest(), Some(5));
+        assert_eq!(b.generation(), None, "a commit is not a generation");
+        rec.clear().unwrap();
+        assert_eq!(rec.newest(), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_board_that_cannot_be_written_is_an_error_naming_the_path_and_the_free_space() {
+        // a regular file where the board's directory should be: unwritable even for root
+        let file = std::env::temp_dir().join(format!("iw-board-file-{}", std::process::id()));
+        std::fs::write(&file, b"x").unwrap();
+        let b = Board::at(file.join("board"));
+        for e in [b.announce(2).unwrap_err(), b.finish().unwrap_err(), b.commits().record(0, 7).unwrap_err()] {
+            let Error::Board { path, free, .. } = &e else { panic!("{e:?}") };
+            assert!(path.starts_with(&*file.to_string_lossy()), "{e}");
+            assert!(free.contains("bytes free of"), "{e}");
+        }
+        assert!(matches!(Board::create(file.join("board")), Err(Error::Board { .. })));
+        std::fs::remove_file(&file).unwrap();
     }
 }

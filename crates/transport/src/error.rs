@@ -51,6 +51,11 @@ pub enum Error {
     /// job's board (ranks failed or restarted meanwhile), or the job ended (`by` None).
     #[error("{}", superseded_message(*generation, by))]
     Superseded { generation: u16, by: Option<u16> },
+    /// The job's board (or its commit record) could not be written: the waits it ends and the
+    /// commits it remembers would be lost, so the rank stops (`ironweave launch` reports it
+    /// and does not restart the job).
+    #[error("the job board {path} cannot be written ({detail}; {free}): free space there or point TMPDIR at a writable file system, then start the job again")]
+    Board { path: String, detail: String, free: String },
     /// A backend feature that was not compiled in.
     #[error("ironweave was built without the `{feature}` feature; rebuild with `--features {feature}`")]
     NotCompiledWith { feature: &'static str },

@@ -50,7 +50,7 @@ pub mod threads;
 pub mod wire;
 
 pub use comm::CollHandle;
-pub use comm::{CommOptions, Communicator, DEFAULT_TIMEOUT, MAX_USER_TAG};
+pub use comm::{unique_job_id, CommOptions, Communicator, DEFAULT_TIMEOUT, MAX_USER_TAG};
 pub use dtype::{finish_avg, reduce_into, DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};

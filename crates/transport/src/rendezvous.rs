@@ -149,9 +149,14 @@ impl JobEnv {
         Ok(JobEnv { rank, world_size, local_rank, local_world_size, master, job_id, secret, source, generation, board })
     }
 
-    /// The job's id as the launcher set it (see [`job_id_from_env`]).
+    /// The job's id as the launcher set it, or derived (see [`job_id_from_env`]).
     pub fn job_id(&self) -> &str {
         &self.job_id
+    }
+
+    /// Whether no launcher named the job ([`job_id_from_env`] derived its id).
+    pub fn job_id_is_derived(&self) -> bool {
+        self.job_id.starts_with(DERIVED_JOB_ID_PREFIX)
     }
 
     /// Why this process should stop waiting to form its generation (a newer one was
@@ -169,15 +174,76 @@ impl JobEnv {
 /// Variables that name the job, in the order they are read.
 pub const JOB_ID_VARS: [&str; 4] = ["IRONWEAVE_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid"];
 
-/// The job's id as its launcher set it: `IRONWEAVE_JOB_ID` (unique per `ironweave launch`),
-/// torchrun's `TORCHELASTIC_RUN_ID` (its `--rdzv-id`), `SLURM_JOB_ID`, OpenMPI's job id; else
-/// `default`. Every process of one job, restarted ones included, reads the same id.
+/// How a job id that no launcher gave begins ([`job_id_from_env`]).
+pub const DERIVED_JOB_ID_PREFIX: &str = "derived-";
+
+/// The job's id: as its launcher set it — `IRONWEAVE_JOB_ID` (unique per `ironweave launch`),
+/// torchrun's `TORCHELASTIC_RUN_ID` (its `--rdzv-id`; torchrun's `none`, the id of every job
+/// without one, does not count), `SLURM_JOB_ID` with `SLURM_STEP_ID`, OpenMPI's job id — else
+/// one derived from what every rank of this job shares and another job does not: the master
+/// endpoint and the program with its arguments (`derived-<hash>`; the elastic runtime adds
+/// rank 0's launcher, its PID and start time, once the job has formed). Two unrelated jobs
+/// therefore never share an id by default, so neither adopts the other's files. Every process
+/// of one job, restarted ones included, reads the same id.
 pub fn job_id_from_env() -> String {
     job_id_from(&|k: &str| std::env::var(k).ok())
 }
 
 fn job_id_from(get: &dyn Fn(&str) -> Option<String>) -> String {
-    JOB_ID_VARS.iter().find_map(|k| get(k).filter(|v| !v.is_empty())).unwrap_or_else(|| "default".into())
+    let given = |k: &str| get(k).map(|v| v.trim().to_string()).filter(|v| !v.is_empty() && v != "none");
+    for k in JOB_ID_VARS {
+        if let Some(v) = given(k) {
+            return match (k, given("SLURM_STEP_ID")) {
+                // the steps of one allocation are different jobs
+                ("SLURM_JOB_ID", Some(step)) => format!("{v}.{step}"),
+                _ => v,
+            };
+        }
+    }
+    let mut h = Fnv::default();
+    for k in ["IRONWEAVE_MASTER_ADDR", "MASTER_ADDR", "IRONWEAVE_MASTER_PORT", "MASTER_PORT"] {
+        h.add(get(k).unwrap_or_default().as_bytes());
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        h.add(exe.as_os_str().as_encoded_bytes());
+    }
+    for a in std::env::args_os() {
+        h.add(a.as_encoded_bytes());
+    }
+    format!("{DERIVED_JOB_ID_PREFIX}{:016x}", h.0)
+}
+
+/// FNV-1a, 64 bits: a stable digest of a few strings (ids, not security).
+#[derive(Debug, Clone, Copy)]
+pub struct Fnv(pub u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    /// Adds `b` and a separator.
+    pub fn add(&mut self, b: &[u8]) {
+        for &x in b.iter().chain(&[0xff]) {
+            self.0 ^= u64::from(x);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+/// Who started this process, as a string that differs between two launches: the parent's PID
+/// and its start time (clock ticks after boot, `/proc/PID/stat`). Rank 0's is what makes a
+/// derived job id unique per launch (torchrun's agent keeps its PID across worker restarts).
+pub fn launcher_identity() -> String {
+    // SAFETY: getppid has no preconditions and cannot fail.
+    let ppid = unsafe { libc::getppid() };
+    let start = std::fs::read_to_string(format!("/proc/{ppid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(19).map(str::to_string)))
+        .unwrap_or_default();
+    format!("{ppid}@{start}")
 }
 
 fn write_framed(s: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
@@ -266,10 +332,10 @@ impl Rendezvous {
                     TcpListener::bind(any).map_err(|e| Error::io(format!("bind rendezvous port {any}"), &e))?
                 }
                 Err(e) => {
-                    // a re-formed job's generation g listens on the base port + g
+                    // a re-formed job's generation g listens on the base port + g (mod the span)
                     let which = match env.generation {
                         0 => String::new(),
-                        g => format!(", generation {g}'s port: IRONWEAVE_MASTER_PORT + {g}"),
+                        g => format!(", generation {g}'s port: IRONWEAVE_MASTER_PORT + {}", g % RENDEZVOUS_SPAN),
                     };
                     return Err(Error::Config(format!(
                         "rank 0 cannot listen on {} ({e}{which}): pick an IRONWEAVE_MASTER_PORT whose next \
@@ -473,10 +539,35 @@ fn serve(
     loop {
         let mut puts = Vec::with_capacity(size);
         let mut key0: Option<Vec<u8>> = None;
+        // every read of a round has the job's deadline and watches the board: a rank that
+        // stopped or was cut off never holds this thread and its sockets past them
+        let deadline = Instant::now() + timeout;
         for r in 0..size {
-            // Rounds have no overall deadline here: each client enforces its own.
-            let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
-            match read_framed(&mut conns[r], MAX_PAYLOAD + 260, far) {
+            let got = match read_watching(&mut conns[r], MAX_PAYLOAD + 260, deadline, watch) {
+                Err(Wait::Superseded(e)) => {
+                    let mut b = vec![MSG_FAIL_SUPERSEDED];
+                    if let Error::Superseded { generation, by } = &e {
+                        b.extend_from_slice(&generation.to_le_bytes());
+                        b.extend_from_slice(&by.unwrap_or(u16::MAX).to_le_bytes());
+                    }
+                    for s in conns.iter_mut() {
+                        let _ = write_framed(s, &b);
+                    }
+                    return Err(e);
+                }
+                // at a round boundary nobody waits for rank 0's next round: the job is done
+                // with the rendezvous (or rank 0 is gone) and nothing is owed to anyone
+                Err(Wait::Late) if r == 0 && !conns[1..].iter().any(has_data) => return Ok(()),
+                Err(Wait::Late) => {
+                    let reason = format!("rank {r} did not arrive at a rendezvous round within {timeout:?}");
+                    let mut all: Vec<Option<TcpStream>> = conns.into_iter().map(Some).collect();
+                    fail_all_as(&mut all, MSG_FAIL_TIMEOUT, &reason);
+                    return Err(Error::Timeout { what: format!("rendezvous: {reason}"), after: timeout });
+                }
+                Err(Wait::Io(e)) => Err(e),
+                Ok(b) => Ok(b),
+            };
+            match got {
                 Ok(b) if b.len() >= 2 && b[0] == MSG_PUT && b.len() >= 2 + usize::from(b[1]) => {
                     let k = b[2..2 + usize::from(b[1])].to_vec();
                     if key0.get_or_insert_with(|| k.clone()) != &k {
@@ -517,6 +608,53 @@ fn serve(
     }
 }
 
+/// Why a wait of the rendezvous server for a rank's message ended without it.
+enum Wait {
+    /// The round's deadline passed.
+    Late,
+    /// The board announced a newer generation or the job's end.
+    Superseded(Error),
+    /// The connection failed (closed: the rank left).
+    Io(std::io::Error),
+}
+
+/// Whether a message (or the connection's end) is waiting to be read on `s`, without waiting.
+fn has_data(s: &TcpStream) -> bool {
+    let _ = s.set_nonblocking(true);
+    let r = s.peek(&mut [0u8; 1]).is_ok();
+    let _ = s.set_nonblocking(false);
+    r
+}
+
+/// One framed message from `s` by `deadline`, looking at `watch` every [`WATCH_EVERY`] while
+/// nothing has arrived.
+fn read_watching(
+    s: &mut TcpStream,
+    limit: usize,
+    deadline: Instant,
+    watch: &(dyn Fn() -> Option<Error> + Send + Sync),
+) -> std::result::Result<Vec<u8>, Wait> {
+    loop {
+        if let Some(e) = watch() {
+            return Err(Wait::Superseded(e));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Wait::Late);
+        }
+        s.set_read_timeout(Some(left.min(WATCH_EVERY))).map_err(Wait::Io)?;
+        match s.peek(&mut [0u8; 1]) {
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => continue,
+            Err(e) => return Err(Wait::Io(e)),
+            Ok(_) => break,
+        }
+    }
+    read_framed(s, limit, deadline).map_err(|e| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Wait::Late,
+        _ => Wait::Io(e),
+    })
+}
+
 /// The host this process runs on, as a string equal on every rank of a host and different
 /// between hosts: `IRONWEAVE_HOST` (set by the launcher for each host of an emulated cluster,
 /// whose namespaces share one hostname), else the kernel's hostname. Checkpoint replicas go to
@@ -537,6 +675,20 @@ fn host_name_from(get: impl Fn(&str) -> Option<String>, kernel: impl Fn() -> Opt
 /// restarted rank goes one generation past every one announced, and ranks failing moments
 /// apart each do: a job with a few restarts can use a few dozen.)
 pub const RENDEZVOUS_SPAN: u16 = 128;
+
+/// The rendezvous port of generation `gen` of a job whose generation 0 meets on `base`: the
+/// [`RENDEZVOUS_SPAN`] ports from `base` in turn, wrapping after the last, so a job that
+/// re-forms any number of times stays inside the span its launcher found free. (Generations
+/// `g` and `g + RENDEZVOUS_SPAN` share a port; the older one's server gave up at its deadline
+/// long before.) An error where the port would pass 65535.
+pub fn generation_port(base: u16, gen: u16) -> Result<u16> {
+    base.checked_add(gen % RENDEZVOUS_SPAN).ok_or_else(|| {
+        Error::Config(format!(
+            "generation {gen} of a job on base port {base} would meet past port 65535: pick an IRONWEAVE_MASTER_PORT at most {} (`ironweave launch` does)",
+            u16::MAX - RENDEZVOUS_SPAN + 1
+        ))
+    })
+}
 
 /// A base port for a job's rendezvous whose next `span` ports (one per generation, see
 /// [`RENDEZVOUS_SPAN`]) are free now, chosen below the kernel's ephemeral range
@@ -667,6 +819,151 @@ mod tests {
         }
     }
 
+    /// Rank `rank` of a `world`-rank job on loopback `port` (job `rv-test`).
+    fn local_env(rank: usize, world: usize, port: u16, board: Option<crate::board::Board>) -> JobEnv {
+        JobEnv {
+            rank,
+            world_size: world,
+            local_rank: rank,
+            local_world_size: Some(world),
+            master: (std::net::Ipv4Addr::LOCALHOST, port).into(),
+            job_id: format!("rv-test-{port}"),
+            secret: b"s".to_vec(),
+            source: EnvSource::Ironweave,
+            generation: 0,
+            board,
+        }
+    }
+
+    /// Runs `f` on a thread and gives its result, or None if it took longer than `limit` (the
+    /// thread is left behind: a test that would hang fails instead).
+    fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(limit).ok()
+    }
+
+    #[test]
+    fn a_rank_that_stops_inside_a_round_frees_the_server_at_the_job_s_deadline() {
+        let port = free_base_port(1).unwrap();
+        let t = Duration::from_millis(800);
+        let r1 = std::thread::spawn(move || {
+            let mut rv = Rendezvous::connect(&local_env(1, 2, port, None), t).unwrap();
+            rv.all_gather("a", b"1").unwrap();
+            // alive, connected, and silent: as a stopped process (SIGSTOP) or one cut off
+            std::thread::sleep(Duration::from_secs(4));
+            drop(rv);
+        });
+        let mut rv = Rendezvous::connect(&local_env(0, 2, port, None), t).unwrap();
+        assert_eq!(rv.all_gather("a", b"0").unwrap(), vec![b"0".to_vec(), b"1".to_vec()]);
+        let t0 = Instant::now();
+        let e = rv.all_gather("b", b"0").unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
+        // the server thread gave up the silent rank at the deadline (it read it for a year)
+        let closed = within(Duration::from_secs(3), move || rv.close());
+        let closed = closed.expect("the rendezvous server still waits for the silent rank");
+        assert!(matches!(closed, Err(Error::Timeout { ref what, .. }) if what.contains("rank 1")), "{closed:?}");
+        assert!(t0.elapsed() < Duration::from_secs(3));
+        r1.join().unwrap();
+    }
+
+    #[test]
+    fn a_round_waiting_for_a_rank_gives_up_when_the_board_announces_a_newer_generation() {
+        let port = free_base_port(1).unwrap();
+        let dir = std::env::temp_dir().join(format!("iw-rv-board-{}-{port}", std::process::id()));
+        let board = crate::board::Board::create(&dir).unwrap();
+        let t = Duration::from_secs(30);
+        let b1 = board.clone();
+        let r1 = std::thread::spawn(move || {
+            let mut rv = Rendezvous::connect(&local_env(1, 2, port, Some(b1)), t).unwrap();
+            rv.all_gather("a", b"1").unwrap();
+            std::thread::sleep(Duration::from_secs(3));
+        });
+        let mut rv = Rendezvous::connect(&local_env(0, 2, port, Some(board.clone())), t).unwrap();
+        rv.all_gather("a", b"0").unwrap();
+        let b0 = board.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            b0.announce(1).unwrap();
+        });
+        let e = rv.all_gather("b", b"0").unwrap_err();
+        assert_eq!(e, Error::Superseded { generation: 0, by: Some(1) });
+        // and the server left too, long before the 30 s deadline
+        let closed = within(Duration::from_secs(2), move || rv.close()).expect("the server still waits");
+        assert_eq!(closed, Err(Error::Superseded { generation: 0, by: Some(1) }));
+        r1.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Registers as `rank` by hand (a raw client of the rendezvous), as a process would.
+    fn register(env: &JobEnv) -> TcpStream {
+        let dl = Instant::now() + Duration::from_secs(10);
+        let mut s = handshake::connect_retry_watching(env.master, dl, &|| None).unwrap();
+        handshake::connect(&mut s, &env.credentials(), Role::Rendezvous, env.rank as u32, 0, 0, Duration::from_secs(10)).unwrap();
+        s
+    }
+
+    #[test]
+    fn a_second_registration_of_a_rank_replaces_the_first() {
+        let port = free_base_port(1).unwrap();
+        let t = Duration::from_secs(10);
+        let gather = move |rank: usize, data: &'static [u8]| {
+            std::thread::spawn(move || {
+                let mut rv = Rendezvous::connect(&local_env(rank, 3, port, None), t).unwrap();
+                let got = rv.all_gather("a", data);
+                let _ = rv.close();
+                got
+            })
+        };
+        let r0 = gather(0, b"0");
+        // rank 1's first process registers, then (as a restarted process) its second does,
+        // both before the last rank arrives
+        let mut first = register(&local_env(1, 3, port, None));
+        let r1 = gather(1, b"new");
+        std::thread::sleep(Duration::from_millis(300));
+        let r2 = gather(2, b"2");
+        let want = vec![b"0".to_vec(), b"new".to_vec(), b"2".to_vec()];
+        for r in [r0, r1, r2] {
+            assert_eq!(r.join().unwrap().unwrap(), want);
+        }
+        // the older one was closed by the server
+        first.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(first.read(&mut [0u8; 1]).unwrap(), 0, "the first registration is closed");
+    }
+
+    #[test]
+    fn a_registered_rank_that_dies_is_reported_as_lost_to_every_rank() {
+        let port = free_base_port(1).unwrap();
+        let t = Duration::from_secs(10);
+        let env1 = local_env(1, 2, port, None);
+        let r0 = std::thread::spawn(move || {
+            let mut rv = Rendezvous::connect(&local_env(0, 2, port, None), t).unwrap();
+            let t0 = Instant::now();
+            (rv.all_gather("a", b"0"), t0.elapsed())
+        });
+        // rank 1 registers, then dies before its first round (its socket closes)
+        let s = register(&env1);
+        std::thread::sleep(Duration::from_millis(200));
+        drop(s);
+        let (got, took) = r0.join().unwrap();
+        assert!(matches!(got, Err(Error::PeerLost { rank: 1, .. })), "{got:?}");
+        assert!(took < Duration::from_secs(5), "reported at once, not at the deadline: {took:?}");
+    }
+
+    #[test]
+    fn generations_stay_inside_the_launcher_s_span() {
+        assert_eq!(generation_port(20_000, 0).unwrap(), 20_000);
+        assert_eq!(generation_port(20_000, RENDEZVOUS_SPAN - 1).unwrap(), 20_000 + RENDEZVOUS_SPAN - 1);
+        assert_eq!(generation_port(20_000, RENDEZVOUS_SPAN).unwrap(), 20_000);
+        for g in 0..=u16::MAX {
+            let p = generation_port(20_000, g).unwrap();
+            assert!((20_000..20_000 + RENDEZVOUS_SPAN).contains(&p));
+        }
+        assert!(matches!(generation_port(65_500, 100), Err(Error::Config(m)) if m.contains("65535")));
+    }
+
     fn env_of(pairs: &[(&str, &str)]) -> Result<JobEnv> {
         let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         JobEnv::from_lookup(|k| m.get(k).cloned())
@@ -704,6 +1001,32 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((e.rank, e.source), (0, EnvSource::Ironweave));
+    }
+
+    #[test]
+    fn a_job_without_an_id_gets_one_of_its_own_never_a_shared_default() {
+        let base = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
+        let a = env_of(&base).unwrap();
+        assert!(a.job_id_is_derived() && a.job_id != "default", "{}", a.job_id);
+        // torchrun's `none` (static rendezvous, no --rdzv-id) names no job
+        let none = env_of(&[base.as_slice(), &[("TORCHELASTIC_RUN_ID", "none")]].concat()).unwrap();
+        assert_eq!(none.job_id, a.job_id);
+        // another endpoint is another job
+        let b = env_of(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29501")]).unwrap();
+        assert_ne!(a.job_id, b.job_id);
+        // a launcher's id wins; SLURM's steps of one allocation differ
+        let t = env_of(&[base.as_slice(), &[("TORCHELASTIC_RUN_ID", "abc")]].concat()).unwrap();
+        assert_eq!((t.job_id.as_str(), t.job_id_is_derived()), ("abc", false));
+        let s = env_of(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_JOB_ID", "77"),
+            ("SLURM_STEP_ID", "3"),
+            ("MASTER_ADDR", "127.0.0.1"),
+        ])
+        .unwrap();
+        assert_eq!(s.job_id, "77.3");
+        assert!(launcher_identity().contains('@'));
     }
 
     #[test]

@@ -315,6 +315,8 @@ impl ShmGroup {
             .mode(0o600)
             .open(path)
             .map_err(|e| Error::io(format!("creating the shared-memory segment {}", path.display()), &e))?;
+        // from here on a failure removes the file it made (a failed round must leave nothing)
+        let unlink = Unlink(Some(path.to_path_buf()));
         f.set_len(len as u64).map_err(|e| Error::io(format!("sizing {} to {len} bytes", path.display()), &e))?;
         // Reserve every page now: a tmpfs too small for the segment is an error here, not a
         // SIGBUS in the middle of a collective.
@@ -323,7 +325,6 @@ impl ShmGroup {
             // SAFETY: posix_fallocate on the file descriptor we own, within its length.
             let rc = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len as libc::off_t) };
             if rc != 0 {
-                let _ = std::fs::remove_file(path);
                 return Err(Error::io(
                     format!("reserving {len} bytes for {} (is the tmpfs large enough?)", path.display()),
                     &std::io::Error::from_raw_os_error(rc),
@@ -331,6 +332,8 @@ impl ShmGroup {
             }
         }
         let map = map_file(&f, len)?;
+        // the caller unlinks it once every rank mapped it
+        unlink.keep();
         let g = ShmGroup::from_map(map, rank, size, slot, chan_bytes, channels, health, path);
         let h = g.header();
         h.size.store(size as u64, Ordering::Relaxed);
@@ -1174,6 +1177,7 @@ pub fn join_job(env: &JobEnv, rv: &mut Rendezvous, cfg: &ShmConfig, health: Heal
     let mut health = Some(health);
     let mut made = None;
     let mut offer = Vec::new();
+    let mut unlink = Unlink(None);
     if rank == 0 {
         let safe: String = env.job_id.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).take(64).collect();
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
@@ -1183,6 +1187,9 @@ pub fn join_job(env: &JobEnv, rv: &mut Rendezvous, cfg: &ShmConfig, health: Heal
             Ok(g) => {
                 offer = path.to_string_lossy().into_owned().into_bytes();
                 made = Some(g);
+                // unlinked on every path out of here: after the ranks mapped it, or when a
+                // round fails (a rank lost, a deadline) — ~8 MiB x world each time otherwise
+                unlink = Unlink(Some(path));
             }
             Err(e) => offer = format!("\0{e}").into_bytes(),
         }
@@ -1200,10 +1207,10 @@ pub fn join_job(env: &JobEnv, rv: &mut Rendezvous, cfg: &ShmConfig, health: Heal
             Err(e) => (None, e.to_string()),
         }
     };
-    let statuses = rv.all_gather("iw-shm-ready", status.as_bytes())?;
-    if rank == 0 && !path.is_empty() && path.first() != Some(&0) {
-        let _ = std::fs::remove_file(String::from_utf8_lossy(&path).as_ref());
-    }
+    let statuses = rv.all_gather("iw-shm-ready", status.as_bytes());
+    // every rank mapped it (or gave up): the mappings stay, the name goes
+    drop(unlink);
+    let statuses = statuses?;
     if let Some((r, why)) = statuses.iter().enumerate().find(|(_, s)| !s.is_empty()) {
         if rank == 0 {
             eprintln!(
@@ -1238,6 +1245,24 @@ pub fn join_job(env: &JobEnv, rv: &mut Rendezvous, cfg: &ShmConfig, health: Heal
 
 const PROBE: u64 = 0x5eed_c0de_0000_0000;
 
+/// Removes a segment file when dropped, unless [`Unlink::keep`] was called: every way out of
+/// a failed formation (a round that fails, a mapping that fails) unlinks what it made.
+struct Unlink(Option<PathBuf>);
+
+impl Unlink {
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1253,6 +1278,47 @@ mod tests {
         }
         std::fs::remove_file(&path).unwrap();
         (v, path)
+    }
+
+    #[test]
+    fn a_failed_round_leaves_no_segment_behind() {
+        use crate::rendezvous::{free_base_port, EnvSource, Rendezvous};
+        let cfg = ShmConfig::default();
+        if !cfg.dir.is_dir() {
+            return;
+        }
+        let port = free_base_port(1).unwrap();
+        let env = move |rank| JobEnv {
+            rank,
+            world_size: 2,
+            local_rank: rank,
+            local_world_size: Some(2),
+            master: (std::net::Ipv4Addr::LOCALHOST, port).into(),
+            job_id: format!("shm-leak-{port}"),
+            secret: b"s".to_vec(),
+            source: EnvSource::Ironweave,
+            generation: 0,
+            board: None,
+        };
+        let mine = format!("ironweave-shm_leak_{port}-");
+        let count = || {
+            std::fs::read_dir(&cfg.dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with(&mine)).count()
+        };
+        let before = count();
+        for round in 0..50 {
+            // rank 1 agrees that both share a host, then dies before the segment's path round
+            let key = format!("1{}", host_key());
+            let peer = std::thread::spawn(move || {
+                let mut rv = Rendezvous::connect(&env(1), Duration::from_secs(10)).unwrap();
+                rv.all_gather("iw-shm-host", key.as_bytes()).unwrap();
+            });
+            let mut rv = Rendezvous::connect(&env(0), Duration::from_secs(10)).unwrap();
+            let got = join_job(&env(0), &mut rv, &cfg, Box::new(|| Ok(())));
+            assert!(got.is_err(), "round {round}: the rendezvous lost rank 1, the formation must fail");
+            peer.join().unwrap();
+            drop(rv);
+        }
+        assert_eq!(count(), before, "segments left in {} by 50 failed rounds", cfg.dir.display());
     }
 
     fn dl() -> Instant {

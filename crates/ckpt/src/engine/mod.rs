@@ -214,6 +214,12 @@ impl Engine {
     /// Forget every snapshot, replica and acknowledgement (collectively, on every rank): the
     /// job starts over from its initial state because nothing was ever committed.
     pub fn start_over(&mut self) {
+        // this job's own background writes end first: a resume or a reader of the persistent
+        // tier that follows must not see a file half written (or one that appears later)
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+        let _ = self.join_keeper();
         self.forget_memory();
         self.sched.locked().releaser = None;
         self.committed = None;

@@ -432,6 +432,53 @@ impl Trainer {
         out
     }
 
+    /// The state as the model itself holds it, in [`Trainer::state_specs`] order: each
+    /// parameter (or this rank's shard of it) read from the model's variables — weights and
+    /// biases alike — the moments and the step from the trainer. After a restore this equals
+    /// the restored snapshot only if the restore reached the variables, which the host copies
+    /// of [`Trainer::state`] cannot show: the elastic runtime checks it
+    /// ([`crate::elastic::Worker::restored_state`]).
+    pub fn state_from_variables(&self) -> Result<Vec<Vec<u8>>> {
+        let bytes = |x: &[f32]| bytemuck::cast_slice::<f32, u8>(x).to_vec();
+        let mut out = Vec::new();
+        match &self.holder {
+            Holder::Replicated { m, v, .. } => {
+                for (i, p) in self.params.iter().enumerate() {
+                    out.push(bytes(&to_host(p.var.as_tensor())?));
+                    out.push(bytes(&m[i]));
+                    out.push(bytes(&v[i]));
+                }
+            }
+            Holder::Sharded { engine, .. } => {
+                // each unit's parameters flattened as the engine shards them
+                let flat: Vec<Vec<f32>> = self
+                    .units
+                    .iter()
+                    .map(|u| self.params[u.clone()].iter().map(|p| to_host(p.var.as_tensor())).collect::<Result<Vec<_>>>())
+                    .map(|r| r.map(|v| v.concat()))
+                    .collect::<Result<_>>()?;
+                let blocks = engine.shard_tensors();
+                for (c, (_, block)) in engine.checkpoint_tensors().iter().zip(&blocks) {
+                    if c.name.ends_with(".p") {
+                        let l: usize = c.name.split('.').next().and_then(|x| x.parse().ok()).unwrap_or(usize::MAX);
+                        let held = flat
+                            .get(l)
+                            .and_then(|f| f.get(c.offset..c.offset + c.values.len()))
+                            .ok_or_else(|| Error::Invalid(format!("shard `{}` lies outside its unit's parameters", c.name)))?;
+                        // the block's padding past the held elements is zero
+                        let mut b = vec![0f32; block.len()];
+                        b[..held.len()].copy_from_slice(held);
+                        out.push(bytes(&b));
+                    } else {
+                        out.push(bytes(block));
+                    }
+                }
+            }
+        }
+        out.push(self.step_bytes.to_vec());
+        Ok(out)
+    }
+
     /// Bytes of the state this rank keeps between steps (what one checkpoint of it carries):
     /// `1/world` of the data-parallel state under `full`.
     pub fn state_bytes(&self) -> u64 {
@@ -587,6 +634,52 @@ mod tests {
             assert_ne!(before, moved, "rank {r}: the later steps changed the state (else the test proves nothing)");
             assert_eq!((after, *steps), (before, 3), "rank {r}: the host state is iteration 3's again");
             assert_eq!(restored, weight, "rank {r}: the model's variables hold iteration 3's weights again");
+        }
+    }
+
+    #[test]
+    fn the_state_read_from_the_variables_shows_whether_a_restore_reached_them() {
+        for layout in [Layout::DataParallel, Layout::sharded(ironweave_sdp::Strategy::Full, 2)] {
+            let out = on_world(2, |r, comm| {
+                let vm = VarMap::new();
+                let lin = model(&vm);
+                let mut t = Trainer::new(&vm, &comm, layout.clone(), TrainerConfig::default()).unwrap();
+                let x = Tensor::full(r as f32 + 1.0, (4, 3), &Device::Cpu).unwrap();
+                for _ in 0..2 {
+                    t.step(&Whole(&lin), &x, |y| y.sqr()?.mean_all()).unwrap();
+                }
+                let reg = Arc::new(ironweave_ckpt::Registry::new(&t.state_specs()).unwrap());
+                let snap = ironweave_ckpt::SnapshotBuffers::new(1, 4096).take(2, 0, &reg, &t.state()).unwrap();
+                let tensors = |st: &[Vec<u8>]| -> Vec<(String, bool)> {
+                    reg.tensors
+                        .iter()
+                        .zip(st)
+                        .map(|(m, b)| (m.name.clone(), snap.tensor(&m.name) == Some(b.as_slice())))
+                        .collect()
+                };
+                t.step(&Whole(&lin), &x, |y| y.sqr()?.mean_all()).unwrap();
+                t.restore(&snap).unwrap();
+                let restored = tensors(&t.state_from_variables().unwrap());
+                // a restore that never reached the variables: the host copies are right, the
+                // model is not (its weights and biases scrambled after the restore)
+                init_uniform(&vm, 77 + r as u64).unwrap();
+                let host = tensors(&t.state().iter().map(|b| b.to_vec()).collect::<Vec<_>>());
+                let vars = tensors(&t.state_from_variables().unwrap());
+                (restored, host, vars)
+            });
+            for (r, (restored, host, vars)) in out.into_iter().enumerate() {
+                assert!(restored.iter().all(|(_, same)| *same), "{layout:?} rank {r}: {restored:?}");
+                assert!(host.iter().all(|(_, same)| *same), "{layout:?} rank {r}: the host copies cannot tell");
+                // every parameter tensor of this rank differs, biases too
+                let params: Vec<&(String, bool)> = vars
+                    .iter()
+                    .filter(|(n, _)| !n.contains("adam.") && !n.ends_with(".m") && !n.ends_with(".v") && n != "step")
+                    .collect();
+                assert!(!params.is_empty() && params.iter().all(|(_, same)| !*same), "{layout:?} rank {r}: {vars:?}");
+                if layout == Layout::DataParallel {
+                    assert!(params.iter().any(|(n, _)| n.ends_with("bias")), "{vars:?}");
+                }
+            }
         }
     }
 

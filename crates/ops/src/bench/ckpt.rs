@@ -358,8 +358,9 @@ fn run_all(
                     .map(|(c, b)| c / *b as f64)
                     .collect(),
                 replica_threads_cpu_ns_per_byte: {
-                    let (cpu, bytes) =
-                        reps.iter().fold((0u64, 0u64), |(c, b), (r, _)| (c + r.ckpt_cpu_ns, b + r.ckpt_bytes_replicated));
+                    let (cpu, bytes) = reps
+                        .iter()
+                        .fold((0u64, 0u64), |(c, b), (r, _)| (c + r.ckpt_engine_threads_cpu_ns, b + r.ckpt_bytes_replicated));
                     (bytes > 0).then(|| cpu as f64 / bytes as f64)
                 },
                 ckpt_bytes_per_iter: r.ckpt_bytes_replicated as f64 / (r.iterations.max(1) * r.ranks.max(1) as u64) as f64,
@@ -488,6 +489,40 @@ pub fn best_gemini(rows: &[Row]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn row(strategy: &str, mean_ms: f64, median_ms: f64) -> Row {
+        serde_json::from_value(serde_json::json!({
+            "strategy": strategy, "iter_time_s": median_ms / 1e3, "round_iter_time_s": [median_ms / 1e3],
+            "mean_iter_s": mean_ms / 1e3, "speedup_vs": {}, "link_bytes": {}, "ckpt_bytes_inter_host_sent": 0,
+            "ckpt_bytes_per_link": [], "ckpt_bytes_storage": 0, "ckpt_snapshots_skipped": 0, "exposed_ckpt_s": 0.0,
+            "profiling_activations": 0, "iterations": 10, "state_bytes_per_rank": 0,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_best_gemini_is_the_lowest_mean_and_every_capricorn_row_is_measured_against_it() {
+        // the fastest Gemini by mean, not by median (gemini-b has the lower median), nor the first
+        let rows = [
+            row("none", 100.0, 100.0),
+            row("gemini-a", 150.0, 140.0),
+            row("gemini-b", 160.0, 120.0),
+            row("gemini-c", 130.0, 135.0),
+            row("capricorn", 104.0, 108.0),
+            row("capricorn-sparse", 117.0, 100.0),
+        ];
+        let md = best_gemini(&rows);
+        assert!(
+            md.contains("best Gemini row (the fastest of 3 in this invocation): gemini-c (mean 130.0 ms, median 135.0 ms)"),
+            "{md}"
+        );
+        assert!(md.contains("capricorn's speedup over it: 1.25x (mean), 1.25x (median)"), "{md}");
+        assert!(md.contains("capricorn-sparse's speedup over it: 1.11x (mean), 1.35x (median)"), "{md}");
+        assert!(!md.contains("none"), "{md}");
+        // one Gemini row is the only one; none at all: no lines
+        assert!(best_gemini(&rows[..2]).contains("(the only one of 1 in this invocation): gemini-a"));
+        assert_eq!(best_gemini(&[row("none", 1.0, 1.0), row("capricorn", 1.0, 1.0)]), "");
+    }
 
     #[test]
     fn none_runs_first_and_all_adds_multilink_only_with_two_links() {

@@ -83,6 +83,16 @@ pub fn run_elastic<W: ironweave::elastic::Worker>(
             }
             Err(crate::Error::Exit(e.exit_code()))
         }
+        Err(e @ ironweave::elastic::Error::JobFinished) => {
+            // restarted after every rank passed the final barrier: nothing to do, and that
+            // is success (exit status 0, as documented), not a failure the launcher reports
+            eprintln!("rank {rank}: {e}");
+            Err(crate::Error::Exit(e.exit_code()))
+        }
+        Err(e @ ironweave::elastic::Error::Transport(ironweave::transport::Error::Board { .. })) => {
+            eprintln!("rank {rank}: {e}");
+            Err(crate::Error::Exit(e.exit_code()))
+        }
         Err(e @ ironweave::elastic::Error::Resume { .. }) => {
             // every rank says it: the one whose part failed names the tensor and the file
             eprintln!("rank {rank}: {e}");

@@ -273,7 +273,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         rep.ckpt_bytes_replicated = v[0];
         rep.ckpt_bytes_inter_host_sent = v[1];
         rep.ckpt_bytes_storage = v[2];
-        rep.ckpt_cpu_ns = v[3];
+        rep.ckpt_engine_threads_cpu_ns = v[3];
         rep.wire_chunks = v[4];
         rep.wire_accuracy = (v[4] > 0).then(|| v[5] as f64 / v[4] as f64);
         rep.process_cpu_ns = v[6];

@@ -1119,3 +1119,25 @@ fn split_two(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [
         (&hi[..a.end - a.start], &mut lo[b])
     }
 }
+
+/// The id a job with the derived id `base` ([`crate::rendezvous::job_id_from_env`]) keeps its files under: `base`
+/// with rank 0's [`crate::rendezvous::launcher_identity`] added (broadcast: collective), so two launches of the
+/// same program on the same endpoint are two jobs. An id a launcher gave is returned as is
+/// (nothing is exchanged).
+pub fn unique_job_id(comm: &Communicator, base: &str) -> Result<String> {
+    if !base.starts_with(crate::rendezvous::DERIVED_JOB_ID_PREFIX) {
+        return Ok(base.to_string());
+    }
+    let mine = crate::rendezvous::launcher_identity().into_bytes();
+    let mut len = [mine.len().min(256) as i64];
+    comm.broadcast(&mut len, 0)?;
+    let mut buf = vec![0u8; usize::try_from(len[0]).unwrap_or(0).min(256)];
+    if comm.rank() == 0 {
+        let n = buf.len();
+        buf.copy_from_slice(&mine[..n]);
+    }
+    comm.broadcast(&mut buf, 0)?;
+    let mut h = crate::rendezvous::Fnv::default();
+    h.add(&buf);
+    Ok(format!("{base}-{:08x}", h.0 as u32))
+}
