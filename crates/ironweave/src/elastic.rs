@@ -738,9 +738,10 @@ impl Job {
     /// launcher's id cannot learn rank 0's and keeps the derived id (give such jobs an id).
     fn job_identity(&self, comm: &Communicator, gen: u16) -> Result<String> {
         let id = self.env.job_id.clone();
-        if !self.env.job_id_is_derived() || gen != 0 || self.start_gen != 0 {
+        if gen != 0 || self.start_gen != 0 {
             return Ok(id);
         }
+        // a launcher's id comes back as it is, without a collective
         Ok(ironweave_transport::unique_job_id(comm, &id)?)
     }
 

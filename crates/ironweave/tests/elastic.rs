@@ -152,18 +152,7 @@ fn job_on(
                 cfg.set_threads = false;
                 cfg.resume_from = resume(rank);
                 cfg.max_reformations = reformations;
-                let env = JobEnv {
-                    rank,
-                    world_size: 2,
-                    local_rank: rank,
-                    local_world_size: Some(2),
-                    master: (std::net::Ipv4Addr::LOCALHOST, port).into(),
-                    job_id: format!("elastic-test-{port}"),
-                    secret: b"test".to_vec(),
-                    source: ironweave::transport::rendezvous::EnvSource::Ironweave,
-                    generation: 0,
-                    board: None,
-                };
+                let env = JobEnv::loopback(rank, 2, port, format!("elastic-test-{port}"));
                 let mut w = make(rank);
                 let done = Job::new(cfg, env)?.run(&mut w)?;
                 let sources = done.restore_sources()?;
@@ -286,18 +275,7 @@ fn two_hundred_re_formations_stay_inside_the_launcher_s_port_span() {
 fn joining_waits_for_the_job_s_timeout_not_the_transport_s_default() {
     // rank 1 of a 2-rank job whose rank 0 never comes: the rendezvous gives up at the job's
     // `Config::timeout` (1 s here), as every later wait does, and says so
-    let env = JobEnv {
-        rank: 1,
-        world_size: 2,
-        local_rank: 1,
-        local_world_size: Some(2),
-        master: (std::net::Ipv4Addr::LOCALHOST, ironweave_testkit::master_port(1)).into(),
-        job_id: "elastic-lonely".into(),
-        secret: b"test".to_vec(),
-        source: ironweave::transport::rendezvous::EnvSource::Ironweave,
-        generation: 0,
-        board: None,
-    };
+    let env = JobEnv::loopback(1, 2, ironweave_testkit::master_port(1), "elastic-lonely");
     let mut cfg = Config::new(3, EngineConfig::default());
     cfg.timeout = Duration::from_secs(1);
     cfg.engine.timeout = cfg.timeout;

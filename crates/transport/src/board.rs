@@ -34,16 +34,7 @@ const COMMITTED: &str = "committed-r";
 /// Free space of the file system holding `path` (or its nearest existing ancestor), for an
 /// error message: `N bytes free of M` or why it is unknown.
 pub fn free_space(path: &Path) -> String {
-    let mut p = path;
-    loop {
-        if p.exists() {
-            break;
-        }
-        match p.parent() {
-            Some(q) if !q.as_os_str().is_empty() => p = q,
-            _ => break,
-        }
-    }
+    let p = path.ancestors().find(|a| a.exists()).unwrap_or(path);
     let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
         return "free space unknown".into();
     };

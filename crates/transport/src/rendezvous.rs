@@ -149,6 +149,24 @@ impl JobEnv {
         Ok(JobEnv { rank, world_size, local_rank, local_world_size, master, job_id, secret, source, generation, board })
     }
 
+    /// Rank `rank` of a `world`-rank job on loopback port `port` named `job_id`, as a program
+    /// that plays the launcher itself (threads as ranks, tests) describes it: generation 0, no
+    /// board, every rank on this host.
+    pub fn loopback(rank: usize, world: usize, port: u16, job_id: impl Into<String>) -> JobEnv {
+        JobEnv {
+            rank,
+            world_size: world,
+            local_rank: rank,
+            local_world_size: Some(world),
+            master: (std::net::Ipv4Addr::LOCALHOST, port).into(),
+            job_id: job_id.into(),
+            secret: b"local".to_vec(),
+            source: EnvSource::Ironweave,
+            generation: 0,
+            board: None,
+        }
+    }
+
     /// The job's id as the launcher set it, or derived (see [`job_id_from_env`]).
     pub fn job_id(&self) -> &str {
         &self.job_id
@@ -758,20 +776,7 @@ where
     let hs: Vec<_> = (0..n)
         .map(|rank| {
             let (join, what) = (join.clone(), what.to_string());
-            std::thread::spawn(move || {
-                join(JobEnv {
-                    rank,
-                    world_size: n,
-                    local_rank: rank,
-                    local_world_size: Some(n),
-                    master: (std::net::Ipv4Addr::LOCALHOST, port).into(),
-                    job_id: format!("local-{what}-{port}"),
-                    secret: b"local".to_vec(),
-                    source: EnvSource::Ironweave,
-                    generation: 0,
-                    board: None,
-                })
-            })
+            std::thread::spawn(move || join(JobEnv::loopback(rank, n, port, format!("local-{what}-{port}"))))
         })
         .collect();
     let mut out = Vec::with_capacity(n);
@@ -821,18 +826,7 @@ mod tests {
 
     /// Rank `rank` of a `world`-rank job on loopback `port` (job `rv-test`).
     fn local_env(rank: usize, world: usize, port: u16, board: Option<crate::board::Board>) -> JobEnv {
-        JobEnv {
-            rank,
-            world_size: world,
-            local_rank: rank,
-            local_world_size: Some(world),
-            master: (std::net::Ipv4Addr::LOCALHOST, port).into(),
-            job_id: format!("rv-test-{port}"),
-            secret: b"s".to_vec(),
-            source: EnvSource::Ironweave,
-            generation: 0,
-            board,
-        }
+        JobEnv { board, ..JobEnv::loopback(rank, world, port, format!("rv-test-{port}")) }
     }
 
     /// Runs `f` on a thread and gives its result, or None if it took longer than `limit` (the

@@ -1282,24 +1282,13 @@ mod tests {
 
     #[test]
     fn a_failed_round_leaves_no_segment_behind() {
-        use crate::rendezvous::{free_base_port, EnvSource, Rendezvous};
+        use crate::rendezvous::{free_base_port, Rendezvous};
         let cfg = ShmConfig::default();
         if !cfg.dir.is_dir() {
             return;
         }
         let port = free_base_port(1).unwrap();
-        let env = move |rank| JobEnv {
-            rank,
-            world_size: 2,
-            local_rank: rank,
-            local_world_size: Some(2),
-            master: (std::net::Ipv4Addr::LOCALHOST, port).into(),
-            job_id: format!("shm-leak-{port}"),
-            secret: b"s".to_vec(),
-            source: EnvSource::Ironweave,
-            generation: 0,
-            board: None,
-        };
+        let env = move |rank| JobEnv::loopback(rank, 2, port, format!("shm-leak-{port}"));
         let mine = format!("ironweave-shm_leak_{port}-");
         let count = || {
             std::fs::read_dir(&cfg.dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with(&mine)).count()
