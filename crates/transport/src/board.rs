@@ -48,6 +48,35 @@ pub fn free_space(path: &Path) -> String {
     format!("{free} bytes free of {total} on the file system of {}", p.display())
 }
 
+/// Makes `dir` (its parent must exist) private to this user, or checks that it is: a directory
+/// under a shared temporary directory must be neither planted nor readable by another user —
+/// the job trusts what it reads there. A directory that exists and is a link, another user's,
+/// or open to group or others is refused.
+fn private_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(board_error(dir, "creating the directory", &e)),
+    }
+    let m = std::fs::symlink_metadata(dir).map_err(|e| board_error(dir, "reading the directory's owner", &e))?;
+    // SAFETY: getuid has no preconditions and cannot fail.
+    let me = unsafe { libc::getuid() };
+    if !m.is_dir() || m.uid() != me || m.mode() & 0o077 != 0 {
+        return Err(Error::Board {
+            path: dir.display().to_string(),
+            detail: format!(
+                "refused: a {} of uid {} with mode {:o}, not a directory of uid {me} with mode 700 (another user could plant or read what the job keeps there)",
+                if m.is_dir() { "directory" } else { "file or link" },
+                m.uid(),
+                m.mode() & 0o7777
+            ),
+            free: free_space(dir),
+        });
+    }
+    Ok(())
+}
+
 fn board_error(path: &Path, what: &str, e: &std::io::Error) -> Error {
     Error::Board { path: path.display().to_string(), detail: format!("{what}: {e}"), free: free_space(path) }
 }
@@ -59,10 +88,14 @@ pub struct Board {
 }
 
 impl Board {
-    /// The board in `dir` (created when missing: the launcher's call), checked writable.
+    /// The board in `dir` (created when missing, private to this user: the launcher's call),
+    /// checked writable.
     pub fn create(dir: impl Into<PathBuf>) -> Result<Board> {
         let dir = dir.into();
-        std::fs::create_dir_all(&dir).map_err(|e| board_error(&dir, "creating the job board", &e))?;
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| board_error(parent, "creating the job board's parent", &e))?;
+        }
+        private_dir(&dir)?;
         let b = Board { dir };
         // an announcement written and taken back: a board nobody can write fails here, at the
         // launcher, not in the middle of a recovery
@@ -150,16 +183,27 @@ impl CommitRecord {
         let p = self.dir.join(format!("{COMMITTED}{rank:05}"));
         let tmp = self.dir.join(format!(".{COMMITTED}{rank:05}.tmp"));
         let what = format!("recording iteration {iter} committed");
-        std::fs::create_dir_all(&self.dir).map_err(|e| board_error(&self.dir, &what, &e))?;
-        std::fs::write(&tmp, iter.to_string()).map_err(|e| {
+        private_dir(&self.dir)?;
+        let write = || -> std::io::Result<()> {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+            f.write_all(iter.to_string().as_bytes())
+        };
+        write().map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
             board_error(&tmp, &what, &e)
         })?;
         std::fs::rename(&tmp, &p).map_err(|e| board_error(&p, &what, &e))
     }
 
-    /// The newest iteration any rank recorded committed (None: none, or no record).
+    /// The newest iteration any rank recorded committed (None: none, or no record, or a
+    /// directory that is not this user's alone: its numbers are not trusted, and the job's
+    /// first commit then fails naming it).
     pub fn newest(&self) -> Option<u64> {
+        if std::fs::symlink_metadata(&self.dir).is_err() || private_dir(&self.dir).is_err() {
+            return None;
+        }
         std::fs::read_dir(&self.dir)
             .ok()?
             .flatten()
@@ -220,6 +264,25 @@ mod tests {
         assert_eq!(b.generation(), None, "a commit is not a generation");
         rec.clear().unwrap();
         assert_eq!(rec.newest(), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_record_is_private_and_one_open_to_others_is_neither_read_nor_written() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("iw-board-private-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let rec = CommitRecord::at(&dir);
+        rec.record(2, 9).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!((mode(&dir), mode(&dir.join("committed-r00002"))), (0o700, 0o600));
+        assert_eq!(rec.newest(), Some(9));
+        // a directory others may write (as one planted in /tmp would be): not trusted, not used
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert_eq!(rec.newest(), None);
+        let e = rec.record(2, 10).unwrap_err();
+        assert!(matches!(&e, Error::Board { detail, .. } if detail.contains("refused") && detail.contains("777")), "{e}");
+        assert!(matches!(Board::create(&dir), Err(Error::Board { .. })));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
