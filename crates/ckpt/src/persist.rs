@@ -7,6 +7,7 @@ use ironweave_units::Locked;
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -50,6 +51,12 @@ pub struct Manifest {
     /// continue another's ([`crate::EngineConfig::restore_other_jobs`]).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub job: String,
+    /// HMAC-SHA256 (hex) of this manifest (with `mac` empty) and the data, keyed by the job's
+    /// key ([`MacKey`]): written when the writer has a key; a reader with the key refuses a
+    /// file without a valid one (a copy planted by someone who could write the directory but
+    /// does not know the secret; xxh3 sums alone can be forged).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub mac: String,
 }
 
 impl Manifest {
@@ -99,6 +106,7 @@ impl Manifest {
             tensor_xxh3: Vec::new(),
             layout: BTreeMap::new(),
             job: String::new(),
+            mac: String::new(),
         }
     }
 }
@@ -186,7 +194,15 @@ pub const PACE_BLOCK: usize = 1 << 20;
 fn write_atomic(path: &Path, parts: &[&[u8]], bucket: Option<&Mutex<TokenBucket>>, fault: Option<(usize, u64)>) -> Result<()> {
     let tmp = path.with_extension(format!("{}.tmp", path.extension().and_then(|e| e.to_str()).unwrap_or("")));
     let r = (|| -> Result<()> {
-        let mut f = File::create(&tmp).map_err(|e| CkptError::io(&tmp, e))?;
+        // readable by this user only: a checkpoint is the job's data, and what is read back is
+        // trusted
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| CkptError::io(&tmp, e))?;
         let mut first = true;
         for p in parts {
             for block in p.chunks(PACE_BLOCK) {
@@ -249,6 +265,75 @@ pub struct Written {
     pub layout: BTreeMap<String, String>,
     /// The job that wrote it.
     pub job: String,
+    /// The key each manifest's MAC is computed with (none: no MAC).
+    pub key: Option<MacKey>,
+}
+
+/// The key that authenticates kept copies (`ironweave::checkpointer::mac_key_in`: random, kept
+/// 0600 beside them). Never printed.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct MacKey(Vec<u8>);
+
+impl std::fmt::Debug for MacKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MacKey(..)")
+    }
+}
+
+impl MacKey {
+    /// The key of `secret`; None for an empty secret (nothing to key with).
+    pub fn new(secret: &[u8]) -> Option<MacKey> {
+        (!secret.is_empty()).then(|| MacKey(secret.to_vec()))
+    }
+
+    /// HMAC-SHA256 of `parts` (RFC 2104).
+    fn hmac(&self, parts: &[&[u8]]) -> [u8; 32] {
+        use sha2::{Digest, Sha256};
+        let mut k = [0u8; 64];
+        if self.0.len() > 64 {
+            k[..32].copy_from_slice(&Sha256::digest(&self.0));
+        } else {
+            k[..self.0.len()].copy_from_slice(&self.0);
+        }
+        let mut inner = Sha256::new();
+        inner.update(k.map(|b| b ^ 0x36));
+        for p in parts {
+            inner.update(p);
+        }
+        let mut outer = Sha256::new();
+        outer.update(k.map(|b| b ^ 0x5c));
+        outer.update(inner.finalize());
+        outer.finalize().into()
+    }
+
+    /// The MAC of a manifest (its `mac` field left out) and the data it describes, hex.
+    pub fn mac(&self, man: &Manifest, data: &[u8]) -> Result<String> {
+        let mut m = man.clone();
+        m.mac.clear();
+        let head = serde_json::to_vec(&m).map_err(|e| CkptError::Invalid(e.to_string()))?;
+        let d = self.hmac(&[b"ironweave-kept-copy-v1\0", &(head.len() as u64).to_le_bytes(), &head, data]);
+        Ok(d.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// Checks `man`'s MAC over `data` (`what` names the file in the error).
+    pub fn check(&self, man: &Manifest, data: &[u8], what: &str) -> Result<()> {
+        if man.mac.is_empty() {
+            return Err(CkptError::Corrupt {
+                what: what.to_string(),
+                detail: "it carries no MAC: not written by this job (the job has a key, so its own copies carry one)".into(),
+            });
+        }
+        let want = self.mac(man, data)?;
+        // compared in time independent of where they differ
+        let diff = want.bytes().zip(man.mac.bytes()).fold(want.len() ^ man.mac.len(), |a, (x, y)| a | usize::from(x ^ y));
+        if diff != 0 {
+            return Err(CkptError::Corrupt {
+                what: what.to_string(),
+                detail: "its MAC does not match under this job's key: planted, altered, or written by another job".into(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// [`write_with`], the manifest naming the parallel layout and the job that wrote it.
@@ -280,6 +365,9 @@ pub fn write_layout(
         .collect();
     man.layout = by.layout.clone();
     man.job = by.job.clone();
+    if let Some(k) = &by.key {
+        man.mac = k.mac(&man, &snap.data)?;
+    }
     let m = serde_json::to_vec_pretty(&man).map_err(|e| CkptError::Invalid(e.to_string()))?;
     write_atomic(&man_path, &[&m], None, None)?;
     sync_dir(d)?;
@@ -354,9 +442,17 @@ pub fn parse_safetensors<'a>(bytes: &'a [u8], path: &Path) -> Result<(Registry, 
 
 /// Load and verify a rank's checkpoint of one iteration.
 pub fn load(dir: &Path, iter: u64, rank: u32) -> Result<Snapshot> {
+    load_keyed(dir, iter, rank, None)
+}
+
+/// [`load`], and with `key` the file's MAC checked too (before its bytes are used).
+pub fn load_keyed(dir: &Path, iter: u64, rank: u32, key: Option<&MacKey>) -> Result<Snapshot> {
     let (data_path, _) = located(dir, iter, rank);
     let man = read_manifest(dir, iter, rank)?;
     let (reg, data) = read_safetensors(&data_path)?;
+    if let Some(k) = key {
+        k.check(&man, &data, &data_path.display().to_string())?;
+    }
     let mut want = man.registry.tensors.clone();
     want.sort_by_key(|t| (t.offset, t.len));
     if reg.tensors.len() != want.len() || reg.tensors.iter().zip(&want).any(|(a, b)| !a.same_bytes(b)) {

@@ -188,6 +188,7 @@ mod tests {
             tensor_xxh3: vec![],
             layout: Default::default(),
             job: String::new(),
+            mac: String::new(),
         }
     }
 

@@ -119,25 +119,112 @@ pub fn job_env() -> Result<JobEnv> {
     Ok(env)
 }
 
+/// How a checkpointer joins its job ([`Checkpointer::join_with`]).
+#[derive(Debug, Default)]
+pub struct JoinOptions {
+    /// Every rank registers the same names, dtypes and shapes (data parallelism), checked
+    /// before the engine starts.
+    pub same_layout: bool,
+    /// When the config names no keep directory: keep the copies under
+    /// `/dev/shm/ironweave-<job id>/<name>` ([`auto_keep_dir`]), the job id as the engine
+    /// resolves it (the launcher's, or one derived for this launch). `name` tells apart the
+    /// engines of one job (a `Checkpointer` and a DCP writer never share files).
+    pub auto_keep: Option<String>,
+    /// A refusal this rank found before joining (its state cannot be registered): every rank
+    /// returns it, so no rank waits for this one.
+    pub refusal: Option<Error>,
+}
+
 impl Checkpointer {
     /// Joins the job in the environment ([`job_env`]) over `IRONWEAVE_BACKEND` (default TCP)
     /// and starts the engine for `specs` (collective). `same_layout`: every rank registers the
     /// same names, dtypes and shapes (data parallelism), checked before the engine starts.
     pub fn join(specs: &[TensorSpec], cfg: EngineConfig, same_layout: bool) -> Result<Self> {
+        Self::join_with(specs, cfg, JoinOptions { same_layout, ..JoinOptions::default() })
+    }
+
+    /// [`Checkpointer::join`] with every option.
+    pub fn join_with(specs: &[TensorSpec], cfg: EngineConfig, opts: JoinOptions) -> Result<Self> {
         let env = job_env()?;
         let comm = crate::connect(Backend::from_env()?, &env, CommOptions::from_env()?)?;
-        Self::on(Arc::new(comm), specs, cfg, same_layout)
+        Self::on_with(Arc::new(comm), specs, cfg, opts)
     }
 
     /// [`Checkpointer::join`] on a communicator the caller formed.
     pub fn on(comm: Arc<Communicator>, specs: &[TensorSpec], cfg: EngineConfig, same_layout: bool) -> Result<Self> {
-        let registry = Registry::new(specs)?;
-        if same_layout {
+        Self::on_with(comm, specs, cfg, JoinOptions { same_layout, ..JoinOptions::default() })
+    }
+
+    /// [`Checkpointer::join_with`] on a communicator the caller formed. Before the engine
+    /// starts, every rank agrees (collectively) on: each rank's node (replicas go to other
+    /// nodes, [`node_of`]), the job's id and keep directory (private to this user, with room
+    /// for the copies, [`preflight`]), and whether any rank refuses — a refusal is every
+    /// rank's error, so none waits for another.
+    pub fn on_with(comm: Arc<Communicator>, specs: &[TensorSpec], mut cfg: EngineConfig, opts: JoinOptions) -> Result<Self> {
+        let mut refusal = opts.refusal;
+        let registry = match Registry::new(specs) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                refusal.get_or_insert(Error::Ckpt(e));
+                None
+            }
+        };
+        let state_bytes = registry.as_ref().map_or(0, |r| r.total);
+        let nodes = gather_nodes(&comm, &cfg.host, state_bytes)?;
+        if cfg.host.is_empty() {
+            cfg.host = node_of(&nodes, comm.rank())?;
+        }
+        let job = match cfg.job_id.clone() {
+            Some(j) => j,
+            None => ironweave_transport::unique_job_id(&comm, &ironweave_transport::rendezvous::job_id_from_env())?,
+        };
+        cfg.job_id = Some(job.clone());
+        if cfg.keep_dir.is_none() {
+            cfg.keep_dir = opts.auto_keep.as_deref().and_then(|name| auto_keep_dir(&job, name));
+            if cfg.keep_dir.is_some() && comm.rank() == 0 {
+                // copies of this user's jobs whose launchers have all ended (out of restarts, or
+                // killed) are nobody's: they go before this job takes room
+                for k in kept_jobs(Path::new("/dev/shm"))
+                    .into_iter()
+                    .filter(|k| k.orphan && !k.dir.ends_with(format!("{KEEP_PREFIX}{}", safe_name(&job))))
+                {
+                    let _ = std::fs::remove_dir_all(&k.dir);
+                }
+            }
+        }
+        if let (None, Some(dir)) = (&refusal, &cfg.keep_dir) {
+            let need = keep_need(&nodes, comm.rank(), &cfg);
+            if let Err(e) = preflight(dir, need) {
+                refusal = Some(e);
+            }
+        }
+        agree(&comm, refusal)?;
+        let registry = registry.expect("a rank without a registry refused, and every rank returned its refusal");
+        if opts.same_layout {
             check_same_layout(&comm, &registry)?;
         }
-        let state_bytes = registry.total;
+        if let (Some(dir), None) = (&cfg.keep_dir, &cfg.mac_key) {
+            cfg.mac_key = Some(mac_key_in(dir)?);
+        }
+        if let Some(dir) = &cfg.keep_dir {
+            // who keeps these copies alive: `clean` removes them once no launcher lives
+            let f = launcher_file(dir, comm.rank());
+            std::fs::write(&f, ironweave_transport::rendezvous::launcher_identity())
+                .map_err(|e| Error::Ckpt(CkptError::Io { path: f.clone(), source: e }))?;
+        }
         let engine = Engine::new(comm, registry, cfg)?;
         Ok(Checkpointer { engine, last: None, began: false, stats: Stats { state_bytes, ..Stats::default() } })
+    }
+
+    /// The job's id (the launcher's, or the one derived for this launch): kept copies of
+    /// another job are never adopted.
+    pub fn job_id(&self) -> &str {
+        &self.engine.written().job
+    }
+
+    /// Where this rank's copies outlive the process (None: memory only).
+    pub fn keep_dir(&self) -> Option<&Path> {
+        self.engine.config().keep_dir.as_deref()
     }
 
     /// This rank.
@@ -159,14 +246,24 @@ impl Checkpointer {
     /// tensor, in order) and agrees on the newest committed step (collective); replication
     /// goes on in the background during the next step. Steps must increase.
     pub fn save(&mut self, step: u64, bufs: &[&[u8]]) -> Result<u64> {
-        if let Some(last) = self.last {
-            if step <= last {
-                return Err(Error::Ckpt(CkptError::Invalid(format!(
+        self.save_or_refuse(step, bufs, None)
+    }
+
+    /// [`Checkpointer::save`], or `refusal` (an error the caller found in this rank's state):
+    /// every rank first agrees whether any rank refuses — a bad step, a buffer of the wrong
+    /// length, or the caller's refusal — and if one does, every rank returns that rank's error
+    /// at once, before anything is snapshot (no rank waits in the commit for a rank that
+    /// refused; the checkpointer stays usable).
+    pub fn save_or_refuse(&mut self, step: u64, bufs: &[&[u8]], refusal: Option<Error>) -> Result<u64> {
+        let mine = refusal.or_else(|| {
+            if let Some(last) = self.last.filter(|&last| step <= last) {
+                return Some(Error::Ckpt(CkptError::Invalid(format!(
                     "step {step} is not after the last saved or restored step {last}: steps must increase"
                 ))));
             }
-        }
-        self.check_lengths(bufs.iter().map(|b| b.len()))?;
+            self.check_lengths(bufs.iter().map(|b| b.len())).err()
+        });
+        agree(self.engine.comm(), mine)?;
         let t0 = Instant::now();
         self.end_step();
         self.engine.checkpoint(step, bufs)?;
@@ -191,7 +288,14 @@ impl Checkpointer {
     /// in place — all or nothing: every buffer's length is checked before any byte is written.
     /// `Ok(None)`: no rank holds any copy (a fresh start).
     pub fn restore(&mut self, bufs: &mut [&mut [u8]]) -> Result<Option<Restore>> {
-        self.check_lengths(bufs.iter().map(|b| b.len()))?;
+        self.restore_or_refuse(bufs, None)
+    }
+
+    /// [`Checkpointer::restore`], or `refusal` on every rank (agreed first, as in
+    /// [`Checkpointer::save_or_refuse`]).
+    pub fn restore_or_refuse(&mut self, bufs: &mut [&mut [u8]], refusal: Option<Error>) -> Result<Option<Restore>> {
+        let mine = refusal.or_else(|| self.check_lengths(bufs.iter().map(|b| b.len())).err());
+        agree(self.engine.comm(), mine)?;
         let t0 = Instant::now();
         let mut any = [i64::from(self.engine.holds_anything())];
         self.engine.comm().all_reduce(&mut any, ReduceOp::Max)?;
@@ -244,14 +348,25 @@ impl Checkpointer {
         if remove_kept {
             self.engine.comm().barrier()?;
             let root = self.engine.remove_kept()?;
-            // every rank's copies are gone: one rank removes the job's directory
+            if let Some(root) = &root {
+                let _ = std::fs::remove_file(launcher_file(root, self.rank()));
+            }
+            // every rank's copies are gone: the job's directory goes with its key (and the
+            // directory of the job's engines when it made it and no other engine is left). Every
+            // rank tries, since each node has its own; rank 0 reports what failed.
             self.engine.comm().barrier()?;
-            if let (0, Some(root)) = (self.rank(), root) {
+            if let Some(root) = root {
+                let _ = std::fs::remove_file(root.join(MAC_KEY_FILE));
                 match std::fs::remove_dir(&root) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound && self.rank() == 0 => {
                         return Err(Error::Ckpt(CkptError::Io { path: root, source: e }))
                     }
                     _ => {}
+                }
+                if let Some(parent) =
+                    root.parent().filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(KEEP_PREFIX)))
+                {
+                    let _ = std::fs::remove_dir(parent);
                 }
             }
         }
@@ -346,6 +461,16 @@ pub fn saved(dir: &Path) -> Result<(u64, Vec<SavedTensor>)> {
     Ok((iter, idx.into_iter().map(|(name, g)| SavedTensor { name, dtype: g.dtype, shape: g.shape }).collect()))
 }
 
+/// Checks every rank's file of iteration `iter` under `dir` against its MAC under `key` (the
+/// writing job's key, [`mac_key_in`]): a copy planted or altered by someone without the key is
+/// refused before anything of it is used.
+pub fn check_macs(dir: &Path, iter: u64, key: &ironweave_ckpt::persist::MacKey) -> Result<()> {
+    for m in persist::read_manifests(dir, iter)? {
+        persist::load_keyed(dir, iter, m.rank, Some(key))?;
+    }
+    Ok(())
+}
+
 /// Loads iteration `iter` of the checkpoint under `dir` ([`saved`]) into `bufs`, one per spec of
 /// `want`, each spec naming the slice of a global tensor it wants — whatever world size and
 /// layout wrote it: the project's resharding ([`persist::load_global`]) reads each owner slice
@@ -421,4 +546,326 @@ fn broadcast_text(comm: &Communicator, root: usize, text: String) -> Result<Stri
     let mut buf = if comm.rank() == root { text } else { vec![0u8; len[0] as usize] };
     comm.broadcast(&mut buf, root)?;
     Ok(String::from_utf8_lossy(&buf).into_owned())
+}
+
+/// Each rank's (host key, torchrun node, state bytes), as every rank said (collective).
+type Nodes = Vec<[i64; 3]>;
+
+fn host_key(host: &str) -> i64 {
+    let mut h = ironweave_transport::rendezvous::Fnv::default();
+    h.add(host.as_bytes());
+    h.0 as i64
+}
+
+/// torchrun's node of this process (`GROUP_RANK`), -1 outside torchrun.
+fn torchrun_node() -> i64 {
+    std::env::var("GROUP_RANK").ok().and_then(|g| g.trim().parse().ok()).unwrap_or(-1)
+}
+
+/// The host this rank names (`host`, else `rendezvous::host_name()`: `IRONWEAVE_HOST`, else the
+/// hostname), its torchrun node and its state bytes, gathered from every rank (collective).
+fn gather_nodes(comm: &Communicator, host: &str, state_bytes: u64) -> Result<Nodes> {
+    let host = if host.is_empty() { ironweave_transport::rendezvous::host_name() } else { host.to_string() };
+    let (me, n) = (comm.rank(), comm.size());
+    let mut all = vec![0i64; 3 * n];
+    all[3 * me..3 * me + 3].copy_from_slice(&[host_key(&host), torchrun_node(), state_bytes as i64]);
+    // each slot has one writer: the sum is every rank's triple
+    comm.all_reduce(&mut all, ReduceOp::Sum)?;
+    Ok(all.chunks(3).map(|c| [c[0], c[1], c[2]]).collect())
+}
+
+/// The node identity rank `me` gives its engine: its host name, checked against torchrun's
+/// nodes. Ranks of one torchrun node naming different hosts is a configuration error (every
+/// rank sees it); ranks of different torchrun nodes naming one host (two agents on one machine,
+/// or nodes whose hostnames collide) are told apart by their node, with a warning, so a replica
+/// never sits on the node it protects because two names collide.
+pub fn node_of(nodes: &[[i64; 3]], me: usize) -> Result<String> {
+    let host = ironweave_transport::rendezvous::host_name();
+    let mut collide = false;
+    for (a, x) in nodes.iter().enumerate() {
+        for (b, y) in nodes.iter().enumerate().skip(a + 1) {
+            if x[1] >= 0 && x[1] == y[1] && x[0] != y[0] {
+                return Err(Error::Transport(ironweave_transport::Error::Config(format!(
+                    "ranks {a} and {b} run under one torchrun agent (GROUP_RANK {}) but name different hosts: set IRONWEAVE_HOST to the same value for every rank a node starts, or leave it unset",
+                    x[1]
+                ))));
+            }
+            collide |= x[1] >= 0 && y[1] >= 0 && x[1] != y[1] && x[0] == y[0];
+        }
+    }
+    if collide {
+        let node = nodes[me][1];
+        if me == 0 {
+            eprintln!(
+                "ironweave: warning: ranks of different torchrun nodes name the same host {host:?}: told apart by their node (GROUP_RANK) for replica placement; set IRONWEAVE_HOST per node if two agents share a machine"
+            );
+        }
+        return Ok(format!("{host}/torchrun-node-{node}"));
+    }
+    Ok(host)
+}
+
+/// The keep directory of job `job` and engine `name` when none is configured:
+/// `/dev/shm/ironweave-<job>/<name>`; None without `/dev/shm`.
+pub fn auto_keep_dir(job: &str, name: &str) -> Option<std::path::PathBuf> {
+    let shm = Path::new("/dev/shm");
+    shm.is_dir().then(|| shm.join(format!("{KEEP_PREFIX}{}", safe_name(job))).join(safe_name(name)))
+}
+
+/// How the directories [`auto_keep_dir`] makes begin.
+pub const KEEP_PREFIX: &str = "ironweave-";
+
+/// `s` with every character outside `[A-Za-z0-9._-]` replaced by `_` (a path component).
+pub fn safe_name(s: &str) -> String {
+    let t: String = s.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+    if t.is_empty() || t.chars().all(|c| c == '.') {
+        "_".into()
+    } else {
+        t
+    }
+}
+
+/// Bytes the copies of the ranks on `me`'s node take in the keep directory at their peak: per
+/// rank three iterations (the two kept and one being written) of its own state and the
+/// replicas it holds (`replicas - 1` of its peers' states, taken as its own size).
+fn keep_need(nodes: &[[i64; 3]], me: usize, cfg: &EngineConfig) -> u64 {
+    let m = u64::from(cfg.replicas.max(1));
+    nodes.iter().filter(|n| n[0] == nodes[me][0] && n[1] == nodes[me][1]).map(|n| 3 * m * n[2].max(0) as u64).sum()
+}
+
+/// Makes the keep directory `dir` (its parents as needed) and checks it before the job trains:
+/// private to this user (`board::private_dir`: a directory another user owns or could write is
+/// refused, never adopted), and on a file system with room for `need` bytes more than this
+/// job's copies already there take (a container's `/dev/shm` defaults to 64 MB).
+pub fn preflight(dir: &Path, need: u64) -> Result<()> {
+    let root = dir.parent().filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(KEEP_PREFIX)));
+    for d in root.into_iter().chain([dir]) {
+        if let Some(parent) = d.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| Error::Ckpt(CkptError::Io { path: parent.to_path_buf(), source: e }))?;
+        }
+        ironweave_transport::board::private_dir(d)?;
+    }
+    let have = dir_bytes(dir);
+    if let Some((free, total, fs)) = ironweave_transport::board::space(dir) {
+        if free.saturating_add(have) < need {
+            return Err(Error::Ckpt(CkptError::Invalid(format!(
+                "the keep directory {} has {:.1} MB free ({:.1} MB in all on {}, {:.1} MB of it this job's copies) but this node's ranks keep up to {:.1} MB there (3 iterations x replicas x state): give the container more shared memory (docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory), set keep_dir= to a larger tmpfs, or keep_dir=None (memory only: a restart then needs a persistent tier)",
+                dir.display(),
+                free as f64 / 1e6,
+                total as f64 / 1e6,
+                fs.display(),
+                have as f64 / 1e6,
+                need as f64 / 1e6
+            ))));
+        }
+    }
+    Ok(())
+}
+
+/// The key the copies in the keep directory `dir` carry their MAC under ([`MAC_KEY_FILE`]):
+/// read, or made (32 random bytes, 0600) by the first rank of the node to get here. It lives
+/// beside the copies, in a directory only this user can read ([`preflight`]), for as long as
+/// they do: a restarted process reads it whatever happened to the rest of the job (a secret
+/// held by torchrun's store would be gone with the node that hosted it, taking every kept copy's
+/// MAC with it), and a reader of the same user (`PeerMemoryReader`, another job) checks the
+/// copies with it. Someone who cannot read it cannot make a copy that passes.
+pub fn mac_key_in(dir: &Path) -> Result<ironweave_ckpt::persist::MacKey> {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(MAC_KEY_FILE);
+    let io = |p: &Path, e: std::io::Error| Error::Ckpt(CkptError::Io { path: p.to_path_buf(), source: e });
+    if !path.exists() {
+        let mut key = [0u8; 32];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut key))
+            .map_err(|e| io(Path::new("/dev/urandom"), e))?;
+        // written whole under a name of this process, then linked into place: a rank that loses
+        // the race reads the winner's key, never a part of one
+        let tmp = dir.join(format!(".{MAC_KEY_FILE}.{}", std::process::id()));
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| io(&tmp, e))?;
+        f.write_all(&key).and_then(|()| f.sync_all()).map_err(|e| io(&tmp, e))?;
+        let linked = std::fs::hard_link(&tmp, &path);
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(io(&path, e)),
+            _ => {}
+        }
+    }
+    let key = std::fs::read(&path).map_err(|e| io(&path, e))?;
+    if key.len() != 32 {
+        return Err(Error::Ckpt(CkptError::Corrupt {
+            what: path.display().to_string(),
+            detail: format!("{} bytes, a key has 32: remove the job's keep directory to start over", key.len()),
+        }));
+    }
+    Ok(ironweave_ckpt::persist::MacKey::new(&key).expect("32 bytes"))
+}
+
+/// The file of the key the kept copies carry their MAC under ([`mac_key_in`]).
+pub const MAC_KEY_FILE: &str = "mac-key";
+
+/// Bytes of the files under `dir` (0 when it cannot be read).
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| match e.file_type() {
+                    Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+                    Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+                    _ => 0,
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// Every rank learns whether any rank refuses, and which error (collective): the lowest
+/// refusing rank's error, the same on every rank. A configuration refusal travels as its
+/// message, a state mismatch as its fields; any other error as its message.
+fn agree(comm: &Communicator, mine: Option<Error>) -> Result<()> {
+    let mut flag = [mine.as_ref().map_or(i64::MAX, |_| comm.rank() as i64)];
+    comm.all_reduce(&mut flag, ReduceOp::Min)?;
+    if flag[0] == i64::MAX {
+        return Ok(());
+    }
+    let from = flag[0] as usize;
+    let text = match (comm.rank() == from, mine) {
+        (true, Some(Error::StateMismatch { key, expected, actual, .. })) => format!("M\t{key}\t{expected}\t{actual}"),
+        (true, Some(Error::Ckpt(CkptError::Invalid(m)))) => format!("C\t{m}"),
+        (
+            true,
+            Some(Error::Transport(e @ (ironweave_transport::Error::Config(_) | ironweave_transport::Error::Board { .. }))),
+        ) => {
+            format!("C\t{e}")
+        }
+        (true, Some(e)) => format!("E\t{e}"),
+        _ => String::new(),
+    };
+    let text = broadcast_text(comm, from, text)?;
+    let mut parts = text.splitn(4, '\t').map(str::to_string);
+    let mut next = || parts.next().unwrap_or_else(|| "-".into());
+    let kind = next();
+    Err(match kind.as_str() {
+        "M" => Error::StateMismatch { rank: from, key: next(), expected: next(), actual: next() },
+        "C" => Error::Ckpt(CkptError::Invalid(format!("rank {from} refused: {}", next()))),
+        _ => Error::Refused { rank: from, detail: next() },
+    })
+}
+
+fn launcher_file(dir: &Path, rank: usize) -> std::path::PathBuf {
+    dir.join(format!("launcher-r{rank:05}"))
+}
+
+/// A job's kept copies under a shared memory directory, as `clean` lists them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeptJob {
+    /// The job's directory (`/dev/shm/ironweave-<job>`).
+    pub dir: std::path::PathBuf,
+    /// Bytes of its files.
+    pub bytes: u64,
+    /// The launchers its ranks recorded (`PID@start`) and whether each still runs.
+    pub launchers: Vec<(String, bool)>,
+    /// No recorded launcher runs: no process of the job can restart and restore from them.
+    pub orphan: bool,
+}
+
+/// This user's job directories under `base` (`/dev/shm`), `ironweave-*`: what they take and
+/// whether any launcher that recorded itself there still runs. Another user's directories are
+/// not listed (nor touched).
+pub fn kept_jobs(base: &Path) -> Vec<KeptJob> {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: getuid has no preconditions and cannot fail.
+    let me = unsafe { libc::getuid() };
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(base) else { return out };
+    for e in rd.flatten() {
+        let dir = e.path();
+        let mine = std::fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir() && m.uid() == me);
+        if !mine || !e.file_name().to_string_lossy().starts_with(KEEP_PREFIX) {
+            continue;
+        }
+        let mut launchers = Vec::new();
+        let mut scan = vec![(dir.clone(), 0)];
+        while let Some((d, depth)) = scan.pop() {
+            for f in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                let name = f.file_name().to_string_lossy().into_owned();
+                if name.starts_with("launcher-r") {
+                    let id = std::fs::read_to_string(f.path()).unwrap_or_default();
+                    let alive = ironweave_transport::rendezvous::launcher_alive(&id);
+                    launchers.push((id.trim().to_string(), alive));
+                } else if depth < 1
+                    && f.file_type().is_ok_and(|t| t.is_dir())
+                    && !name.starts_with(ironweave_ckpt::persist::HOLDER_PREFIX)
+                {
+                    scan.push((f.path(), depth + 1));
+                }
+            }
+        }
+        launchers.sort();
+        launchers.dedup();
+        let orphan = !launchers.iter().any(|(_, alive)| *alive);
+        out.push(KeptJob { bytes: dir_bytes(&dir), dir, launchers, orphan });
+    }
+    out.sort_by(|a, b| a.dir.cmp(&b.dir));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replicas_tell_torchrun_nodes_apart_and_one_node_naming_two_hosts_is_refused() {
+        // [host key, torchrun node, state bytes]
+        let split = [[1, 0, 8], [1, 0, 8], [2, 1, 8], [2, 1, 8]];
+        assert!(!node_of(&split, 2).unwrap().contains("torchrun-node"));
+        // two agents on one machine (or colliding hostnames): told apart by their node
+        let same = [[1, 0, 8], [1, 0, 8], [1, 1, 8], [1, 1, 8]];
+        let (a, b) = (node_of(&same, 0).unwrap(), node_of(&same, 2).unwrap());
+        assert_ne!(a, b);
+        assert_eq!(a, node_of(&same, 1).unwrap());
+        // one agent's ranks naming different hosts
+        let bad = [[1, 0, 8], [2, 0, 8]];
+        assert!(node_of(&bad, 0).unwrap_err().to_string().contains("IRONWEAVE_HOST"));
+        // outside torchrun (node -1): the host names alone
+        let plain = [[1, -1, 8], [2, -1, 8]];
+        assert!(!node_of(&plain, 0).unwrap().contains("torchrun-node"));
+    }
+
+    #[test]
+    fn the_keep_need_counts_the_node_s_ranks_three_iterations_of_each_copy() {
+        let nodes = [[1, 0, 100], [1, 0, 50], [2, 1, 1000]];
+        let cfg = EngineConfig { replicas: 2, ..EngineConfig::default() };
+        assert_eq!(keep_need(&nodes, 0, &cfg), 3 * 2 * 150);
+        assert_eq!(keep_need(&nodes, 2, &cfg), 3 * 2 * 1000);
+    }
+
+    #[test]
+    fn a_job_directory_is_an_orphan_once_no_launcher_it_recorded_runs() {
+        let base = std::env::temp_dir().join(format!("ironweave-kept-jobs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let live = base.join(format!("{KEEP_PREFIX}live/checkpointer-0"));
+        let dead = base.join(format!("{KEEP_PREFIX}dead/checkpointer-0"));
+        for d in [&live, &dead] {
+            std::fs::create_dir_all(d.join("holder-00000")).unwrap();
+            std::fs::write(d.join("holder-00000/data"), [0u8; 10]).unwrap();
+        }
+        // this test's own parent runs; PID 0 never names a launcher
+        std::fs::write(launcher_file(&live, 0), ironweave_transport::rendezvous::launcher_identity()).unwrap();
+        std::fs::write(launcher_file(&dead, 0), "0@1").unwrap();
+        let jobs = kept_jobs(&base);
+        assert_eq!(jobs.len(), 2, "{jobs:?}");
+        let by = |n: &str| jobs.iter().find(|j| j.dir.ends_with(format!("{KEEP_PREFIX}{n}"))).unwrap().clone();
+        assert!(!by("live").orphan && by("dead").orphan);
+        assert!(by("dead").bytes >= 10);
+        assert_eq!(safe_name("a/b:c"), "a_b_c");
+        assert_eq!(safe_name(".."), "_");
+        std::fs::remove_dir_all(&base).unwrap();
+    }
 }

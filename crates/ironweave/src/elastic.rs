@@ -154,6 +154,15 @@ pub enum Error {
         /// What was found.
         actual: String,
     },
+    /// A rank refused (an error in its state or its arguments, agreed on by every rank before
+    /// anything was snapshot): every rank returns it.
+    #[error("rank {rank} refused: {detail}")]
+    Refused {
+        /// The rank that refused.
+        rank: usize,
+        /// Its error.
+        detail: String,
+    },
     /// This process was started (or restarted) after every rank of the job passed its final
     /// barrier: there is nothing left to do (exit status 0).
     #[error("the job finished before this process could join it (every rank had passed the final barrier): nothing to do")]

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use ironweave::checkpointer::{self, Checkpointer, Restore};
+use ironweave::checkpointer::{self, Checkpointer, JoinOptions, Restore};
 use ironweave::ckpt::engine::Strategy;
 use ironweave::ckpt::{CkptError, DType, EngineConfig, GlobalSlice, TensorSpec};
 use ironweave::elastic::Error;
@@ -21,32 +21,92 @@ use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
 
 create_exception!(_native, IronweaveError, PyException, "Every error of ironweave derives from this one.");
-create_exception!(_native, ConfigurationError, IronweaveError, "A setting, an environment or an argument ironweave cannot use.");
-create_exception!(
-    _native,
-    StateMismatchError,
-    IronweaveError,
-    "A rank's state differs from the registered one (a key, a dtype or a shape), or from rank 0's."
-);
-create_exception!(
-    _native,
-    NothingToRestoreError,
-    IronweaveError,
-    "Copies exist, but no step has a whole copy of every rank's state; the message lists what was found."
-);
-create_exception!(_native, ClosedError, IronweaveError, "The checkpointer was closed.");
+
+/// The package's errors below [`IronweaveError`], each also deriving from the builtin it means
+/// (so `except ValueError` catches a bad argument, as Python users expect): (name, builtin,
+/// doc).
+const ERRORS: [(&str, &str, &str); 5] = [
+    ("ConfigurationError", "ValueError", "A setting, an environment or an argument ironweave cannot use."),
+    (
+        "StateMismatchError",
+        "ValueError",
+        "A rank's state differs from the registered one (a key, a dtype or a shape), or from rank 0's.",
+    ),
+    (
+        "NothingToRestoreError",
+        "RuntimeError",
+        "Copies exist, but no step has a whole copy of every rank's state; the message lists what was found.",
+    ),
+    ("ClosedError", "RuntimeError", "The checkpointer was closed."),
+    ("CheckpointTimeoutError", "TimeoutError", "A wait of ironweave passed its deadline (a peer that does not answer)."),
+];
+
+static ERROR_TYPES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
+
+/// The error classes of [`ERRORS`], made once: `type(name, (IronweaveError, builtin), ...)`.
+fn error_types(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
+    ERROR_TYPES.get_or_try_init(py, || {
+        let builtins = py.import("builtins")?;
+        let base = py.get_type::<IronweaveError>();
+        ERRORS
+            .iter()
+            .map(|(name, builtin, doc)| {
+                let ns = PyDict::new(py);
+                ns.set_item("__module__", "ironweave._native")?;
+                ns.set_item("__doc__", *doc)?;
+                let bases = PyTuple::new(py, [base.clone().into_any(), builtins.getattr(*builtin)?])?;
+                let ty = builtins.getattr("type")?.call1((*name, bases, ns))?;
+                Ok(ty.cast_into::<PyType>()?.unbind())
+            })
+            .collect()
+    })
+}
+
+/// An error of class `ERRORS[i]` with `msg`.
+fn error(i: usize, msg: String) -> PyErr {
+    Python::attach(|py| match error_types(py) {
+        Ok(t) => PyErr::from_type(t[i].bind(py).clone(), msg),
+        Err(e) => e,
+    })
+}
+
+const CONFIGURATION: usize = 0;
+const MISMATCH: usize = 1;
+const NOTHING: usize = 2;
+const CLOSED: usize = 3;
+const TIMEOUT: usize = 4;
+
+fn config_err(msg: String) -> PyErr {
+    error(CONFIGURATION, msg)
+}
 
 fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     match e {
-        Error::StateMismatch { .. } => StateMismatchError::new_err(msg),
-        Error::Ckpt(CkptError::NothingToRestore { .. }) => NothingToRestoreError::new_err(msg),
-        Error::Ckpt(CkptError::Invalid(_)) | Error::Transport(ironweave::Error::Config(_)) => ConfigurationError::new_err(msg),
+        Error::StateMismatch { .. } => error(MISMATCH, msg),
+        Error::Ckpt(CkptError::NothingToRestore { .. }) => error(NOTHING, msg),
+        Error::Ckpt(CkptError::Invalid(_))
+        | Error::Transport(ironweave::Error::Config(_))
+        | Error::Transport(ironweave::Error::Board { .. }) => error(CONFIGURATION, msg),
+        Error::Transport(ironweave::Error::Timeout { .. })
+        | Error::Ckpt(CkptError::Transport(ironweave::Error::Timeout { .. })) => error(TIMEOUT, msg),
         _ => IronweaveError::new_err(msg),
     }
+}
+
+/// A refusal Python found in this rank's state, as it passes it: ("config", message, "", "")
+/// or ("mismatch", key, expected, actual).
+type PyRefusal = (String, String, String, String);
+
+fn refusal(r: Option<PyRefusal>, rank: usize) -> Option<Error> {
+    r.map(|(kind, a, b, c)| match kind.as_str() {
+        "mismatch" => Error::StateMismatch { rank, key: a, expected: b, actual: c },
+        _ => Error::Ckpt(CkptError::Invalid(a)),
+    })
 }
 
 /// A buffer's bytes as a slice (C-contiguous, one byte per item: the Python side passes
@@ -57,13 +117,12 @@ struct Bytes {
 
 impl Bytes {
     fn get(obj: &Bound<'_, PyAny>, writable: bool, what: usize) -> PyResult<Self> {
-        let buf = PyBuffer::<u8>::get(obj)
-            .map_err(|e| ConfigurationError::new_err(format!("buffer {what}: not a byte buffer ({e})")))?;
+        let buf = PyBuffer::<u8>::get(obj).map_err(|e| config_err(format!("buffer {what}: not a byte buffer ({e})")))?;
         if !buf.is_c_contiguous() {
-            return Err(ConfigurationError::new_err(format!("buffer {what}: not contiguous")));
+            return Err(config_err(format!("buffer {what}: not contiguous")));
         }
         if writable && buf.readonly() {
-            return Err(ConfigurationError::new_err(format!("buffer {what}: read-only, cannot restore into it")));
+            return Err(config_err(format!("buffer {what}: read-only, cannot restore into it")));
         }
         Ok(Bytes { buf })
     }
@@ -78,15 +137,14 @@ impl Bytes {
 type Spec = (String, String, Vec<u64>, Option<(String, Vec<u64>, Vec<u64>)>);
 
 fn to_spec((name, dtype, shape, global): Spec) -> PyResult<TensorSpec> {
-    let d = DType::parse(&dtype).ok_or_else(|| {
-        ConfigurationError::new_err(format!("`{name}`: dtype {dtype:?} is not one of f32 f64 f16 bf16 i64 i32 u8"))
-    })?;
+    let d = DType::parse(&dtype)
+        .ok_or_else(|| config_err(format!("`{name}`: dtype {dtype:?} is not one of f32 f64 f16 bf16 i64 i32 u8")))?;
     let spec = TensorSpec::new(&name, d, &shape);
     Ok(match global {
         None => spec,
         Some((tensor, gshape, offsets)) => {
             if gshape.len() != shape.len() || offsets.len() != shape.len() {
-                return Err(ConfigurationError::new_err(format!(
+                return Err(config_err(format!(
                     "`{name}`: shape {shape:?}, global shape {gshape:?} and offsets {offsets:?} must have one entry per dimension"
                 )));
             }
@@ -122,12 +180,14 @@ struct Engine {
     inner: Mutex<Option<Checkpointer>>,
     rank: usize,
     world_size: usize,
+    job_id: String,
+    keep_dir: Option<String>,
 }
 
 impl Engine {
     fn with<T>(&self, f: impl FnOnce(&mut Checkpointer) -> Result<T, Error>) -> PyResult<T> {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let ck = g.as_mut().ok_or_else(|| ClosedError::new_err("the checkpointer was closed: make a new one"))?;
+        let ck = g.as_mut().ok_or_else(|| error(CLOSED, "the checkpointer was closed: make a new one".into()))?;
         f(ck).map_err(to_py)
     }
 }
@@ -152,7 +212,7 @@ impl Engine {
     /// checkpointer's own port and starts the engine for `specs`: (name, dtype, shape) per
     /// tensor, dtype one of f32 f64 f16 bf16 i64 i32 u8 (collective).
     #[new]
-    #[pyo3(signature = (specs, *, strategy="capricorn", replicas=2, keep_dir=None, persist_dir=None, persist_every=0, timeout_s=300.0, job_id=None, same_layout=true))]
+    #[pyo3(signature = (specs, *, strategy="capricorn", replicas=2, keep_dir=None, persist_dir=None, persist_every=0, timeout_s=300.0, job_id=None, same_layout=true, keep_name=None, refusal=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -165,11 +225,21 @@ impl Engine {
         timeout_s: f64,
         job_id: Option<String>,
         same_layout: bool,
+        keep_name: Option<String>,
+        refusal: Option<PyRefusal>,
     ) -> PyResult<Self> {
-        let specs = specs.into_iter().map(to_spec).collect::<PyResult<Vec<_>>>()?;
-        let strategy = Strategy::parse(strategy).map_err(|e| ConfigurationError::new_err(e.to_string()))?;
+        // a spec that does not parse is this rank's refusal, agreed with the others once joined
+        let mut refused = refusal;
+        let specs = match specs.into_iter().map(to_spec).collect::<PyResult<Vec<_>>>() {
+            Ok(s) => s,
+            Err(e) => {
+                refused.get_or_insert((String::from("config"), e.to_string(), String::new(), String::new()));
+                Vec::new()
+            }
+        };
+        let strategy = Strategy::parse(strategy).map_err(|e| config_err(e.to_string()))?;
         if !(timeout_s.is_finite() && timeout_s > 0.0) {
-            return Err(ConfigurationError::new_err(format!("timeout_s {timeout_s}: give a positive number of seconds")));
+            return Err(config_err(format!("timeout_s {timeout_s}: give a positive number of seconds")));
         }
         let cfg = EngineConfig {
             strategy,
@@ -181,8 +251,17 @@ impl Engine {
             job_id,
             ..EngineConfig::default()
         };
-        let ck = py.detach(|| Checkpointer::join(&specs, cfg, same_layout)).map_err(to_py)?;
-        Ok(Engine { rank: ck.rank(), world_size: ck.world_size(), inner: Mutex::new(Some(ck)) })
+        // the rank is filled in when the ranks agree
+        let refusal = self::refusal(refused, 0);
+        let opts = JoinOptions { same_layout, auto_keep: keep_name, refusal };
+        let ck = py.detach(|| Checkpointer::join_with(&specs, cfg, opts)).map_err(to_py)?;
+        Ok(Engine {
+            rank: ck.rank(),
+            world_size: ck.world_size(),
+            job_id: ck.job_id().to_string(),
+            keep_dir: ck.keep_dir().map(|p| p.to_string_lossy().into_owned()),
+            inner: Mutex::new(Some(ck)),
+        })
     }
 
     /// This rank.
@@ -197,9 +276,24 @@ impl Engine {
         self.world_size
     }
 
+    /// The job's id: the launcher's, or one derived for this launch (kept copies of another
+    /// job are never adopted).
+    #[getter]
+    fn job_id(&self) -> &str {
+        &self.job_id
+    }
+
+    /// Where this rank's copies outlive the process (None: memory only).
+    #[getter]
+    fn keep_dir(&self) -> Option<&str> {
+        self.keep_dir.as_deref()
+    }
+
     /// Snapshots `step`'s state (one buffer per registered tensor, in order) and agrees on the
     /// newest committed step (collective); replication goes on in the background.
-    fn save(&self, py: Python<'_>, step: u64, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<u64> {
+    #[pyo3(signature = (step, buffers, refusal=None))]
+    fn save(&self, py: Python<'_>, step: u64, buffers: Vec<Bound<'_, PyAny>>, refusal: Option<PyRefusal>) -> PyResult<u64> {
+        let refusal = self::refusal(refusal, self.rank);
         let (bufs, spans) = views(&buffers, false)?;
         let r = py.detach(|| {
             // SAFETY: each (pointer, length) is a C-contiguous buffer that `bufs` holds a view
@@ -208,7 +302,7 @@ impl Engine {
             // the state is not changed while `save` runs.
             let slices: Vec<&[u8]> =
                 spans.iter().map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) }).collect();
-            self.with(|ck| ck.save(step, &slices))
+            self.with(|ck| ck.save_or_refuse(step, &slices, refusal))
         });
         drop(bufs);
         r
@@ -216,13 +310,20 @@ impl Engine {
 
     /// Restores the newest step every rank has a whole copy of into `buffers`, in place, all
     /// or nothing (collective). None: no rank holds any copy (a fresh start).
-    fn restore<'py>(&self, py: Python<'py>, buffers: Vec<Bound<'py, PyAny>>) -> PyResult<Option<Bound<'py, PyDict>>> {
+    #[pyo3(signature = (buffers, refusal=None))]
+    fn restore<'py>(
+        &self,
+        py: Python<'py>,
+        buffers: Vec<Bound<'py, PyAny>>,
+        refusal: Option<PyRefusal>,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let refusal = self::refusal(refusal, self.rank);
         let (bufs, spans) = views(&buffers, true)?;
         let r = py.detach(|| {
             // SAFETY: writable views (checked) that `bufs` holds until after this call, of
             // distinct tensors' memory, written only inside this call.
             let mut slices = unsafe { slices_mut(&spans) };
-            self.with(|ck| ck.restore(&mut slices))
+            self.with(|ck| ck.restore_or_refuse(&mut slices, refusal))
         });
         drop(bufs);
         r?.map(|r| restore_dict(py, &r)).transpose()
@@ -240,11 +341,7 @@ impl Engine {
             "forward" => Phase::Forward,
             "backward" => Phase::Backward,
             "optimizer" => Phase::Optimizer,
-            other => {
-                return Err(ConfigurationError::new_err(format!(
-                    "phase {other:?}: one of \"forward\", \"backward\", \"optimizer\""
-                )))
-            }
+            other => return Err(config_err(format!("phase {other:?}: one of \"forward\", \"backward\", \"optimizer\""))),
         };
         self.with(|ck| {
             ck.record_layer(layer, phase, start_ns, end_ns);
@@ -295,7 +392,7 @@ impl Engine {
         let ck = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
         match ck {
             Some(ck) => py.detach(|| ck.close(remove_kept)).map_err(to_py),
-            None => Err(ClosedError::new_err("the checkpointer was already closed")),
+            None => Err(error(CLOSED, "the checkpointer was already closed".into())),
         }
     }
 }
@@ -306,9 +403,19 @@ type SavedTensor = (String, &'static str, Vec<u64>);
 /// The newest iteration of the checkpoint under `dir` (a keep directory that outlived its job,
 /// or a persistent tier) that every rank left whole, and its global tensors:
 /// `(iteration, [(name, dtype, shape)])`.
+/// A keep directory with its writer's key (`mac-key`) has every rank's file of that iteration
+/// checked against its MAC first (before anything of it is used or unpickled).
 #[pyfunction]
 fn saved(py: Python<'_>, dir: PathBuf) -> PyResult<(u64, Vec<SavedTensor>)> {
-    let (iter, tensors) = py.detach(|| checkpointer::saved(&dir)).map_err(to_py)?;
+    let (iter, tensors) = py
+        .detach(|| {
+            let r = checkpointer::saved(&dir)?;
+            if dir.join(checkpointer::MAC_KEY_FILE).exists() {
+                checkpointer::check_macs(&dir, r.0, &checkpointer::mac_key_in(&dir)?)?;
+            }
+            Ok(r)
+        })
+        .map_err(to_py)?;
     Ok((iter, tensors.into_iter().map(|t| (t.name, t.dtype.name(), t.shape)).collect()))
 }
 
@@ -337,6 +444,22 @@ fn free_port() -> PyResult<u16> {
     ironweave::transport::rendezvous::free_base_port(1).map_err(|e| to_py(Error::Transport(e)))
 }
 
+/// A job directory as Python sees it: (dir, bytes, [(launcher, alive)], orphan).
+type KeptJob = (String, u64, Vec<(String, bool)>, bool);
+
+/// This user's job directories under `base` (default `/dev/shm`) that hold kept copies:
+/// `[(dir, bytes, [(launcher, alive)], orphan)]` — orphan: no launcher that recorded itself
+/// there still runs, so no process of the job can restore from them
+/// (`ironweave::checkpointer::kept_jobs`; `python -m ironweave clean` lists and removes them).
+#[pyfunction]
+#[pyo3(signature = (base=None))]
+fn kept_jobs(base: Option<PathBuf>) -> Vec<KeptJob> {
+    checkpointer::kept_jobs(base.as_deref().unwrap_or(std::path::Path::new("/dev/shm")))
+        .into_iter()
+        .map(|k| (k.dir.to_string_lossy().into_owned(), k.bytes, k.launchers, k.orphan))
+        .collect()
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -345,10 +468,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_saved, m)?)?;
     m.add_function(wrap_pyfunction!(free_port, m)?)?;
     m.add("IronweaveError", py.get_type::<IronweaveError>())?;
-    m.add("ConfigurationError", py.get_type::<ConfigurationError>())?;
-    m.add("StateMismatchError", py.get_type::<StateMismatchError>())?;
-    m.add("NothingToRestoreError", py.get_type::<NothingToRestoreError>())?;
-    m.add("ClosedError", py.get_type::<ClosedError>())?;
+    for ((name, _, _), ty) in ERRORS.iter().zip(error_types(py)?) {
+        m.add(*name, ty.bind(py))?;
+    }
+    m.add_function(wrap_pyfunction!(kept_jobs, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -3,14 +3,17 @@
 Environment: STEPS; PLAIN_DDP=1 (DDP's bucket all-reduce, not deterministic_ddp); NO_WATCH=1
 (the engine is not shown the step); FAIL_RANK and FAIL_STEP (that rank SIGKILLs itself after the backward of
 that step, in the first attempt only); FAIL_HOST=1 (the failed rank's kept copies are deleted
-before it comes back: its host was lost); OUT (a directory: each rank writes rank-R.json with
-its restore and its state digest).
+before it comes back: its host was lost); FAIL_NODE=H (every rank whose IRONWEAVE_HOST is H
+SIGKILLs itself at FAIL_STEP, and deletes its kept copies when it comes back: node H was lost); OUT (a directory: each rank writes rank-R.json with
+its restore and its state digest); PROGRESS=1 (each rank writes progress-R.json after each save);
+STEP_SLEEP (seconds each step lasts at least, so a test can act between steps).
 """
 import hashlib
 import json
 import os
 import shutil
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,9 +27,11 @@ rank = dist.get_rank()
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("IRONWEAVE_GENERATION", "0")))
 fail_rank = int(os.environ.get("FAIL_RANK", "-1"))
 fail_step = int(os.environ.get("FAIL_STEP", "0"))
-if attempt > 0 and rank == fail_rank and os.environ.get("FAIL_HOST") == "1":
+fail_node = os.environ.get("FAIL_NODE")  # every rank of this node (IRONWEAVE_HOST) fails
+on_failed_node = fail_node is not None and os.environ.get("IRONWEAVE_HOST") == fail_node
+if attempt > 0 and (rank == fail_rank and os.environ.get("FAIL_HOST") == "1" or on_failed_node):
     keep = keep_dir_for_job()
-    shutil.rmtree(os.path.join(keep, f"holder-{rank:05d}"), ignore_errors=True)
+    shutil.rmtree(os.path.join(keep, "checkpointer-0", f"holder-{rank:05d}"), ignore_errors=True)
 
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
@@ -58,11 +63,15 @@ for step in range(info["step"] + 1 if info else 1, steps + 1):
         for p in net.parameters():
             p.grad.copy_(flat[off : off + p.numel()].view_as(p) / dist.get_world_size())
             off += p.numel()
-    if attempt == 0 and rank == fail_rank and step == fail_step:
+    if attempt == 0 and (rank == fail_rank or on_failed_node) and step == fail_step:
         os.kill(os.getpid(), signal.SIGKILL)
     optim.step()
     state["seen"] += 1
     ckpt.save(step)
+    if os.environ.get("PROGRESS") == "1":
+        with open(os.path.join(os.environ["OUT"], f"progress-{rank}.json"), "w") as f:
+            json.dump({"step": step, "attempt": attempt, "host": os.environ.get("IRONWEAVE_HOST")}, f)
+    time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
 
 h = hashlib.sha256()
 for t in list(model.state_dict().values()) + [v for st in optim.state.values() for v in st.values()]:
@@ -72,5 +81,6 @@ ckpt.close()
 out = os.environ.get("OUT")
 if out:
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-        json.dump({"digest": h.hexdigest(), "restored": info, "attempt": attempt, "seen": state["seen"], "stats": stats}, f)
+        json.dump({"digest": h.hexdigest(), "restored": info, "attempt": attempt, "seen": state["seen"], "stats": stats,
+                   "host": os.environ.get("IRONWEAVE_HOST")}, f)
 finish()  # destroys the process groups; see ironweave.torch.finish

@@ -250,7 +250,8 @@ def test_a_restore_brings_back_tensors_of_every_dtype_and_the_picklable_values(w
     assert torch.equal(base, torch.arange(12, dtype=torch.float32).reshape(3, 4))
     assert state["note"] == {"k": [1, 2]}
     ck.close()
-    assert not (Path(os.environ["IRONWEAVE_KEEP_DIR"])).exists()
+    # the engine's copies under the job's directory are gone
+    assert not (Path(os.environ["IRONWEAVE_KEEP_DIR"]) / "checkpointer-0").exists()
 
 
 def test_bad_input_gives_the_typed_error_and_restores_nothing(world_of_one):
@@ -290,9 +291,10 @@ def test_the_example_runs_under_torchrun_as_docs_pytorch_shows_it(tmp_path):
     assert "step 10 loss" in p.stdout and "committed 9" in p.stdout, p.stdout[-2000:]
 
 
-def test_a_full_keep_directory_is_a_clear_error_not_a_crash(world_of_one, monkeypatch, tmp_path):
-    """The kept copies on a tmpfs of 64 KiB, a state of 256 KiB: the keep fails, and the error
-    names the directory and what to do; the process goes on (close works)."""
+def test_a_keep_directory_without_room_is_refused_before_training(world_of_one, monkeypatch, tmp_path):
+    """The kept copies on a tmpfs of 64 KiB (a container's /dev/shm is 64 MB by default), a
+    state of 256 KiB: the checkpointer refuses at construction — before any step is trained —
+    naming the directory, the bytes needed and the fixes; a state that fits is accepted."""
     tiny = tmp_path / "tiny"
     tiny.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny)], capture_output=True, text=True)
@@ -300,14 +302,15 @@ def test_a_full_keep_directory_is_a_clear_error_not_a_crash(world_of_one, monkey
         pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}): needs root")
     try:
         monkeypatch.setenv("IRONWEAVE_KEEP_DIR", str(tiny / "keep"))
-        state = {"w": torch.ones(64 * 1024)}
-        ck = Checkpointer(state, timeout_s=30)
-        with pytest.raises(ironweave.IronweaveError, match="keep") as e:
-            for step in range(1, 6):
-                ck.save(step)
-            ck.close(remove_kept=False)
+        with pytest.raises(ironweave.ConfigurationError) as e:
+            Checkpointer({"w": torch.ones(64 * 1024)}, timeout_s=30)
         msg = str(e.value)
-        assert str(tiny) in msg and ("space" in msg.lower() or "room" in msg.lower()), msg
+        assert isinstance(e.value, ValueError)
+        assert str(tiny) in msg and "MB" in msg and "--shm-size" in msg and "keep_dir=" in msg, msg
+        world_of_one()
+        ck = Checkpointer({"w": torch.ones(256)}, timeout_s=30)  # 1 KiB: 6 KiB at the peak
+        ck.save(1)
+        ck.close()
     finally:
         subprocess.run(["umount", str(tiny)], capture_output=True)
 

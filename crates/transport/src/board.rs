@@ -31,28 +31,34 @@ pub const BOARD_VAR: &str = "IRONWEAVE_JOB_BOARD";
 const FINISHED: &str = "finished";
 const COMMITTED: &str = "committed-r";
 
-/// Free space of the file system holding `path` (or its nearest existing ancestor), for an
-/// error message: `N bytes free of M` or why it is unknown.
-pub fn free_space(path: &Path) -> String {
+/// Bytes available to this user and the size of the file system holding `path` (or its
+/// nearest existing ancestor, which is returned too); None when statvfs fails.
+pub fn space(path: &Path) -> Option<(u64, u64, PathBuf)> {
     let p = path.ancestors().find(|a| a.exists()).unwrap_or(path);
-    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
-        return "free space unknown".into();
-    };
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).ok()?;
     // SAFETY: statvfs fills the zeroed struct we own from a NUL-terminated path.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: `c` is a valid C string and `st` a valid out-pointer for the call's duration.
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return format!("free space of {} unknown: {}", p.display(), std::io::Error::last_os_error());
+        return None;
     }
-    let (free, total) = (st.f_bavail as u64 * st.f_frsize as u64, st.f_blocks as u64 * st.f_frsize as u64);
-    format!("{free} bytes free of {total} on the file system of {}", p.display())
+    Some((st.f_bavail as u64 * st.f_frsize as u64, st.f_blocks as u64 * st.f_frsize as u64, p.to_path_buf()))
+}
+
+/// Free space of the file system holding `path` (or its nearest existing ancestor), for an
+/// error message: `N bytes free of M` or why it is unknown.
+pub fn free_space(path: &Path) -> String {
+    match space(path) {
+        Some((free, total, p)) => format!("{free} bytes free of {total} on the file system of {}", p.display()),
+        None => format!("free space of {} unknown: {}", path.display(), std::io::Error::last_os_error()),
+    }
 }
 
 /// Makes `dir` (its parent must exist) private to this user, or checks that it is: a directory
 /// under a shared temporary directory must be neither planted nor readable by another user —
 /// the job trusts what it reads there. A directory that exists and is a link, another user's,
 /// or open to group or others is refused.
-fn private_dir(dir: &Path) -> Result<()> {
+pub fn private_dir(dir: &Path) -> Result<()> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     match std::fs::DirBuilder::new().mode(0o700).create(dir) {
         Ok(()) => return Ok(()),

@@ -257,11 +257,24 @@ impl Fnv {
 pub fn launcher_identity() -> String {
     // SAFETY: getppid has no preconditions and cannot fail.
     let ppid = unsafe { libc::getppid() };
-    let start = std::fs::read_to_string(format!("/proc/{ppid}/stat"))
+    format!("{ppid}@{}", start_time(ppid as u32).unwrap_or_default())
+}
+
+/// A process's start time (clock ticks after boot), from `/proc/PID/stat`.
+fn start_time(pid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
         .and_then(|s| s.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(19).map(str::to_string)))
-        .unwrap_or_default();
-    format!("{ppid}@{start}")
+}
+
+/// Whether the process a [`launcher_identity`] names still runs (the same PID with the same
+/// start time: a reused PID is another process). An identity that does not parse is not alive.
+pub fn launcher_alive(id: &str) -> bool {
+    let Some((pid, start)) = id.trim().split_once('@') else { return false };
+    match pid.parse::<u32>() {
+        Ok(pid) if pid > 0 => start_time(pid).is_some_and(|s| s == start),
+        _ => false,
+    }
 }
 
 fn write_framed(s: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {

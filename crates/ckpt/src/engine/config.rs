@@ -134,6 +134,12 @@ pub struct EngineConfig {
     /// newest committed iterations are kept (a rank may die before its newest copy is whole).
     /// None: memory only, lost with the process.
     pub keep_dir: Option<PathBuf>,
+    /// The key every copy written to `keep_dir` (and the persistent tier) carries a MAC under,
+    /// and every kept copy is checked against before it is adopted (the Python package and
+    /// `ironweave::checkpointer` use a random key kept 0600 beside the copies). None: no MAC
+    /// (the keep directory's owner and mode are all that vouch for what is read back).
+    #[serde(skip)]
+    pub mac_key: Option<persist::MacKey>,
 }
 
 impl Default for EngineConfig {
@@ -164,6 +170,7 @@ impl Default for EngineConfig {
             job_id: None,
             restore_other_jobs: false,
             keep_dir: None,
+            mac_key: None,
         }
     }
 }

@@ -73,6 +73,13 @@ impl Engine {
         let dir = holder_dir(&root, me);
         let mut own = Vec::new();
         let mut passed = Vec::new();
+        // a holder directory another user could have written is read not at all
+        if dir.exists() {
+            if let Err(e) = ironweave_transport::board::private_dir(&dir) {
+                self.shared.locked().failures.push(format!("kept copies passed over: {e}"));
+                return;
+            }
+        }
         let iters = persist::iteration_dirs(&dir);
         for &it in &iters {
             for owner in 0..world {
@@ -82,10 +89,10 @@ impl Engine {
                 }
                 let snap = match persist::read_manifest(&dir, it, owner as u32) {
                     Ok(m) if m.job != self.written.job => {
-                        passed.push(format!("{}: of job {:?}", man_path.display(), m.job));
+                        passed.push(format!("{}: of job {:?}, not this job's {:?}", man_path.display(), m.job, self.written.job));
                         continue;
                     }
-                    Ok(_) => persist::load(&dir, it, owner as u32),
+                    Ok(_) => persist::load_keyed(&dir, it, owner as u32, self.written.key.as_ref()),
                     Err(e) => Err(e),
                 };
                 let snap = match snap.map(|s| (s.registry.first_difference(&self.registry), s)) {
@@ -146,7 +153,11 @@ impl Engine {
                     })
                     .collect()
             };
-            fs::create_dir_all(&dir).map_err(|e| keep_error(&dir, iter, CkptError::io(&dir, e)))?;
+            if let Some(root) = dir.parent() {
+                fs::create_dir_all(root).map_err(|e| keep_error(&dir, iter, CkptError::io(root, e)))?;
+            }
+            // private to this user: what a restarted rank reads back is trusted
+            ironweave_transport::board::private_dir(&dir).map_err(|e| keep_error(&dir, iter, e.into()))?;
             if let Err(e) = write_kept(&dir, me, world, &own, &replicas, &by) {
                 let _ = remove_iterations(&dir, |it| it == iter);
                 return Err(keep_error(&dir, iter, e));

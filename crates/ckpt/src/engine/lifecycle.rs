@@ -60,7 +60,7 @@ impl Engine {
             Some(j) => j,
             None => ironweave_transport::unique_job_id(&comm, &ironweave_transport::rendezvous::job_id_from_env())?,
         };
-        let written = Arc::new(persist::Written { layout: cfg.layout.clone(), job });
+        let written = Arc::new(persist::Written { layout: cfg.layout.clone(), job, key: cfg.mac_key.clone() });
         let mut e = Engine {
             written,
             comm,

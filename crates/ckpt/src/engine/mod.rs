@@ -148,6 +148,16 @@ impl Engine {
         &self.comm
     }
 
+    /// The engine's settings (the keep directory as resolved).
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Who writes this engine's files: the job id, the layout, the MAC key.
+    pub fn written(&self) -> &persist::Written {
+        &self.written
+    }
+
     /// The ranks holding this rank's replicas.
     pub fn holders(&self) -> &[usize] {
         &self.holders

@@ -528,6 +528,7 @@ mod hostile_peers {
             tensor_xxh3: vec![],
             layout: Default::default(),
             job: String::new(),
+            mac: String::new(),
         }
     }
 

@@ -276,7 +276,7 @@ pub fn reshard(dir: &Path, iter: Option<u64>, to: &Path, ranks: usize, cfg: &iro
     let mans = persist::read_manifests(dir, iter)?;
     let idx = persist::global_index(&mans)?;
     let regs = moe_registries(cfg, ranks)?;
-    let mut by = persist::Written { layout: mans[0].layout.clone(), job: mans[0].job.clone() };
+    let mut by = persist::Written { layout: mans[0].layout.clone(), job: mans[0].job.clone(), key: None };
     by.layout.insert("world".into(), ranks.to_string());
     by.layout.insert("resharded_from_world".into(), mans[0].world.to_string());
     let (mut load_s, mut write_s, mut read, mut written) = (0.0, 0.0, 0u64, 0u64);

@@ -7,6 +7,7 @@ optimizers, tensors, picklable values) to it. See docs/PYTORCH.md.
 """
 
 from ironweave._native import (  # noqa: F401
+    CheckpointTimeoutError,
     ClosedError,
     ConfigurationError,
     IronweaveError,
@@ -16,6 +17,7 @@ from ironweave._native import (  # noqa: F401
 )
 
 __all__ = [
+    "CheckpointTimeoutError",
     "ClosedError",
     "ConfigurationError",
     "IronweaveError",

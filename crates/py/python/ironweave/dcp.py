@@ -31,6 +31,7 @@ import dataclasses
 import io
 import os
 import pickle
+import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -56,7 +57,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from ironweave import _native
 from ironweave._native import ConfigurationError, StateMismatchError
 from ironweave.torch import _DTYPES as _TORCH_DTYPES
-from ironweave.torch import _agree_on_port, _frame_into, _unframe, keep_dir_for_job
+from ironweave.torch import _agree_on_port, _frame_into, _keep_choice, _release, _unframe
 
 __all__ = ["PeerMemoryWriter", "PeerMemoryReader"]
 
@@ -102,14 +103,20 @@ def _bytes_of(t: torch.Tensor):
 def _step_of(checkpoint_id: Any) -> Optional[int]:
     if checkpoint_id is None:
         return None
-    s = os.fspath(checkpoint_id) if not isinstance(checkpoint_id, int) else checkpoint_id
-    try:
-        step = int(os.path.basename(str(s)))
-    except ValueError:
-        raise ConfigurationError(
-            f"checkpoint_id {checkpoint_id!r}: the peer-memory storage numbers checkpoints by step; "
-            "pass the step (an integer, or a path ending in one), or None for the previous step + 1"
-        ) from None
+    if isinstance(checkpoint_id, int):
+        step = checkpoint_id
+    else:
+        # DCP's ids are paths: "/ckpt/step_100", "ckpt/100", Path(...): the step is the number
+        # the last component ends in
+        base = os.path.basename(os.path.normpath(os.fspath(checkpoint_id)))
+        m = re.search(r"(\d+)$", base)
+        if m is None:
+            raise ConfigurationError(
+                f"checkpoint_id {checkpoint_id!r}: the peer-memory storage numbers checkpoints by step; "
+                "pass the step (an integer, or a path whose last part ends in one, e.g. ckpt/step_100), "
+                "or None for the previous step + 1"
+            )
+        step = int(m.group(1))
     if step < 0:
         raise ConfigurationError(f"checkpoint_id {checkpoint_id!r}: a step is not negative")
     return step
@@ -146,11 +153,13 @@ class PeerMemoryWriter(StorageWriter, AsyncStager):
         bytes_capacity: int = 256,
     ) -> None:
         super().__init__()
-        self.keep_dir = keep_dir_for_job() if keep_dir == "auto" else keep_dir
+        self._slot: List[int] = []
+        self.keep_dir, keep_name = _keep_choice(keep_dir, "dcp", self._slot)
         self._opts = dict(
             strategy=strategy,
             replicas=replicas,
             keep_dir=self.keep_dir,
+            keep_name=keep_name,
             persist_dir=persist_dir,
             persist_every=persist_every,
             timeout_s=timeout_s,
@@ -251,6 +260,7 @@ class PeerMemoryWriter(StorageWriter, AsyncStager):
         if first:
             _agree_on_port(self._opts.get("timeout_s", 300.0))
             self._engine = _native.Engine(specs, **self._opts)
+            self.keep_dir = self._engine.keep_dir
             self._specs = specs
         elif specs != self._specs:
             diff = next(
@@ -303,8 +313,13 @@ class PeerMemoryWriter(StorageWriter, AsyncStager):
         """Replicates the last save and stops (collective). ``remove_kept=False`` leaves the
         copies in ``keep_dir`` for a later ``dcp.load`` (another job, another world size);
         remove them then with ``shutil.rmtree(keep_dir)``."""
-        if self._engine is not None:
-            self._engine.close(remove_kept)
+        try:
+            if self._engine is not None:
+                self._engine.close(remove_kept)
+        finally:
+            for n in self._slot:
+                _release("dcp", n)
+            self._slot = []
 
 
 class PeerMemoryReader(StorageReader):
@@ -315,7 +330,9 @@ class PeerMemoryReader(StorageReader):
 
     def __init__(self, path: Optional[str] = None) -> None:
         super().__init__()
-        self.path = path
+        # a keep directory carries its writer's key (``mac-key``, 0600): every file's MAC is
+        # checked with it before anything of it is used or unpickled
+        self.path = os.fspath(path) if path is not None else None
         self.step: Optional[int] = None
         self.bytes_read = 0
 

@@ -16,15 +16,19 @@ the copies that outlive the processes are the Rust library's (``ironweave._nativ
 
 from __future__ import annotations
 
+import operator
 import os
 import pickle
+import re
+import secrets
 import struct
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ironweave import _native
-from ironweave._native import ConfigurationError, StateMismatchError  # noqa: F401
+from ironweave._native import ConfigurationError, IronweaveError, StateMismatchError  # noqa: F401
 
 __all__ = ["Checkpointer", "deterministic_ddp", "finish", "init_process_group", "keep_dir_for_job"]
 
@@ -58,30 +62,70 @@ def _unframe(buf: torch.Tensor, what: str) -> bytes:
     return buf[8 : 8 + n].numpy().tobytes()
 
 
+def _safe(name: str) -> str:
+    """A path component as the Rust side makes it (``checkpointer::safe_name``)."""
+    t = "".join(c if (c.isascii() and c.isalnum()) or c in "-_." else "_" for c in name)
+    return "_" if not t or set(t) == {"."} else t
+
+
 def keep_dir_for_job() -> Optional[str]:
-    """Where copies that must outlive the processes go: ``IRONWEAVE_KEEP_DIR`` if set, else
-    under torchrun (which restarts every worker when one fails) ``/dev/shm/ironweave-<run id>``,
-    else None (memory only)."""
+    """The job's directory of copies that outlive the processes, where it is known before the
+    job forms: ``IRONWEAVE_KEEP_DIR`` if set; else under torchrun with a run id of its own
+    (``--rdzv-id``, or ``--standalone``'s) ``/dev/shm/ironweave-<run id>``; else under
+    ``ironweave launch --restart-all`` ``/dev/shm/ironweave-<job id>``; else None (torchrun's
+    shared ``none`` id: the id is derived when the job forms, see ``Checkpointer.keep_dir``).
+    Each engine of the job keeps under its own subdirectory (``checkpointer-0``, ``dcp-0``)."""
     d = os.environ.get("IRONWEAVE_KEEP_DIR")
     if d:
         return d
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or (
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    if run in ("", "none"):
         # `ironweave launch --restart-all` restarts every rank too; its job id outlives them
-        os.environ.get("IRONWEAVE_JOB_ID") if "IRONWEAVE_RANK" in os.environ else None
-    )
+        run = os.environ.get("IRONWEAVE_JOB_ID", "").strip() if "IRONWEAVE_RANK" in os.environ else ""
     if run and os.path.isdir("/dev/shm"):
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run)
-        return f"/dev/shm/ironweave-{safe}"
+        return f"/dev/shm/ironweave-{_safe(run)}"
     return None
+
+
+_LIVE: Dict[str, set] = {}  # the slots of each kind's open engines in this process: name each one's keep directory
+
+
+def _release(kind: str, slot: int) -> None:
+    _LIVE.get(kind, set()).discard(slot)
+
+
+def _keep_choice(keep_dir: Any, kind: str, slot: Optional[List[int]] = None) -> Tuple[Optional[str], Optional[str]]:
+    """(keep_dir, keep_name) for the native engine: an explicit directory as given; ``"auto"``
+    under a launcher that restarts every process (torchrun, ``ironweave launch``) a
+    subdirectory of the job's own directory, named per engine (``<kind>-<n>``, n the lowest slot
+    no open engine of that kind in this process holds, so a restarted process finds its copies
+    under the same name: a Checkpointer and a PeerMemoryWriter of one job never share files) —
+    ``IRONWEAVE_KEEP_DIR/<name>``, else the engine's ``/dev/shm/ironweave-<job id>/<name>`` with
+    the job id as the job forms it. ``slot``: receives the slot taken (release it on close)."""
+    if keep_dir != "auto":
+        return (os.fspath(keep_dir) if keep_dir is not None else None), None
+    live = _LIVE.setdefault(kind, set())
+    n = next(i for i in range(len(live) + 1) if i not in live)
+    live.add(n)
+    if slot is not None:
+        slot.append(n)
+    name = f"{kind}-{n}"
+    d = os.environ.get("IRONWEAVE_KEEP_DIR")
+    if d:
+        return os.path.join(d, name), None
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("IRONWEAVE_RANK" in os.environ and "IRONWEAVE_JOB_ID" in os.environ):
+        return None, name
+    return None, None
 
 
 def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
     """``torch.distributed.init_process_group`` for a job torchrun (or ``ironweave launch
-    --restart-all``) may restart: the process group's keys go under a prefix per restart attempt
-    (``TORCHELASTIC_RESTART_COUNT``; under ironweave launch a file store per generation). Measured here
+    --restart-all``) may restart: under torchrun the process group meets in a store of the
+    round's own (``_round_store``); under ironweave launch in a file store per generation. Measured here
     with torch 2.15: after a restart, the default ``env://`` initialisation finds the failed
     attempt's addresses in torchrun's store and gloo's mesh fails with "Connection refused";
-    with the prefix the restarted workers meet each other. Outside torchrun it is the plain call."""
+    with a store of each round's own (``_round_store``) the restarted workers meet each other, also
+    when a node was replaced by a new agent. Outside torchrun it is the plain call."""
     import datetime
 
     import torch.distributed as dist
@@ -102,10 +146,63 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         dist.init_process_group(backend, timeout=timeout)
         return
-    store = dist.PrefixStore(f"ironweave-attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", _torchrun_store(timeout_s))
+    store = dist.PrefixStore("ironweave-pg", _round_store(timeout_s))
     dist.init_process_group(
         backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout
     )
+
+
+_ROUND = None  # this process's round store under torchrun (_round_store)
+
+
+def _round_store(timeout_s: float):
+    """A store fresh to this round of the job's workers, under torchrun: global rank 0 serves it
+    (a TCPStore on a free port) and publishes ``MASTER_ADDR:port:nonce`` in torchrun's store;
+    the others take the published address once a store answers there with that nonce.
+
+    Why not a key prefix per ``TORCHELASTIC_RESTART_COUNT``: each agent counts its own restarts,
+    so when a node is replaced by a new agent (count 0) beside agents that restarted (count 1),
+    the counts differ and the ranks never meet. A stale address (the previous round's rank 0)
+    has no server any more — every worker of a round is stopped before the next one starts — or
+    another nonce, so it is passed over until rank 0 of this round publishes its own."""
+    global _ROUND
+    if _ROUND is not None:
+        return _ROUND
+    import datetime
+    import socket
+    import time
+
+    import torch.distributed as dist
+
+    agent = _torchrun_store(timeout_s)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        srv = dist.TCPStore(os.environ["MASTER_ADDR"], 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
+        nonce = secrets.token_hex(8)
+        srv.set("ironweave-round", nonce)
+        agent.set("ironweave-round-store", f"{os.environ['MASTER_ADDR']}:{srv.port}:{nonce}")
+        _ROUND = srv
+        return srv
+    deadline = time.monotonic() + timeout_s
+    while True:
+        host, port, nonce = agent.get("ironweave-round-store").decode().rsplit(":", 2)
+        try:
+            # a raw probe first: a dead address is refused at once, without the store's retries
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                pass
+            c = dist.TCPStore(host, int(port), world, is_master=False, timeout=datetime.timedelta(seconds=5))
+            if c.get("ironweave-round").decode() == nonce:
+                _ROUND = c
+                return c
+        except (OSError, RuntimeError):
+            pass
+        if time.monotonic() > deadline:
+            raise _native.CheckpointTimeoutError(
+                f"no store of this round answered at the address rank 0 publishes in torchrun's store within {timeout_s} s "
+                f"(last: {host}:{port}): rank 0 did not start, or {host} is not reachable from this node"
+            )
+        time.sleep(0.2)
 
 
 def finish(code: int = 0) -> None:
@@ -130,47 +227,74 @@ def finish(code: int = 0) -> None:
     os._exit(code)
 
 
+_STORE = None  # this process's client (or, without the agent's store, server) of torchrun's store
+
+
 def _torchrun_store(timeout_s: float):
-    """A client of torchrun's TCP store (at ``MASTER_ADDR:MASTER_PORT``)."""
+    """torchrun's TCP store at ``MASTER_ADDR:MASTER_PORT``: the agent's (torchrun's default,
+    ``TORCHELASTIC_USE_AGENT_STORE=True``), or, where the agents do not share theirs
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), one global rank 0 serves for the round, as
+    ``env://`` does (a client when something, e.g. the user's own ``env://`` group, already
+    serves there)."""
+    global _STORE
+    if _STORE is not None:
+        return _STORE
     import datetime
 
     import torch.distributed as dist
 
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        int(os.environ["WORLD_SIZE"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    addr, port, world = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and int(os.environ["RANK"]) == 0:
+        try:
+            _STORE = dist.TCPStore(addr, port, world, is_master=True, wait_for_workers=False, timeout=timeout)
+            return _STORE
+        except (RuntimeError, OSError):
+            pass
+    _STORE = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    return _STORE
 
 
 _OUR_PORT: Optional[str] = None  # the IRONWEAVE_CKPT_PORT this module set (a user's own is left alone)
+_OUR_SECRET: Optional[str] = None  # the IRONWEAVE_SECRET this module set
 _ENGINES = 0  # engines this process started under torchrun: names the next one's port in the store
 
 
 def _agree_on_port(timeout_s: float) -> None:
-    """Under torchrun, the checkpointer's port is one rank 0 finds free below the kernel's
-    ephemeral range (``_native.free_port``, as ``ironweave launch`` picks its own: no outgoing
-    connection can be handed it) and publishes in torchrun's store, and every rank reads it there
-    before its engine starts. The Rust default (the master port + 1) collided once with another
-    socket.
+    """Under torchrun, the job's secret and the checkpointer's port come from torchrun's store.
+
+    The secret: rank 0 publishes a random one once per job (``compare_set``: a restarted
+    attempt reads the same), every rank sets ``IRONWEAVE_SECRET`` from it before its engine
+    starts. The engine's handshake then refuses a peer that cannot prove it knows the secret,
+    and every kept copy carries a MAC under it. A secret the user set is left alone.
+
+    The port: one rank 0 finds free below the kernel's ephemeral range (``_native.free_port``,
+    as ``ironweave launch`` picks its own: no outgoing connection can be handed it) and
+    publishes in torchrun's store, and every rank reads it there before its engine starts. The
+    Rust default (the master port + 1) collided once with another socket.
     The store is torchrun's TCP store, not a process group: no collective, safe on the thread
     DCP writes from. A port the user set (``IRONWEAVE_CKPT_PORT``) and ``ironweave launch`` (its
-    own port) are left alone, as is a job outside torchrun (the Rust default stands)."""
-    global _OUR_PORT, _ENGINES
+    own port and secret) are left alone, as is a job outside torchrun (the Rust default stands)."""
+    global _OUR_PORT, _OUR_SECRET, _ENGINES
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "IRONWEAVE_RANK" in os.environ:
+        return
+    store = _torchrun_store(timeout_s)
+    if os.environ.get("IRONWEAVE_SECRET") in (None, "", _OUR_SECRET):
+        if int(os.environ["RANK"]) == 0:
+            store.compare_set("ironweave-secret", "", secrets.token_hex(32))
+        sec = store.get("ironweave-secret").decode()
+        os.environ["IRONWEAVE_SECRET"] = _OUR_SECRET = sec
     user = os.environ.get("IRONWEAVE_CKPT_PORT")
     if user is not None and user != _OUR_PORT:
         return
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "IRONWEAVE_RANK" in os.environ:
-        return
-    # every rank starts its engines in the same order (starting one is collective)
-    key = f"ironweave-ckpt-port-{os.environ['TORCHELASTIC_RESTART_COUNT']}-{_ENGINES}"
+    # every rank starts its engines in the same order (starting one is collective); the keys go
+    # in this round's store, fresh whatever each agent counts
+    key = f"ironweave-ckpt-port-{_ENGINES}"
     _ENGINES += 1
-    store = _torchrun_store(timeout_s)
+    rs = _round_store(timeout_s)
     if int(os.environ["RANK"]) == 0:
-        store.set(key, str(_native.free_port()))
-    port = store.get(key).decode()
+        rs.set(key, str(_native.free_port()))
+    port = rs.get(key).decode()
     os.environ["IRONWEAVE_CKPT_PORT"] = port
     _OUR_PORT = port
 
@@ -259,7 +383,9 @@ def _materialize(optim: torch.optim.Optimizer) -> None:
         if "lr" in g:
             g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
     try:
-        optim.step()
+        # a closure for the optimizers that need one (LBFGS); the others call it and ignore
+        # the loss
+        optim.step(lambda: torch.zeros(()))
     finally:
         for g, lr in zip(optim.param_groups, lrs):
             if lr is not None:
@@ -274,18 +400,49 @@ def _materialize(optim: torch.optim.Optimizer) -> None:
             st["step"] = type(s)(0)
 
 
+class _Refused(Exception):
+    """A refusal this rank found in its state, carried to the engine so that every rank raises
+    it (``kind``: "config" or "mismatch")."""
+
+    def __init__(self, kind: str, a: str, b: str = "", c: str = "") -> None:
+        super().__init__(a)
+        self.args4 = (kind, a, b, c)
+
+
+def _stateful(obj: Any) -> bool:
+    """Saved through ``state_dict()``/``load_state_dict()`` (LR schedulers, stateful data
+    loaders), not pickled whole."""
+    return (
+        not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
 class Checkpointer:
     """Checkpoints ``state`` every step into peers' host memory; restores it after a failure.
 
     ``state`` maps names to ``torch.nn.Module``s, ``torch.optim.Optimizer``s (their empty state
-    is created now), tensors, and small picklable values (kept in ``extras_bytes``). Tensors
-    must be on the CPU. Every rank must pass the same keys, dtypes and shapes (data
+    is created now; their state is keyed by parameter names, as
+    ``torch.distributed.checkpoint.state_dict`` keys it, so a changed parameter order restores
+    correctly), tensors, objects with ``state_dict()``/``load_state_dict()`` (LR schedulers,
+    stateful data loaders: saved and restored through them), and small picklable values (kept in
+    ``extras_bytes``). Tensors are on the CPU, or on a CUDA device (copied to pinned host
+    buffers on a side stream). Every rank must pass the same keys, dtypes and shapes (data
     parallelism); a difference raises ``StateMismatchError`` naming the key on every rank.
 
+    A refusal on one rank (a step that does not increase, a state that changed, values that do
+    not fit ``extras_bytes``) is agreed before anything is snapshot: every rank raises the same
+    error at once, and the checkpointer stays usable.
+
     ``strategy``: ``capricorn`` (chunks placed in the link's idle time), ``gemini``; ``replicas``:
-    copies of each step's state including the rank's own; ``keep_dir``: a tmpfs directory the
-    copies outlive the processes in (``"auto"``: ``keep_dir_for_job()``); ``persist_dir`` and
-    ``persist_every``: also write every N steps to a file system.
+    copies of each step's state including the rank's own, placed on other nodes
+    (``IRONWEAVE_HOST``, else the hostname, checked against torchrun's ``GROUP_RANK``);
+    ``keep_dir``: a tmpfs directory the copies outlive the processes in (``"auto"``: under
+    torchrun ``/dev/shm/ironweave-<job id>/checkpointer-<n>``, see ``keep_dir_for_job``;
+    created 0700, checked for room before training); ``persist_dir`` and ``persist_every``: also
+    write every N steps to a file system; ``job_id``: the job's identity (default: the
+    launcher's run id, or one derived from the rendezvous and the command line).
     """
 
     def __init__(
@@ -304,36 +461,53 @@ class Checkpointer:
         if not isinstance(state, dict) or not state:
             raise ConfigurationError("state: give a non-empty dict of modules, optimizers, tensors and picklable values")
         self._state = state
-        for v in state.values():
-            if isinstance(v, torch.optim.Optimizer):
-                _materialize(v)
-        dicts = self._dicts()
-        self._names, tensors = self._tensors(dicts)
+        self._hooks: List[Any] = []
+        self._watched: List[Any] = []
         self._extras_cap = int(extras_bytes)
         self._extras = torch.zeros(self._extras_cap + 8, dtype=torch.uint8)
-        self._pack_extras(dicts)  # a state whose values do not fit fails now, not at the first save
-        specs: List[Tuple[str, str, List[int]]] = []
-        for name, t in zip(self._names, tensors):
-            if t.dtype in _DTYPES:
-                specs.append((name, _DTYPES[t.dtype], list(t.shape), None))
-            else:
-                # other dtypes travel as their bytes (bool, int8, int16, complex, ...)
-                specs.append((name, "u8", [t.numel() * t.element_size()], None))
-        specs.append((_EXTRAS, "u8", [self._extras_cap + 8], None))
-        if keep_dir == "auto":
-            keep_dir = keep_dir_for_job()
-        self.keep_dir = keep_dir
-        _agree_on_port(timeout_s)
-        self._engine = _native.Engine(
-            specs,
-            strategy=strategy,
-            replicas=replicas,
-            keep_dir=keep_dir,
-            persist_dir=persist_dir,
-            persist_every=persist_every,
-            timeout_s=timeout_s,
-            job_id=job_id,
-        )
+        self._staging: Dict[str, torch.Tensor] = {}
+        self._stream = None
+        specs: List[Tuple[str, str, List[int], None]] = []
+        refusal = None
+        try:
+            for v in state.values():
+                if isinstance(v, torch.optim.Optimizer):
+                    _materialize(v)
+            dicts = self._dicts()
+            self._names, tensors = self._tensors(dicts)
+            self._pack_extras(dicts)  # a state whose values do not fit fails now, not at the first save
+            for name, t in zip(self._names, tensors):
+                if t.dtype in _DTYPES:
+                    specs.append((name, _DTYPES[t.dtype], list(t.shape), None))
+                else:
+                    # other dtypes travel as their bytes (bool, int8, int16, complex, ...)
+                    specs.append((name, "u8", [t.numel() * t.element_size()], None))
+            specs.append((_EXTRAS, "u8", [self._extras_cap + 8], None))
+        except IronweaveError as e:
+            # agreed with the other ranks once joined: they raise it too, none waits for this one
+            refusal, specs = ("config", str(e), "", ""), []
+        self._slot: List[int] = []
+        keep_dir, keep_name = _keep_choice(keep_dir, "checkpointer", self._slot)
+        try:
+            _agree_on_port(timeout_s)
+            self._engine = _native.Engine(
+                specs,
+                strategy=strategy,
+                replicas=replicas,
+                keep_dir=keep_dir,
+                persist_dir=persist_dir,
+                persist_every=persist_every,
+                timeout_s=timeout_s,
+                job_id=job_id,
+                keep_name=keep_name,
+                refusal=refusal,
+            )
+        except BaseException:
+            for n in self._slot:
+                _release("checkpointer", n)
+            raise
+        self.keep_dir: Optional[str] = self._engine.keep_dir
+        self.job_id: str = self._engine.job_id
 
     @property
     def rank(self) -> int:
@@ -354,58 +528,103 @@ class Checkpointer:
             if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
         }
 
-    def _tensors(self, dicts: Dict[str, Dict[str, Any]]) -> Tuple[List[str], List[torch.Tensor]]:
+    def _param_names(self) -> Dict[int, str]:
+        """Each parameter's fully qualified name (``<key>.<name>``) by ``id``: the first name of
+        a parameter two modules share."""
+        names: Dict[int, str] = {}
+        for key, obj in self._state.items():
+            if isinstance(obj, torch.nn.Module):
+                inner = getattr(obj, "module", obj)  # DDP's wrapped module: the names a user sees
+                for n, p in inner.named_parameters(remove_duplicate=False):
+                    names.setdefault(id(p), f"{key}.{n}")
+        return names
+
+    def _optim_keys(self, key: str, optim: torch.optim.Optimizer, sd: Dict[str, Any]) -> Dict[Any, str]:
+        """The optimizer's state_dict indices by parameter name (its position when the
+        parameter is in no module of the state)."""
+        params = [p for g in optim.param_groups for p in g["params"]]
+        names = self._param_names()
+        return {idx: names.get(id(params[idx]), f"#{idx}") if isinstance(idx, int) and idx < len(params) else f"#{idx}" for idx in sd["state"]}
+
+    def _tensors(self, dicts: Dict[str, Dict[str, Any]], registered: Optional[set] = None) -> Tuple[List[str], List[torch.Tensor]]:
+        """Every tensor of the state by name: modules' (a tensor two keys share, tied weights,
+        once), optimizers' state by parameter name, sorted. ``registered``: optimizer state
+        tensors outside it are left to the picklable values (state an optimizer grows later,
+        LBFGS's history)."""
         names: List[str] = []
         tensors: List[torch.Tensor] = []
+        seen: Dict[Tuple, str] = {}
         for key, obj in self._state.items():
             if isinstance(obj, torch.nn.Module):
                 for k, t in dicts[key].items():
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+                    if t.numel() and ident in seen:
+                        continue  # tied: the same memory as an earlier key, saved and restored once
+                    seen[ident] = f"{key}.{k}"
                     names.append(f"{key}.{k}")
                     tensors.append(t)
             elif isinstance(obj, torch.optim.Optimizer):
                 sd = dicts[key]
-                for idx in sorted(sd["state"]):
-                    for k, v in sorted(sd["state"][idx].items()):
-                        if isinstance(v, torch.Tensor):
-                            names.append(f"{key}.state.{idx}.{k}")
-                            tensors.append(v)
+                by_name = self._optim_keys(key, obj, sd)
+                entries = []
+                for idx, st in sd["state"].items():
+                    for k, v in st.items():
+                        n = f"{key}.state.{by_name[idx]}.{k}"
+                        if isinstance(v, torch.Tensor) and (registered is None or n in registered):
+                            entries.append((n, v))
+                for n, v in sorted(entries, key=lambda e: e[0]):
+                    names.append(n)
+                    tensors.append(v)
             elif isinstance(obj, torch.Tensor):
                 names.append(key)
                 tensors.append(obj)
         for n, t in zip(names, tensors):
-            if t.device.type != "cpu":
+            if t.device.type == "cuda":
+                if not torch.cuda.is_available():
+                    raise ConfigurationError(f"`{n}` is on {t.device} but CUDA is not available in this process")
+            elif t.device.type != "cpu":
                 raise ConfigurationError(
-                    f"`{n}` is on {t.device}: this build checkpoints CPU tensors only (no GPU path); "
-                    "keep the state on the CPU or copy it there before saving"
+                    f"`{n}` is on {t.device}: ironweave checkpoints CPU and CUDA tensors; copy it to one of them before saving"
                 )
         return names, tensors
 
     def _current(self, dicts: Dict[str, Dict[str, Any]]) -> List[torch.Tensor]:
-        names, tensors = self._tensors(dicts)
+        names, tensors = self._tensors(dicts, set(self._names))
         if names != self._names:
             missing = next((n for n in self._names if n not in names), None)
             added = next((n for n in names if n not in self._names), None)
             key = missing or added or "(order)"
-            raise StateMismatchError(
-                f"state mismatch on rank {self.rank}: `{key}` is "
-                f"{'missing' if missing else 'new'}, expected the keys registered when the checkpointer was made"
+            raise _Refused(
+                "mismatch",
+                key,
+                "the keys registered when the checkpointer was made",
+                "missing" if missing else "new",
             )
         return tensors
 
     def _extra_values(self, dicts: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
+        registered = set(self._names)
         for key, obj in self._state.items():
             if isinstance(obj, torch.optim.Optimizer):
                 sd = dicts[key]
+                by_name = self._optim_keys(key, obj, sd)
                 out[key] = {
                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]],
+                    # by parameter name; tensors not registered (grown later) travel here too
                     "state": {
-                        idx: {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+                        by_name[idx]: {
+                            k: v for k, v in st.items() if not (isinstance(v, torch.Tensor) and f"{key}.state.{by_name[idx]}.{k}" in registered)
+                        }
                         for idx, st in sd["state"].items()
                     },
                 }
+            elif _stateful(obj):
+                out[key] = ("state_dict", obj.state_dict())
             elif not isinstance(obj, (torch.nn.Module, torch.Tensor)):
-                out[key] = obj
+                out[key] = ("value", obj)
         return out
 
     def _pack_extras(self, dicts: Dict[str, Dict[str, Any]]) -> None:
@@ -418,58 +637,126 @@ class Checkpointer:
         _frame_into(self._extras, blob)
 
     def _unpack_extras(self) -> None:
+        # the restored bytes carried a valid MAC under the job's secret (when it has one) and
+        # passed their checksums before they reach pickle
         values = pickle.loads(_unframe(self._extras, f"restored picklable values (extras_bytes={self._extras_cap})"))
+        names = self._param_names()
         for key, v in values.items():
             obj = self._state.get(key)
             if isinstance(obj, torch.optim.Optimizer):
                 for g, saved in zip(obj.param_groups, v["param_groups"]):
                     g.update(saved)
-                # state_dict numbers the parameters in order across the groups
                 params = [q for g in obj.param_groups for q in g["params"]]
-                for idx, st in v["state"].items():
-                    if st and 0 <= idx < len(params):
-                        obj.state[params[idx]].update(st)
-            else:
-                self._state[key] = v
+                by_name = {names.get(id(q), f"#{i}"): q for i, q in enumerate(params)}
+                for name, st in v["state"].items():
+                    if st and name in by_name:
+                        obj.state[by_name[name]].update(st)
+            elif isinstance(v, tuple) and len(v) == 2 and v[0] == "state_dict" and _stateful(obj):
+                obj.load_state_dict(v[1])
+            elif isinstance(v, tuple) and len(v) == 2 and v[0] == "value":
+                self._state[key] = v[1]
 
     @staticmethod
     def _bytes(t: torch.Tensor):
         return t.detach().reshape(-1).view(torch.uint8).numpy()
 
+    def _host(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A CUDA tensor's pinned host buffer (made once, reused every step)."""
+        h = self._staging.get(name)
+        if h is None:
+            h = self._staging[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return h
+
+    def _host_views(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Each tensor as CPU memory: CUDA tensors copied into their pinned buffers on a side
+        stream (waited for before the engine reads them)."""
+        out = []
+        copies = False
+        for n, t in zip(self._names, tensors):
+            if t.device.type == "cuda":
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream(device=t.device)
+                h = self._host(n, t)
+                self._stream.wait_stream(torch.cuda.current_stream(t.device))
+                with torch.cuda.stream(self._stream):
+                    h.copy_(t.detach(), non_blocking=True)
+                copies = True
+                out.append(h)
+            else:
+                out.append(t if t.is_contiguous() else t.contiguous())
+        if copies:
+            self._stream.synchronize()
+        return out
+
     # -- the API ----------------------------------------------------------------------------
 
     def save(self, step: int) -> int:
         """Snapshots the state after ``step``'s optimizer step (collective: every rank, every
-        step it checkpoints); replication to peers goes on in the background."""
-        dicts = self._dicts()
-        tensors = self._current(dicts)
-        self._pack_extras(dicts)
-        bufs = [self._bytes(t if t.is_contiguous() else t.contiguous()) for t in tensors]
-        bufs.append(self._bytes(self._extras))
-        return self._engine.save(int(step), bufs)
+        step it checkpoints); replication to peers goes on in the background. A refusal on any
+        rank is every rank's error (raised at once, nothing saved)."""
+        refusal = None
+        bufs: List[Any] = []
+        cause: Optional[BaseException] = None
+        try:
+            try:
+                step = operator.index(step)
+            except TypeError:
+                raise ConfigurationError(f"step {step!r}: give an integer") from None
+            if step < 0:
+                raise ConfigurationError(f"step {step}: a step is not negative")
+            dicts = self._dicts()
+            tensors = self._current(dicts)
+            self._pack_extras(dicts)
+            bufs = [self._bytes(t) for t in self._host_views(tensors)]
+            bufs.append(self._bytes(self._extras))
+        except _Refused as e:
+            refusal, cause = e.args4, e
+        except IronweaveError as e:
+            refusal, cause = ("config", str(e), "", ""), e
+        try:
+            return self._engine.save(step if refusal is None else 0, bufs, refusal)
+        except IronweaveError as agreed:
+            raise agreed from cause
 
     def restore(self) -> Optional[Dict[str, Any]]:
         """Restores the newest step every rank has a whole copy of, in place (collective; all or
         nothing). Returns ``{"step", "source" ("own memory" | "peer" | "persistent"), "peer",
-        "bytes", "seconds"}``, or None when no rank holds any copy (a fresh start)."""
-        tensors = self._current(self._dicts())
+        "bytes", "seconds"}``, or None when no rank holds any copy (a fresh start). Every kept
+        copy is checked (checksums, and its MAC under the job's secret) before it is used."""
+        refusal = None
+        bufs: List[Any] = []
         staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        bufs = []
-        for t in tensors:
-            if t.is_contiguous():
-                bufs.append(self._bytes(t))
-            else:
-                tmp = torch.empty(t.shape, dtype=t.dtype)
-                staged.append((t, tmp))
-                bufs.append(self._bytes(tmp))
-        bufs.append(self._bytes(self._extras))
+        try:
+            tensors = self._current(self._dicts())
+            for n, t in zip(self._names, tensors):
+                if t.device.type == "cuda":
+                    h = self._host(n, t)
+                    staged.append((t, h))
+                    bufs.append(self._bytes(h))
+                elif t.is_contiguous():
+                    bufs.append(self._bytes(t))
+                else:
+                    tmp = torch.empty(t.shape, dtype=t.dtype)
+                    staged.append((t, tmp))
+                    bufs.append(self._bytes(tmp))
+            bufs.append(self._bytes(self._extras))
+        except _Refused as e:
+            refusal, bufs = e.args4, []
+        except IronweaveError as e:
+            refusal, bufs = ("config", str(e), "", ""), []
         with torch.no_grad():
-            info = self._engine.restore(bufs)
+            info = self._engine.restore(bufs, refusal)
             if info is None:
                 return None
             for t, tmp in staged:
-                t.copy_(tmp)
+                t.copy_(tmp)  # one host-to-device copy for a CUDA tensor
         self._unpack_extras()
+        print(
+            f"ironweave: rank {self.rank} restored step {info['step']} from {info['source']}"
+            + (f" (rank {info['peer']}'s copy)" if info.get("peer") is not None else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         return info
 
     # -- what the engine sees of the training step ------------------------------------------
@@ -485,60 +772,95 @@ class Checkpointer:
 
     def watch(self, model: torch.nn.Module) -> "Checkpointer":
         """Lets the engine see the training step: the forward and backward of each of
-        ``model``'s layers (module hooks on the modules that hold parameters, numbered in
-        forward order) and, for a ``DistributedDataParallel`` model, each gradient all-reduce
-        (a DDP communication hook: DDP's bucket all-reduce timed, or ``deterministic_ddp``'s
-        hook timed). From these the engine predicts when the link is free of training bytes and
-        sends the checkpoint's chunks then (``strategy="capricorn"``). Call once, before the
-        first step you want seen; returns the checkpointer."""
+        ``model``'s layers (forward hooks on the modules that hold parameters, numbered in
+        forward order; a layer's backward runs from the gradient of its output to the last of
+        its parameters' gradients — tensor hooks, so in-place operations stay allowed and torch
+        warns of nothing) and, for a ``DistributedDataParallel`` model, each gradient
+        all-reduce (a DDP communication hook: DDP's bucket all-reduce timed, or
+        ``deterministic_ddp``'s hook timed). From these the engine predicts when the link is
+        free of training bytes and sends the checkpoint's chunks then (``strategy="capricorn"``).
+        Call once, before the first step you want seen; ``close()`` removes the hooks. Returns
+        the checkpointer."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         inner = model.module if isinstance(model, DDP) else model
         layers = [m for m in inner.modules() if any(True for _ in m.parameters(recurse=False))]
-        starts: Dict[Tuple[int, str], int] = {}
         eng = self._engine
+        me = self
 
-        def pre(i, phase):
-            def hook(*_):
-                starts[(i, phase)] = eng.now_ns()
-
-            return hook
-
-        def post(i, phase):
-            def hook(*_):
-                t0 = starts.pop((i, phase), None)
-                if t0 is not None:
-                    eng.record_layer(i, phase, t0, eng.now_ns())
-
-            return hook
+        def record(i, phase, t0):
+            if me._engine is None:
+                return
+            try:
+                eng.record_layer(i, phase, t0, eng.now_ns())
+            except _native.ClosedError:
+                pass
 
         for i, m in enumerate(layers):
-            m.register_forward_pre_hook(pre(i, "forward"))
-            m.register_forward_hook(post(i, "forward"))
-            m.register_full_backward_pre_hook(pre(i, "backward"))
-            m.register_full_backward_hook(post(i, "backward"))
+            params = [p for p in m.parameters(recurse=False) if p.requires_grad]
+            state = {"fwd": 0, "bwd": None, "left": 0}
+
+            def fwd_pre(_m, _args, state=state):
+                state["fwd"] = eng.now_ns()
+
+            def fwd_post(_m, _args, out, i=i, state=state, n=len(params)):
+                record(i, "forward", state["fwd"])
+                if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
+                    def grad_in(_g, state=state, n=n):
+                        state["bwd"], state["left"] = eng.now_ns(), n
+                    out.register_hook(grad_in)
+
+            def grad_done(_p, i=i, state=state):
+                if state["bwd"] is None:
+                    return
+                state["left"] -= 1
+                if state["left"] <= 0:
+                    record(i, "backward", state["bwd"])
+                    state["bwd"] = None
+
+            self._hooks.append(m.register_forward_pre_hook(fwd_pre))
+            self._hooks.append(m.register_forward_hook(fwd_post))
+            for p in params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(grad_done))
         if isinstance(model, DDP):
             state = getattr(model, "_ironweave_hook", None)
             if state is None:
                 state = model._ironweave_hook = _HookState(None)
                 model.register_comm_hook(state, _bucket_allreduce)
             state.recorder = self
+            self._watched.append(state)
         return self
+
+    def _unwatch(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for st in self._watched:
+            if st.recorder is self:
+                st.recorder = None
+        self._watched.clear()
 
     def committed(self) -> Optional[int]:
         """The newest step whose every rank's state is replicated, as last agreed."""
         return self._engine.committed()
 
     def stats(self) -> Dict[str, Any]:
-        """Counters: saves, exposed seconds, state and replica bytes, committed and kept steps;
-        with ``watch``: steps profiled, training communications recorded, chunks released and
-        those whose transfer lay in an idle window of the training link."""
+        """Counters: saves, exposed seconds, state and replica bytes (``replica_bytes_inter_host``:
+        those that went to another node), committed and kept steps; with ``watch``: steps
+        profiled, training communications recorded, chunks released and those whose transfer
+        lay in an idle window of the training link."""
         return self._engine.stats()
 
     def close(self, remove_kept: bool = True) -> None:
-        """Replicates the last snapshot and stops (collective). ``remove_kept``: the job is over,
-        so the copies kept for restarts are removed."""
-        self._engine.close(remove_kept)
+        """Replicates the last snapshot and stops (collective); removes ``watch``'s hooks.
+        ``remove_kept``: the job is over, so the copies kept for restarts are removed."""
+        self._unwatch()
+        try:
+            self._engine.close(remove_kept)
+        finally:
+            for n in self._slot:
+                _release("checkpointer", n)
+            self._slot = []
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -547,3 +869,5 @@ class Checkpointer:
         # after an error the peers may be gone: no collective call, the copies stay for the restart
         if exc_type is None:
             self.close(remove_kept=True)
+        else:
+            self._unwatch()
