@@ -6,7 +6,9 @@ that step, in the first attempt only); FAIL_HOST=1 (the failed rank's kept copie
 before it comes back: its host was lost); FAIL_NODE=H (every rank whose IRONWEAVE_HOST is H
 SIGKILLs itself at FAIL_STEP, and deletes its kept copies when it comes back: node H was lost); OUT (a directory: each rank writes rank-R.json with
 its restore and its state digest); PROGRESS=1 (each rank writes progress-R.json after each save);
-STEP_SLEEP (seconds each step lasts at least, so a test can act between steps).
+STEP_SLEEP (seconds each step lasts at least, so a test can act between steps); CORRUPT=own|all
+(when it comes back, the failed rank flips a bit in its own kept copies, or in every kept copy of
+its state); PERSIST_DIR and PERSIST_EVERY (the persistent tier).
 """
 import hashlib
 import json
@@ -33,6 +35,18 @@ if attempt > 0 and (rank == fail_rank and os.environ.get("FAIL_HOST") == "1" or 
     keep = keep_dir_for_job()
     shutil.rmtree(os.path.join(keep, "checkpointer-0", f"holder-{rank:05d}"), ignore_errors=True)
 
+corrupt = os.environ.get("CORRUPT")  # "own" | "all": the failed rank's copies fail their checks
+if attempt > 0 and rank == fail_rank and corrupt:
+    import glob
+
+    holders = f"holder-{rank:05d}" if corrupt == "own" else "holder-*"
+    for f in glob.glob(os.path.join(keep_dir_for_job(), "checkpointer-0", holders, "*", f"rank-{rank:05d}.safetensors")):
+        with open(f, "r+b") as fh:  # one bit of the last byte: the checksums no longer hold
+            fh.seek(-1, os.SEEK_END)
+            b = fh.read(1)
+            fh.seek(-1, os.SEEK_END)
+            fh.write(bytes([b[0] ^ 1]))
+
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 if os.environ.get("NO_DDP") == "1":
@@ -46,7 +60,8 @@ steps = int(os.environ.get("STEPS", "30"))
 
 # the picklable value is put back into this dict by a restore
 state = {"model": model, "optim": optim, "seen": 0}
-ckpt = Checkpointer(state, timeout_s=60)
+ckpt = Checkpointer(state, timeout_s=60, persist_dir=os.environ.get("PERSIST_DIR"),
+                    persist_every=int(os.environ.get("PERSIST_EVERY", "0")))
 if os.environ.get("NO_WATCH") != "1":
     ckpt.watch(model)  # the engine sees layers and all-reduces
 info = ckpt.restore()

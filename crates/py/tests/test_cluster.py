@@ -315,3 +315,50 @@ def test_pytorch_conventions_hooks_tied_weights_lbfgs_schedulers_and_named_optim
     assert torch.equal(opt2.state[a]["exp_avg"], want_a) and torch.equal(opt2.state[b]["exp_avg"], want_b)
     assert sched2.last_epoch == 3 and abs(opt2.param_groups[0]["lr"] - 0.1 * 0.5 ** 3) < 1e-12
     ck.close()
+
+
+@pytest.mark.parametrize("corrupt,source", [("own", "peer"), ("all", "persistent")])
+def test_a_copy_that_fails_its_check_is_never_loaded_and_the_restore_falls_back_a_tier(tmp_path, clean_run, corrupt, source):
+    """Rank 1 dies at step 13; when it comes back its own kept copies (or every kept copy of its
+    state) fail their checksums: they are passed over, never loaded, and its state comes from the
+    next tier — a peer's copy, else the persistent tier — named in the log; the job ends bit for
+    bit in the clean run's state after one restart (a corrupt copy never loops the job)."""
+    persist = tmp_path / "persist"
+    out = tmp_path / "out"
+    out.mkdir()
+    p = torchrun(JOB, out, STEPS=20, FAIL_RANK=1, FAIL_STEP=13, CORRUPT=corrupt, PERSIST_DIR=persist, PERSIST_EVERY=5)
+    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    rs = ranks(out)
+    assert [r["digest"] for r in rs] == [clean_run[0]["digest"]] * 4
+    assert all(r["attempt"] == 1 for r in rs)
+    assert rs[1]["restored"]["source"] == source, rs[1]["restored"]
+    if source == "peer":
+        assert rs[1]["restored"]["peer"] != 1
+    assert f"rank 1 restored step {rs[1]['restored']['step']} from {source}" in p.stderr + p.stdout
+
+
+def test_a_job_never_takes_another_job_s_copies_and_orphans_are_cleaned(tmp_path):
+    """Two jobs under torchrun's static rendezvous (run id `none` for both). The first dies out
+    of restarts and leaves its copies; they are an orphan (`python -m ironweave clean --dry-run`
+    lists them); the second starts fresh — on the old package both used /dev/shm/ironweave-none
+    and the second resumed the first — and its rank 0 removes the orphan before it takes room."""
+    from test_torch import shm_dirs
+
+    before = shm_dirs()
+    first = tmp_path / "first"
+    first.mkdir()
+    p = torchrun(JOB, first, nproc=2, restarts=0, master_port=free_port(), STEPS=6, FAIL_RANK=1, FAIL_STEP=4)
+    assert p.returncode != 0
+    left = shm_dirs() - before
+    assert len(left) == 1, left
+    (orphan,) = left
+    assert "none" not in orphan, orphan
+    listed = subprocess.run([sys.executable, "-m", "ironweave", "clean", "--dry-run"], capture_output=True, text=True)
+    assert listed.returncode == 0 and f"orphan   /dev/shm/{orphan}" in listed.stdout, listed.stdout
+    assert (Path("/dev/shm") / orphan).exists()
+    second = tmp_path / "second"
+    second.mkdir()
+    p = torchrun(JOB, second, nproc=2, restarts=0, master_port=free_port(), STEPS=6)
+    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    assert all(r["restored"] is None for r in ranks(second, 2)), "the second job took the first's copies"
+    assert shm_dirs() - before == set(), "the orphan (or the second job's copies) is still there"
