@@ -151,6 +151,18 @@ impl Registry {
         })
     }
 
+    /// [`Registry::first_difference`] of the local layouts only (names, dtypes, shapes, order):
+    /// where each tensor sits in a global one is left out — ranks of one data-parallel job hold
+    /// the same local layout while one of them owns each replicated tensor.
+    pub fn first_local_difference(&self, other: &Registry) -> Option<(String, String, String)> {
+        let local = |r: &Registry| {
+            let mut r = r.clone();
+            r.tensors.iter_mut().for_each(|t| t.global = None);
+            r
+        };
+        local(self).first_difference(&local(other))
+    }
+
     /// Check that `bufs` match the registry, in order.
     pub fn check(&self, bufs: &[&[u8]]) -> Result<()> {
         if bufs.len() != self.tensors.len() {

@@ -133,24 +133,31 @@ impl Bytes {
 }
 
 /// A tensor as Python describes it: (name, dtype, shape) or (name, dtype, shape, (global
-/// name, global shape, offsets)) for the slice of a global tensor it holds.
-type Spec = (String, String, Vec<u64>, Option<(String, Vec<u64>, Vec<u64>)>);
+/// name, global shape, offsets[, owner])) for the slice of a global tensor it holds; `owner`
+/// (default true) false marks a copy of a slice another rank owns (replicated state: one rank
+/// owns it, the loader reads that one).
+type Spec = (String, String, Vec<u64>, Option<Py<PyAny>>);
 
-fn to_spec((name, dtype, shape, global): Spec) -> PyResult<TensorSpec> {
+fn to_spec(py: Python<'_>, (name, dtype, shape, global): Spec) -> PyResult<TensorSpec> {
     let d = DType::parse(&dtype)
         .ok_or_else(|| config_err(format!("`{name}`: dtype {dtype:?} is not one of f32 f64 f16 bf16 i64 i32 u8")))?;
     let spec = TensorSpec::new(&name, d, &shape);
-    Ok(match global {
-        None => spec,
-        Some((tensor, gshape, offsets)) => {
-            if gshape.len() != shape.len() || offsets.len() != shape.len() {
-                return Err(config_err(format!(
-                    "`{name}`: shape {shape:?}, global shape {gshape:?} and offsets {offsets:?} must have one entry per dimension"
-                )));
-            }
-            spec.with_global(GlobalSlice { tensor, shape: gshape, offsets, owner: true })
+    let Some(global) = global.map(|g| g.into_bound(py)).filter(|g| !g.is_none()) else { return Ok(spec) };
+    let (tensor, gshape, offsets, owner): (String, Vec<u64>, Vec<u64>, bool) = match global.extract() {
+        Ok(t) => t,
+        Err(_) => {
+            let (t, g, o): (String, Vec<u64>, Vec<u64>) = global
+                .extract()
+                .map_err(|e| config_err(format!("`{name}`: the global place is (name, shape, offsets[, owner]): {e}")))?;
+            (t, g, o, true)
         }
-    })
+    };
+    if gshape.len() != shape.len() || offsets.len() != shape.len() {
+        return Err(config_err(format!(
+            "`{name}`: shape {shape:?}, global shape {gshape:?} and offsets {offsets:?} must have one entry per dimension"
+        )));
+    }
+    Ok(spec.with_global(GlobalSlice { tensor, shape: gshape, offsets, owner }))
 }
 
 /// Each buffer's (address, length).
@@ -230,7 +237,7 @@ impl Engine {
     ) -> PyResult<Self> {
         // a spec that does not parse is this rank's refusal, agreed with the others once joined
         let mut refused = refusal;
-        let specs = match specs.into_iter().map(to_spec).collect::<PyResult<Vec<_>>>() {
+        let specs = match specs.into_iter().map(|s| to_spec(py, s)).collect::<PyResult<Vec<_>>>() {
             Ok(s) => s,
             Err(e) => {
                 refused.get_or_insert((String::from("config"), e.to_string(), String::new(), String::new()));
@@ -424,7 +431,7 @@ fn saved(py: Python<'_>, dir: PathBuf) -> PyResult<(u64, Vec<SavedTensor>)> {
 /// all or nothing. Returns the bytes filled.
 #[pyfunction]
 fn load_saved(py: Python<'_>, dir: PathBuf, iteration: u64, specs: Vec<Spec>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<u64> {
-    let specs = specs.into_iter().map(to_spec).collect::<PyResult<Vec<_>>>()?;
+    let specs = specs.into_iter().map(|s| to_spec(py, s)).collect::<PyResult<Vec<_>>>()?;
     let (bufs, spans) = views(&buffers, true)?;
     let r = py.detach(|| {
         // SAFETY: as in `Engine::restore`: writable views that `bufs` holds until after this

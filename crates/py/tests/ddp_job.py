@@ -97,5 +97,7 @@ out = os.environ.get("OUT")
 if out:
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump({"digest": h.hexdigest(), "restored": info, "attempt": attempt, "seen": state["seen"], "stats": stats,
-                   "host": os.environ.get("IRONWEAVE_HOST")}, f)
+                   "host": os.environ.get("IRONWEAVE_HOST"),
+                   # the handshake's secret, as the package set it from torchrun's store (a digest)
+                   "secret": hashlib.sha256(os.environ.get("IRONWEAVE_SECRET", "").encode()).hexdigest()}, f)
 finish()  # destroys the process groups; see ironweave.torch.finish

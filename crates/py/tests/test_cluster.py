@@ -4,6 +4,7 @@ their peers wait, kept copies that someone else planted.
 
 Run by scripts/test.sh after the cargo tests (it builds and installs the wheel first)."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -137,6 +138,10 @@ def test_a_lost_node_is_replaced_and_its_ranks_restore_from_the_other_node_s_mem
         assert [r["digest"] for r in rs] == [digest] * 4, "the final state differs from the clean run's"
         host_of = {i: r["host"] for i, r in enumerate(rs)}
         assert sorted(host_of.values()) == ["a", "a", "b", "b"], host_of
+        # every rank runs the handshake with the secret rank 0 published (on the old package:
+        # an empty one, and a warning)
+        secrets_seen = {r["secret"] for r in rs}
+        assert len(secrets_seen) == 1 and secrets_seen != {hashlib.sha256(b"").hexdigest()}, secrets_seen
         for i, r in enumerate(rs):
             src = r["restored"]
             assert src is not None, f"rank {i} started over"
@@ -362,3 +367,54 @@ def test_a_job_never_takes_another_job_s_copies_and_orphans_are_cleaned(tmp_path
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     assert all(r["restored"] is None for r in ranks(second, 2)), "the second job took the first's copies"
     assert shm_dirs() - before == set(), "the orphan (or the second job's copies) is still there"
+
+
+def test_fsdp2_state_is_saved_as_local_shards_and_loads_onto_another_world_size(tmp_path):
+    """FSDP2 (``fully_shard``, DTensors, gloo on CPU), 2 ranks: each rank saves its local shards
+    with their global place (on the old package the spec took the global shape and the local
+    bytes, and the state did not fit), restores them in place, and one process loads the whole
+    model from the kept copies through ``PeerMemoryReader`` (DCP's ``load``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from ironweave.dcp import PeerMemoryReader
+
+    keep = Path("/dev/shm") / f"ironweave-pytest-fsdp-{os.getpid()}"
+    shutil.rmtree(keep, ignore_errors=True)
+    try:
+        p = torchrun(HERE / "fsdp_job.py", tmp_path, nproc=2, restarts=0, KEEP=keep)
+        assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+        for r in range(2):
+            rep = json.loads((tmp_path / f"fsdp-{r}.json").read_text())
+            assert rep["restored"]["step"] == 3 and rep["same"] and rep["same_optim"], rep
+            # a rank keeps its shards, not the whole model (and the optimizer's two moments)
+            assert rep["state_bytes"] < 3 * 2 * (5 * 3 + 3 + 3 * 2 + 2) * 4 + (1 << 16) + 8 * 100, rep
+        ref = torch.load(tmp_path / "ref.pt")
+        model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        sd = {"model": model.state_dict()}
+        dcp.load(sd, storage_reader=PeerMemoryReader(keep))
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, ref[k]), k
+    finally:
+        shutil.rmtree(keep, ignore_errors=True)
+
+
+def test_cuda_state_goes_through_pinned_buffers_and_other_devices_are_refused(world_of_one):
+    """A tensor on a device other than the CPU or CUDA is refused with a clear error (every
+    rank); CUDA tensors are copied to pinned host buffers on a side stream and restored with one
+    host-to-device copy — run where a GPU exists, skipped (visibly) elsewhere."""
+    with pytest.raises(ironweave.ConfigurationError, match="meta"):
+        ironweave.torch.Checkpointer({"w": torch.empty(4, device="meta")})
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: the pinned-buffer path runs only where a GPU exists")
+    world_of_one()
+    w = torch.arange(16, dtype=torch.float32, device="cuda")
+    ck = ironweave.torch.Checkpointer({"w": w})
+    ck.save(1)
+    ck.close(remove_kept=False)
+    world_of_one()
+    with torch.no_grad():
+        w.zero_()
+    ck = ironweave.torch.Checkpointer({"w": w})
+    assert ck.restore()["step"] == 1
+    assert torch.equal(w.cpu(), torch.arange(16, dtype=torch.float32))
+    ck.close()

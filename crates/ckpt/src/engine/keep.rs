@@ -95,7 +95,16 @@ impl Engine {
                     Ok(_) => persist::load_keyed(&dir, it, owner as u32, self.written.key.as_ref()),
                     Err(e) => Err(e),
                 };
-                let snap = match snap.map(|s| (s.registry.first_difference(&self.registry), s)) {
+                // a replica is a peer's state: its local layout is compared (where its tensors
+                // sit globally is the peer's own)
+                let diff = |s: &Snapshot| {
+                    if owner == me {
+                        s.registry.first_difference(&self.registry)
+                    } else {
+                        s.registry.first_local_difference(&self.registry)
+                    }
+                };
+                let snap = match snap.map(|s| (diff(&s), s)) {
                     Ok((None, s)) => s,
                     Ok((Some(d), _)) => {
                         passed.push(format!("{}: another layout than the registered one ({})", man_path.display(), d.0));

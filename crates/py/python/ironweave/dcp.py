@@ -38,6 +38,8 @@ import torch
 from torch.futures import Future
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
+    TensorProperties,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
@@ -352,7 +354,7 @@ class PeerMemoryReader(StorageReader):
         shapes = {n: s for n, _, s in tensors}
         plan_name = next((n for n in sorted(shapes) if n.startswith(_PLAN + ".")), None)
         if plan_name is None:
-            raise StateMismatchError(f"{self.path}: step {step} was not written by a PeerMemoryWriter (no save plan in it)")
+            return self._metadata_of_tensors(step, tensors)
         buf = torch.empty(shapes[plan_name][0], dtype=torch.uint8)
         _native.load_saved(self.path, step, [(plan_name, "u8", [buf.numel()], (plan_name, [buf.numel()], [0]))], [_bytes_of(buf)])
         plans: List[List[WriteItem]] = pickle.loads(_unframe(buf, plan_name))
@@ -369,6 +371,27 @@ class PeerMemoryReader(StorageReader):
                     md = sd_meta.setdefault(fqn, TensorStorageMetadata(properties=td.properties, size=td.size, chunks=[]))
                     md.chunks.append(td.chunk)
                     storage[MetadataIndex(fqn, td.chunk.offsets)] = ("tensor", 0)
+        self.step = step
+        return Metadata(state_dict_metadata=sd_meta, storage_data=storage)
+
+    def _metadata_of_tensors(self, step: int, tensors) -> Metadata:
+        """The metadata of copies an ``ironweave.torch.Checkpointer`` kept (no save plan): each
+        global tensor whole, under the name the Checkpointer gave it (``<key>.<state_dict
+        key>``, as DCP flattens ``{key: module.state_dict()}``); its own picklable values stay
+        out."""
+        by_name = {v: k for k, v in _TORCH_DTYPES.items()}
+        sd_meta: Dict[str, Any] = {}
+        storage: Dict[MetadataIndex, Tuple[str, int]] = {}
+        for name, dtype, shape in tensors:
+            if name.startswith("ironweave.") or dtype not in by_name:
+                continue
+            zero = torch.Size([0] * len(shape))
+            sd_meta[name] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=by_name[dtype]),
+                size=torch.Size(shape),
+                chunks=[ChunkStorageMetadata(offsets=zero, sizes=torch.Size(shape))],
+            )
+            storage[MetadataIndex(name, zero)] = ("tensor", 0)
         self.step = step
         return Metadata(state_dict_metadata=sd_meta, storage_data=storage)
 

@@ -466,6 +466,7 @@ class Checkpointer:
         self._extras_cap = int(extras_bytes)
         self._extras = torch.zeros(self._extras_cap + 8, dtype=torch.uint8)
         self._staging: Dict[str, torch.Tensor] = {}
+        self._globals: Dict[str, Tuple[List[int], List[int]]] = {}  # a DTensor's global shape and offsets
         self._stream = None
         specs: List[Tuple[str, str, List[int], None]] = []
         refusal = None
@@ -476,13 +477,23 @@ class Checkpointer:
             dicts = self._dicts()
             self._names, tensors = self._tensors(dicts)
             self._pack_extras(dicts)  # a state whose values do not fit fails now, not at the first save
+            me = os.environ.get("RANK", os.environ.get("IRONWEAVE_RANK", "0"))
             for name, t in zip(self._names, tensors):
+                # each tensor names its place in the global tensor, so the copies load onto
+                # another world size: a DTensor's local shard its offsets; a whole tensor (the
+                # same on every rank in data parallelism) at zero, owned by rank 0 (the others'
+                # are marked copies)
+                shape, offsets = self._globals.get(name, (list(t.shape), [0] * t.dim()))
+                owner = name in self._globals or me == "0"
                 if t.dtype in _DTYPES:
-                    specs.append((name, _DTYPES[t.dtype], list(t.shape), None))
+                    specs.append((name, _DTYPES[t.dtype], list(t.shape), (name, shape, offsets, owner)))
                 else:
                     # other dtypes travel as their bytes (bool, int8, int16, complex, ...)
-                    specs.append((name, "u8", [t.numel() * t.element_size()], None))
-            specs.append((_EXTRAS, "u8", [self._extras_cap + 8], None))
+                    n = t.numel() * t.element_size()
+                    specs.append((name, "u8", [n], (name, [n], [0], owner) if name not in self._globals else None))
+            # the picklable values are each rank's own: a global tensor per rank
+            room = self._extras_cap + 8
+            specs.append((_EXTRAS, "u8", [room], (f"{_EXTRAS}.rank{me}", [room], [0])))
         except IronweaveError as e:
             # agreed with the other ranks once joined: they raise it too, none waits for this one
             refusal, specs = ("config", str(e), "", ""), []
@@ -501,6 +512,8 @@ class Checkpointer:
                 job_id=job_id,
                 keep_name=keep_name,
                 refusal=refusal,
+                # sharded state (DTensors, FSDP2) has a layout of its own on each rank
+                same_layout=not self._globals,
             )
         except BaseException:
             for n in self._slot:
@@ -559,6 +572,7 @@ class Checkpointer:
                 for k, t in dicts[key].items():
                     if not isinstance(t, torch.Tensor):
                         continue
+                    t = self._local(f"{key}.{k}", t)
                     ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
                     if t.numel() and ident in seen:
                         continue  # tied: the same memory as an earlier key, saved and restored once
@@ -573,13 +587,13 @@ class Checkpointer:
                     for k, v in st.items():
                         n = f"{key}.state.{by_name[idx]}.{k}"
                         if isinstance(v, torch.Tensor) and (registered is None or n in registered):
-                            entries.append((n, v))
+                            entries.append((n, self._local(n, v)))
                 for n, v in sorted(entries, key=lambda e: e[0]):
                     names.append(n)
                     tensors.append(v)
             elif isinstance(obj, torch.Tensor):
                 names.append(key)
-                tensors.append(obj)
+                tensors.append(self._local(key, obj))
         for n, t in zip(names, tensors):
             if t.device.type == "cuda":
                 if not torch.cuda.is_available():
@@ -589,6 +603,21 @@ class Checkpointer:
                     f"`{n}` is on {t.device}: ironweave checkpoints CPU and CUDA tensors; copy it to one of them before saving"
                 )
         return names, tensors
+
+    def _local(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A DTensor (FSDP2's parameters and optimizer state) as its local shard, its global
+        shape and offsets noted; any other tensor as it is."""
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # a torch without DTensor has none to take apart
+            return t
+        if not isinstance(t, DTensor):
+            return t
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        self._globals[name] = (list(t.shape), [int(o) for o in offsets])
+        return t.to_local()
 
     def _current(self, dicts: Dict[str, Dict[str, Any]]) -> List[torch.Tensor]:
         names, tensors = self._tensors(dicts, set(self._names))
