@@ -174,10 +174,7 @@ impl Checkpointer {
         if cfg.host.is_empty() {
             cfg.host = node_of(&nodes, comm.rank())?;
         }
-        let job = match cfg.job_id.clone() {
-            Some(j) => j,
-            None => ironweave_transport::unique_job_id(&comm, &ironweave_transport::rendezvous::job_id_from_env())?,
-        };
+        let job = cfg.resolved_job_id(&comm)?;
         cfg.job_id = Some(job.clone());
         if cfg.keep_dir.is_none() {
             cfg.keep_dir = opts.auto_keep.as_deref().and_then(|name| auto_keep_dir(&job, name));
@@ -363,9 +360,7 @@ impl Checkpointer {
                     }
                     _ => {}
                 }
-                if let Some(parent) =
-                    root.parent().filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(KEEP_PREFIX)))
-                {
+                if let Some(parent) = job_root(&root) {
                     let _ = std::fs::remove_dir(parent);
                 }
             }
@@ -617,6 +612,12 @@ pub fn auto_keep_dir(job: &str, name: &str) -> Option<std::path::PathBuf> {
     shm.is_dir().then(|| shm.join(format!("{KEEP_PREFIX}{}", safe_name(job))).join(safe_name(name)))
 }
 
+/// The job's directory above an engine's keep directory (`ironweave-<job>/<name>`), when it is
+/// one [`auto_keep_dir`] makes.
+fn job_root(dir: &Path) -> Option<&Path> {
+    dir.parent().filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(KEEP_PREFIX)))
+}
+
 /// How the directories [`auto_keep_dir`] makes begin.
 pub const KEEP_PREFIX: &str = "ironweave-";
 
@@ -643,8 +644,7 @@ fn keep_need(nodes: &[[i64; 3]], me: usize, cfg: &EngineConfig) -> u64 {
 /// refused, never adopted), and on a file system with room for `need` bytes more than this
 /// job's copies already there take (a container's `/dev/shm` defaults to 64 MB).
 pub fn preflight(dir: &Path, need: u64) -> Result<()> {
-    let root = dir.parent().filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(KEEP_PREFIX)));
-    for d in root.into_iter().chain([dir]) {
+    for d in job_root(dir).into_iter().chain([dir]) {
         if let Some(parent) = d.parent() {
             std::fs::create_dir_all(parent).map_err(|e| Error::Ckpt(CkptError::Io { path: parent.to_path_buf(), source: e }))?;
         }

@@ -467,6 +467,13 @@ fn kept_jobs(base: Option<PathBuf>) -> Vec<KeptJob> {
         .collect()
 }
 
+/// `name` as a path component, as the keep directories are named
+/// (`ironweave::checkpointer::safe_name`).
+#[pyfunction]
+fn safe_name(name: &str) -> String {
+    checkpointer::safe_name(name)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -479,6 +486,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add(*name, ty.bind(py))?;
     }
     m.add_function(wrap_pyfunction!(kept_jobs, m)?)?;
+    m.add_function(wrap_pyfunction!(safe_name, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -142,6 +142,18 @@ pub struct EngineConfig {
     pub mac_key: Option<persist::MacKey>,
 }
 
+impl EngineConfig {
+    /// The job id the engine writes and adopts by: [`EngineConfig::job_id`], else the
+    /// launcher's or one derived for this launch (collective: every rank builds its engine
+    /// together), never an id another job shares.
+    pub fn resolved_job_id(&self, comm: &Communicator) -> Result<String> {
+        match &self.job_id {
+            Some(j) => Ok(j.clone()),
+            None => Ok(ironweave_transport::unique_job_id(comm, &ironweave_transport::rendezvous::job_id_from_env())?),
+        }
+    }
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {

@@ -54,12 +54,7 @@ impl Engine {
         }
         // a bucket of one write block: the declared rate holds from the first block on
         let storage = cfg.storage_bytes_per_s.map(|r| Arc::new(Mutex::new(TokenBucket::new(r, persist::PACE_BLOCK as u64))));
-        // the launcher's job id, or one derived for this launch (collective: every rank
-        // builds its engine together), never an id another job shares
-        let job = match cfg.job_id.clone() {
-            Some(j) => j,
-            None => ironweave_transport::unique_job_id(&comm, &ironweave_transport::rendezvous::job_id_from_env())?,
-        };
+        let job = cfg.resolved_job_id(&comm)?;
         let written = Arc::new(persist::Written { layout: cfg.layout.clone(), job, key: cfg.mac_key.clone() });
         let mut e = Engine {
             written,

@@ -62,12 +62,6 @@ def _unframe(buf: torch.Tensor, what: str) -> bytes:
     return buf[8 : 8 + n].numpy().tobytes()
 
 
-def _safe(name: str) -> str:
-    """A path component as the Rust side makes it (``checkpointer::safe_name``)."""
-    t = "".join(c if (c.isascii() and c.isalnum()) or c in "-_." else "_" for c in name)
-    return "_" if not t or set(t) == {"."} else t
-
-
 def keep_dir_for_job() -> Optional[str]:
     """The job's directory of copies that outlive the processes, where it is known before the
     job forms: ``IRONWEAVE_KEEP_DIR`` if set; else under torchrun with a run id of its own
@@ -83,7 +77,7 @@ def keep_dir_for_job() -> Optional[str]:
         # `ironweave launch --restart-all` restarts every rank too; its job id outlives them
         run = os.environ.get("IRONWEAVE_JOB_ID", "").strip() if "IRONWEAVE_RANK" in os.environ else ""
     if run and os.path.isdir("/dev/shm"):
-        return f"/dev/shm/ironweave-{_safe(run)}"
+        return f"/dev/shm/ironweave-{_native.safe_name(run)}"
     return None
 
 
@@ -552,7 +546,7 @@ class Checkpointer:
                     names.setdefault(id(p), f"{key}.{n}")
         return names
 
-    def _optim_keys(self, key: str, optim: torch.optim.Optimizer, sd: Dict[str, Any]) -> Dict[Any, str]:
+    def _optim_keys(self, optim: torch.optim.Optimizer, sd: Dict[str, Any]) -> Dict[Any, str]:
         """The optimizer's state_dict indices by parameter name (its position when the
         parameter is in no module of the state)."""
         params = [p for g in optim.param_groups for p in g["params"]]
@@ -581,7 +575,7 @@ class Checkpointer:
                     tensors.append(t)
             elif isinstance(obj, torch.optim.Optimizer):
                 sd = dicts[key]
-                by_name = self._optim_keys(key, obj, sd)
+                by_name = self._optim_keys(obj, sd)
                 entries = []
                 for idx, st in sd["state"].items():
                     for k, v in st.items():
@@ -639,7 +633,7 @@ class Checkpointer:
         for key, obj in self._state.items():
             if isinstance(obj, torch.optim.Optimizer):
                 sd = dicts[key]
-                by_name = self._optim_keys(key, obj, sd)
+                by_name = self._optim_keys(obj, sd)
                 out[key] = {
                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]],
                     # by parameter name; tensors not registered (grown later) travel here too
