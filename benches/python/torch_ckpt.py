@@ -212,6 +212,7 @@ def worker():
     rep = {
         "rank": rank, "attempt": attempt, "steps": step_times, "exposed": exposed, "files": files,
         "replica_bytes": stats.get("replica_bytes_sent", 0), "state_bytes": stats.get("state_bytes", 0),
+        "passes_send": stats.get("memory_passes_send"), "passes_recv": stats.get("memory_passes_recv"),
         "t_start": t_start, "t_loaded": t_loaded, "load_s": t_loaded - t_load0, "join_s": t_joined - t_load0, "t_first_done": t_first_done,
         "restored": loaded,
     }
@@ -280,7 +281,7 @@ def main():
         if m not in METHODS + RECOVERY:
             sys.exit(f"unknown method {m!r}: one of {', '.join(METHODS + RECOVERY)}")
     base = Path(args.work)
-    rows = {m: {"step": [], "exposed": [], "cross": [], "files": []} for m in methods}
+    rows = {m: {"step": [], "exposed": [], "cross": [], "files": [], "passes": []} for m in methods}
     rec = {m: {"recovery": [], "load": []} for m in recovery}
     for r in range(args.rounds):
         for m in methods:
@@ -290,6 +291,11 @@ def main():
             rows[m]["exposed"].append(max(statistics.mean(x["exposed"][2:]) for x in reps))
             rows[m]["cross"].append(sum(x["replica_bytes"] for x in reps) / len(reps[0]["steps"]))
             rows[m]["files"].append(max(x["files"] for x in reps))
+            # the engine's memory passes per state byte (bytes it read and wrote over state
+            # bytes), the worst rank as a sender and as a holder
+            ps = [x["passes_send"] for x in reps if x.get("passes_send") is not None]
+            pr = [x["passes_recv"] for x in reps if x.get("passes_recv") is not None]
+            rows[m]["passes"].append((max(ps) if ps else None, max(pr) if pr else None))
             print(f"round {r + 1} {m}: step {rows[m]['step'][-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
         for m in recovery:
             reps, kill = run(m, args, base, kill_step=args.kill_step)
@@ -316,14 +322,19 @@ def main():
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"torch-ckpt-{int(args.mb)}mb.json"
     path.write_text(json.dumps(result, indent=1))
-    print(f"| method ({args.mb:g} MB/rank, {args.ranks} ranks) | step | overhead vs none | exposed per save | "
-          "bytes between ranks per save | files at the end (all ranks) |")
-    print("|---|---|---|---|---|---|")
+    mean = statistics.mean
+    print(f"| method ({args.mb:g} MB/rank, {args.ranks} ranks) | step (median / mean) | overhead vs none (median / mean) "
+          "| exposed per save | bytes between ranks per save | files at the end (all ranks) "
+          "| memory passes per state byte (sender / holder) |")
+    print("|---|---|---|---|---|---|---|")
+    base_mean = mean(rows["none"]["step"]) if "none" in rows else None
     for m in methods:
-        s = med(rows[m]["step"])
-        over = f"{(s / base_step - 1) * 100:+.0f}%" if base_step else "-"
-        print(f"| {m} | {s * 1e3:.0f} ms | {over} | {med(rows[m]['exposed']) * 1e3:.1f} ms | "
-              f"{med(rows[m]['cross']) / 1e6:.1f} MB | {med(rows[m]['files']) / 1e6:.0f} MB |")
+        s, sm = med(rows[m]["step"]), mean(rows[m]["step"])
+        over = f"{(s / base_step - 1) * 100:+.0f}% / {(sm / base_mean - 1) * 100:+.0f}%" if base_step else "-"
+        p = rows[m]["passes"][-1] if rows[m]["passes"] else (None, None)
+        passes = " / ".join("-" if v is None else f"{v:.2f}" for v in p)
+        print(f"| {m} | {s * 1e3:.0f} / {sm * 1e3:.0f} ms | {over} | {med(rows[m]['exposed']) * 1e3:.1f} ms | "
+              f"{med(rows[m]['cross']) / 1e6:.1f} MB | {med(rows[m]['files']) / 1e6:.0f} MB | {passes} |")
     if recovery:
         print()
         print("| recovery (kill of rank 1 to the first completed step) | seconds | of which loading "

@@ -213,6 +213,9 @@ impl Link for NcclLink {
     fn send(&self, peer: usize, tag: Tag, data: &[u8], deadline: Instant) -> Result<()> {
         self.host.send(peer, tag, data, deadline)
     }
+    fn send_parts(&self, peer: usize, tag: Tag, parts: &[&[u8]], deadline: Instant) -> Result<bool> {
+        self.host.send_parts(peer, tag, parts, deadline)
+    }
     fn isend(&self, peer: usize, tag: Tag, data: Vec<u8>) -> Result<SendHandle> {
         self.host.isend(peer, tag, data)
     }

@@ -573,21 +573,43 @@ fn queued_bytes(s: &TcpStream) -> std::io::Result<usize> {
     }
 }
 
-fn write_frame(s: &mut TcpStream, h: &FrameHeader, payload: &[u8], deadline: Instant) -> std::io::Result<()> {
+/// The bytes `[start, end)` of the concatenation of `parts`, as slices of them (no copy).
+fn sub_parts<'a>(parts: &[&'a [u8]], start: usize, end: usize) -> Vec<&'a [u8]> {
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    for p in parts {
+        let (a, b) = (start.max(at), end.min(at + p.len()));
+        if a < b {
+            out.push(&p[a - at..b - at]);
+        }
+        at += p.len();
+        if at >= end {
+            break;
+        }
+    }
+    out
+}
+
+fn write_frame(s: &mut TcpStream, h: &FrameHeader, payload: &[&[u8]], deadline: Instant) -> std::io::Result<()> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
         return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline passed before the write"));
     }
     s.set_write_timeout(Some(left))?;
-    if payload.len() <= 64 * 1024 {
-        let mut b = Vec::with_capacity(HEADER_LEN + payload.len());
+    let len: usize = payload.iter().map(|p| p.len()).sum();
+    if len <= 64 * 1024 {
+        let mut b = Vec::with_capacity(HEADER_LEN + len);
         b.extend_from_slice(&h.encode());
-        b.extend_from_slice(payload);
+        for p in payload {
+            b.extend_from_slice(p);
+        }
         s.write_all(&b)
     } else {
-        // Header and payload in one system call: no separate tiny segment for the header.
+        // Header and payload in one system call: no separate tiny segment for the header, and
+        // a payload in several parts is written from where it lies.
         let hdr = h.encode();
-        let mut bufs = [std::io::IoSlice::new(&hdr), std::io::IoSlice::new(payload)];
+        let mut bufs: Vec<std::io::IoSlice<'_>> =
+            std::iter::once(std::io::IoSlice::new(&hdr)).chain(payload.iter().map(|p| std::io::IoSlice::new(p))).collect();
         let mut rest = &mut bufs[..];
         while !rest.is_empty() {
             match s.write_vectored(rest) {
@@ -603,11 +625,14 @@ fn write_frame(s: &mut TcpStream, h: &FrameHeader, payload: &[u8], deadline: Ins
 
 impl Shared {
     /// Writes one message (striped when large) to peer `p`.
-    fn write_message(&self, peer: &Peer, p: usize, tag: Tag, seq: u64, data: &[u8], deadline: Instant) -> Result<()> {
+    /// The message is the concatenation of `data`'s parts, written from where they lie.
+    fn write_message(&self, peer: &Peer, p: usize, tag: Tag, seq: u64, data: &[&[u8]], deadline: Instant) -> Result<()> {
         let n = peer.conns.len();
-        let total = data.len() as u64;
-        let one = |c: &Conn, off: usize, part: &[u8]| -> Result<()> {
-            let h = FrameHeader { kind: FrameKind::Data, tag: tag.0, seq, total, offset: off as u64, len: part.len() as u64 };
+        let len: usize = data.iter().map(|d| d.len()).sum();
+        let total = len as u64;
+        let one = |c: &Conn, off: usize, part: &[&[u8]]| -> Result<()> {
+            let part_len: usize = part.iter().map(|d| d.len()).sum();
+            let h = FrameHeader { kind: FrameKind::Data, tag: tag.0, seq, total, offset: off as u64, len: part_len as u64 };
             // The writer is released before the error is handled: failing the link tells the
             // peers, which needs the writers.
             let written = {
@@ -638,23 +663,23 @@ impl Shared {
                 err
             })
         };
-        if n == 1 || data.len() < self.cfg.stripe_min_bytes {
+        if n == 1 || len < self.cfg.stripe_min_bytes {
             // Prefer an idle connection so small messages do not queue behind a large one.
             let start = peer.rr.fetch_add(1, Ordering::Relaxed);
             let idx = (0..n).map(|k| (start + k) % n).find(|&k| peer.conns[k].writer.try_lock().is_ok()).unwrap_or(start % n);
             return one(&peer.conns[idx], 0, data);
         }
-        let step = data.len().div_ceil(n).next_multiple_of(64);
+        let step = len.div_ceil(n).next_multiple_of(64);
         std::thread::scope(|s| {
             let hs: Vec<_> = (1..n)
-                .filter(|k| k * step < data.len())
+                .filter(|k| k * step < len)
                 .map(|k| {
-                    let part = &data[k * step..((k + 1) * step).min(data.len())];
+                    let part = sub_parts(data, k * step, ((k + 1) * step).min(len));
                     let c = &peer.conns[k];
-                    s.spawn(move || one(c, k * step, part))
+                    s.spawn(move || one(c, k * step, &part))
                 })
                 .collect();
-            let first = one(&peer.conns[0], 0, &data[..step.min(data.len())]);
+            let first = one(&peer.conns[0], 0, &sub_parts(data, 0, step.min(len)));
             hs.into_iter()
                 .map(|h| h.join().unwrap_or_else(|_| Err(Error::InvalidArgument("stripe writer panicked".into()))))
                 .fold(first, |a, b| a.and(b))
@@ -689,7 +714,7 @@ impl Shared {
                     let until = Instant::now() + Duration::from_millis(500);
                     loop {
                         if let Ok(mut w) = c.writer.try_lock() {
-                            let _ = write_frame(&mut w, &h, &body, Instant::now() + Duration::from_secs(1));
+                            let _ = write_frame(&mut w, &h, &[&body], Instant::now() + Duration::from_secs(1));
                             break;
                         }
                         if Instant::now() >= until {
@@ -724,7 +749,16 @@ impl Link for TcpLink {
         let seq = self.shared.seqs.next(p, tag);
         match peer {
             None => self.shared.send_self(tag, seq, data.to_vec()),
-            Some(peer) => self.shared.write_message(peer, p, tag, seq, data, deadline),
+            Some(peer) => self.shared.write_message(peer, p, tag, seq, &[data], deadline),
+        }
+    }
+    fn send_parts(&self, p: usize, tag: Tag, parts: &[&[u8]], deadline: Instant) -> Result<bool> {
+        let peer = self.peer(p)?;
+        let seq = self.shared.seqs.next(p, tag);
+        match peer {
+            None => self.shared.send_self(tag, seq, parts.concat()).map(|()| true),
+            // written from where the parts lie (writev / sendmsg with one iovec per part)
+            Some(peer) => self.shared.write_message(peer, p, tag, seq, parts, deadline).map(|()| false),
         }
     }
     fn isend(&self, p: usize, tag: Tag, data: Vec<u8>) -> Result<SendHandle> {
@@ -747,7 +781,7 @@ impl Link for TcpLink {
                     for job in rx {
                         let peer = sh.peers[p].as_ref().expect("sender threads exist only for remote peers");
                         let dl = Instant::now() + sh.cfg.timeout;
-                        let r = sh.write_message(peer, p, job.tag, job.seq, &job.data, dl);
+                        let r = sh.write_message(peer, p, job.tag, job.seq, &[&job.data], dl);
                         job.done.complete(r.map(|_| job.data));
                     }
                 })

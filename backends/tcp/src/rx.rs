@@ -515,27 +515,40 @@ impl Progress for Driver {
 /// waits (bounded by `deadline`) for room or for bytes to read. Two ranks sending to each other
 /// at once then also receive at once, from their own threads, as MPI does; nobody depends on a
 /// reader thread being scheduled to drain the other's socket.
-pub(crate) fn send_frame(sh: &Shared, s: &TcpStream, h: &FrameHeader, payload: &[u8], deadline: Instant) -> std::io::Result<()> {
+pub(crate) fn send_frame(
+    sh: &Shared,
+    s: &TcpStream,
+    h: &FrameHeader,
+    payload: &[&[u8]],
+    deadline: Instant,
+) -> std::io::Result<()> {
     let fd = s.as_raw_fd();
     let hdr = h.encode();
-    let total = HEADER_LEN + payload.len();
+    let total = HEADER_LEN + payload.iter().map(|p| p.len()).sum::<usize>();
     let mut sent = 0usize;
     let mut driving = false;
     let r = loop {
         if sent == total {
             break Ok(());
         }
-        let (a, b) = if sent < HEADER_LEN { (&hdr[sent..], payload) } else { (&[][..], &payload[sent - HEADER_LEN..]) };
-        let mut iov = [
-            libc::iovec { iov_base: a.as_ptr() as *mut libc::c_void, iov_len: a.len() },
-            libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() },
-        ];
+        // what is left of the header and of each part, from `sent` on
+        let mut skip = sent;
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(1 + payload.len());
+        for p in std::iter::once(&hdr[..]).chain(payload.iter().copied()) {
+            if skip >= p.len() {
+                skip -= p.len();
+                continue;
+            }
+            let rest = &p[skip..];
+            skip = 0;
+            iov.push(libc::iovec { iov_base: rest.as_ptr() as *mut libc::c_void, iov_len: rest.len() });
+        }
         // SAFETY: a zeroed msghdr is valid; we set only the iovec array and its length.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         msg.msg_iov = iov.as_mut_ptr();
-        msg.msg_iovlen = 2;
-        // SAFETY: `fd` is the open socket of `s`; the iovecs point at `hdr` and `payload`, both
-        // alive and unmodified for the call (the kernel only reads them).
+        msg.msg_iovlen = iov.len() as _;
+        // SAFETY: `fd` is the open socket of `s`; the iovecs point into `hdr` and the parts of
+        // `payload`, all alive and unmodified for the call (the kernel only reads them).
         let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
         if n >= 0 {
             sent += n as usize;

@@ -37,10 +37,14 @@ pub mod partition;
 pub mod persist;
 pub mod registry;
 pub mod schedule;
+pub mod segment;
 pub mod snapshot;
 pub mod wire;
 
-pub use engine::{placement, placement_on_hosts, CheckpointReport, Counters, Engine, EngineConfig, Restored, Source};
+pub use engine::{
+    placement, placement_on_hosts, CheckpointReport, Counters, Engine, EngineConfig, MemoryPasses, Restored, Source,
+};
 pub use error::{CkptError, Result};
 pub use registry::{DType, GlobalSlice, Registry, TensorMeta, TensorSpec};
+pub use segment::Segment;
 pub use snapshot::{ChunkSum, Snapshot, SnapshotBuffers, SNAPSHOT_BUFFERS};

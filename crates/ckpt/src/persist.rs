@@ -57,6 +57,12 @@ pub struct Manifest {
     /// does not know the secret; xxh3 sums alone can be forged).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub mac: String,
+    /// A kept copy in a segment ([`crate::segment::Segment`]): the file, in the holder
+    /// directory above the manifest's iteration directory, holding the state's bytes as the
+    /// registry lays them out (no header). Empty: a `safetensors` file beside the manifest.
+    /// The MAC of such a manifest covers the manifest alone, whose checksums cover the bytes.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub segment: String,
 }
 
 impl Manifest {
@@ -107,6 +113,24 @@ impl Manifest {
             layout: BTreeMap::new(),
             job: String::new(),
             mac: String::new(),
+            segment: String::new(),
+        }
+    }
+
+    /// The segment file of a kept copy whose manifest is `man_path` (`HOLDER/iter-N/rank-R.json`
+    /// names `HOLDER/SEGMENT`); none for a `safetensors` copy. A name that is not a plain file
+    /// name of the holder directory is refused.
+    pub fn segment_path(&self, man_path: &Path) -> Result<Option<PathBuf>> {
+        if self.segment.is_empty() {
+            return Ok(None);
+        }
+        let plain = !self.segment.contains('/') && !self.segment.starts_with('.') && self.segment.ends_with(".seg");
+        match man_path.parent().and_then(Path::parent) {
+            Some(holder) if plain => Ok(Some(holder.join(&self.segment))),
+            _ => Err(CkptError::Format {
+                path: man_path.to_path_buf(),
+                why: format!("segment {:?} is not a file name of the holder directory", self.segment),
+            }),
         }
     }
 }
@@ -315,7 +339,21 @@ impl MacKey {
         Ok(d.iter().map(|b| format!("{b:02x}")).collect())
     }
 
-    /// Checks `man`'s MAC over `data` (`what` names the file in the error).
+    /// The MAC of a segment's manifest (its `mac` field left out), hex: the manifest alone,
+    /// whose chunk checksums bind the bytes. Why not the bytes too: an HMAC pass over every
+    /// byte costs more than the copy it guards, and it guards nothing more here — whoever can
+    /// write a segment (this user, in a 0700 directory) can read the key beside it; what the
+    /// MAC refuses is a copy another job or key wrote.
+    pub fn mac_manifest(&self, man: &Manifest) -> Result<String> {
+        let mut m = man.clone();
+        m.mac.clear();
+        let head = serde_json::to_vec(&m).map_err(|e| CkptError::Invalid(e.to_string()))?;
+        let d = self.hmac(&[b"ironweave-kept-segment-v1\0", &(head.len() as u64).to_le_bytes(), &head]);
+        Ok(d.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// Checks `man`'s MAC over `data` (`what` names the file in the error); a segment's
+    /// manifest over itself ([`MacKey::mac_manifest`]).
     pub fn check(&self, man: &Manifest, data: &[u8], what: &str) -> Result<()> {
         if man.mac.is_empty() {
             return Err(CkptError::Corrupt {
@@ -323,7 +361,7 @@ impl MacKey {
                 detail: "it carries no MAC: not written by this job (the job has a key, so its own copies carry one)".into(),
             });
         }
-        let want = self.mac(man, data)?;
+        let want = if man.segment.is_empty() { self.mac(man, data)? } else { self.mac_manifest(man)? };
         // compared in time independent of where they differ
         let diff = want.bytes().zip(man.mac.bytes()).fold(want.len() ^ man.mac.len(), |a, (x, y)| a | usize::from(x ^ y));
         if diff != 0 {
@@ -373,6 +411,63 @@ pub fn write_layout(
     sync_dir(d)?;
     sync_dir(dir)?;
     Ok(data_path)
+}
+
+/// Writes the manifest of a kept copy held in the segment `seg` of the holder directory
+/// `holder`: `man` (its rank, iteration, layout and checksums) as `by` wrote it, naming the
+/// segment, with a MAC over the manifest when `by` has a key; through a temporary file renamed
+/// into place, so a reader sees the whole manifest or none. No byte of the state is written:
+/// the segment already holds it. Returns the manifest's path.
+pub fn write_segment_manifest(holder: &Path, man: &mut Manifest, seg: &crate::segment::Segment, by: &Written) -> Result<PathBuf> {
+    let Some(name) = seg.path().filter(|p| p.parent() == Some(holder)).and_then(|p| p.file_name()).and_then(|n| n.to_str())
+    else {
+        return Err(CkptError::Invalid(format!("{seg:?} is not a segment of {}", holder.display())));
+    };
+    man.segment = name.to_string();
+    man.layout = by.layout.clone();
+    man.job = by.job.clone();
+    man.tensor_xxh3.clear();
+    man.mac.clear();
+    if let Some(k) = &by.key {
+        man.mac = k.mac_manifest(man)?;
+    }
+    let (_, man_path) = paths(holder, man.iter, man.rank);
+    let d = man_path.parent().expect("has a parent");
+    fs::create_dir_all(d).map_err(|e| CkptError::io(d, e))?;
+    let m = serde_json::to_vec(man).map_err(|e| CkptError::Invalid(e.to_string()))?;
+    write_atomic(&man_path, &[&m], None, None)?;
+    Ok(man_path)
+}
+
+/// The bytes of a kept copy: its segment (`man.segment`) or its `safetensors` file, checked
+/// against the manifest's layout (and with `key`, its MAC) before anything is verified.
+fn read_data(data_path: &Path, man_path: &Path, man: &Manifest, key: Option<&MacKey>) -> Result<(PathBuf, Vec<u8>)> {
+    if let Some(seg) = man.segment_path(man_path)? {
+        if let Some(k) = key {
+            k.check(man, &[], &seg.display().to_string())?;
+        }
+        let data = fs::read(&seg).map_err(|e| CkptError::io(&seg, e))?;
+        if data.len() as u64 != man.registry.total {
+            return Err(CkptError::Corrupt {
+                what: seg.display().to_string(),
+                detail: format!("{} bytes, the manifest says {}", data.len(), man.registry.total),
+            });
+        }
+        return Ok((seg, data));
+    }
+    let (reg, data) = read_safetensors(data_path)?;
+    if let Some(k) = key {
+        k.check(man, &data, &data_path.display().to_string())?;
+    }
+    let mut want = man.registry.tensors.clone();
+    want.sort_by_key(|t| (t.offset, t.len));
+    if reg.tensors.len() != want.len() || reg.tensors.iter().zip(&want).any(|(a, b)| !a.same_bytes(b)) {
+        return Err(CkptError::Corrupt {
+            what: data_path.display().to_string(),
+            detail: "tensors differ from the manifest's".into(),
+        });
+    }
+    Ok((data_path.to_path_buf(), data))
 }
 
 /// Parse a safetensors file into a layout and its data, checking every length and offset.
@@ -447,21 +542,10 @@ pub fn load(dir: &Path, iter: u64, rank: u32) -> Result<Snapshot> {
 
 /// [`load`], and with `key` the file's MAC checked too (before its bytes are used).
 pub fn load_keyed(dir: &Path, iter: u64, rank: u32, key: Option<&MacKey>) -> Result<Snapshot> {
-    let (data_path, _) = located(dir, iter, rank);
+    let (data_path, man_path) = located(dir, iter, rank);
     let man = read_manifest(dir, iter, rank)?;
-    let (reg, data) = read_safetensors(&data_path)?;
-    if let Some(k) = key {
-        k.check(&man, &data, &data_path.display().to_string())?;
-    }
-    let mut want = man.registry.tensors.clone();
-    want.sort_by_key(|t| (t.offset, t.len));
-    if reg.tensors.len() != want.len() || reg.tensors.iter().zip(&want).any(|(a, b)| !a.same_bytes(b)) {
-        return Err(CkptError::Corrupt {
-            what: data_path.display().to_string(),
-            detail: "tensors differ from the manifest's".into(),
-        });
-    }
-    Snapshot::verify(&data, &man.sums, &data_path.display().to_string())?;
+    let (path, data) = read_data(&data_path, &man_path, &man, key)?;
+    Snapshot::verify(&data, &man.sums, &path.display().to_string())?;
     Ok(Snapshot::with_sums(iter, Arc::new(man.registry), data, man.sums))
 }
 
@@ -590,9 +674,22 @@ pub fn load_global(dir: &Path, iter: u64, want: &Registry) -> Result<Snapshot> {
             let (fh, start, p) = match open.entry(s.file) {
                 std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
                 std::collections::btree_map::Entry::Vacant(v) => {
-                    let p = located(dir, iter, s.file as u32).0;
+                    let (p, man_path) = located(dir, iter, s.file as u32);
+                    // a segment has no header and no per-tensor checksums: its chunk checksums
+                    // are checked over the whole file before any slice of it is used
+                    let seg = mans[s.file].segment_path(&man_path)?;
+                    let p = seg.clone().unwrap_or(p);
                     let mut fh = File::open(&p).map_err(|e| CkptError::io(&p, e))?;
-                    let start = data_start(&mut fh, &p)?;
+                    let start = match seg {
+                        Some(_) => {
+                            let mut all = Vec::new();
+                            fh.read_to_end(&mut all).map_err(|e| CkptError::io(&p, e))?;
+                            Snapshot::verify(&all, &mans[s.file].sums, &p.display().to_string())?;
+                            fh.seek(SeekFrom::Start(0)).map_err(|e| CkptError::io(&p, e))?;
+                            0
+                        }
+                        None => data_start(&mut fh, &p)?,
+                    };
                     v.insert((fh, start, p))
                 }
             };

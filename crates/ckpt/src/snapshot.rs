@@ -10,6 +10,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::{CkptError, Result};
 use crate::registry::Registry;
+use crate::segment::Segment;
 
 /// Checksum of one chunk of a snapshot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -23,14 +24,15 @@ pub struct ChunkSum {
 }
 
 /// One iteration's state in host memory.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Snapshot {
     /// Iteration whose optimizer step produced the state.
     pub iter: u64,
     /// Layout.
     pub registry: Arc<Registry>,
-    /// The bytes, laid out as the registry says.
-    pub data: Vec<u8>,
+    /// The bytes, laid out as the registry says (heap memory, or a segment of the keep
+    /// directory: then the snapshot is the kept copy itself).
+    pub data: Segment,
     /// Checksums of fixed-size chunks, computed on first use: off the training thread's
     /// critical path (the replication thread or the persistent writer computes them).
     sums: std::sync::OnceLock<Vec<ChunkSum>>,
@@ -39,14 +41,14 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// A snapshot of `data` laid out as `registry`, its checksums computed on first use.
-    pub fn new(iter: u64, registry: Arc<Registry>, data: Vec<u8>) -> Self {
-        Snapshot { iter, registry, data, sums: std::sync::OnceLock::new(), sum_chunk: 256 << 10 }
+    pub fn new(iter: u64, registry: Arc<Registry>, data: impl Into<Segment>) -> Self {
+        Snapshot { iter, registry, data: data.into(), sums: std::sync::OnceLock::new(), sum_chunk: 256 << 10 }
     }
 
     /// A snapshot whose checksums are already known (received or loaded).
-    pub fn with_sums(iter: u64, registry: Arc<Registry>, data: Vec<u8>, sums: Vec<ChunkSum>) -> Self {
+    pub fn with_sums(iter: u64, registry: Arc<Registry>, data: impl Into<Segment>, sums: Vec<ChunkSum>) -> Self {
         let sum_chunk = sums.first().map(|c| c.len).unwrap_or(256 << 10).max(1);
-        Snapshot { iter, registry, data, sums: sums.into(), sum_chunk }
+        Snapshot { iter, registry, data: data.into(), sums: sums.into(), sum_chunk }
     }
 
     /// Checksums of the data in `sum_chunk`-byte pieces (computed once).
@@ -110,14 +112,25 @@ pub const SNAPSHOT_BUFFERS: usize = 3;
 /// (`Arc`) with the threads that replicate them; a buffer is refilled only when nobody holds
 /// it any more (`take` waits, up to `wait`) and its iteration is older than the one the caller
 /// keeps.
+///
+/// With a segment directory ([`SnapshotBuffers::set_segment_dir`]) the buffers are files of the
+/// keep directory mapped shared (`own-K.seg`): a snapshot is then the kept copy itself, and a
+/// manifest that names its segment ([`SnapshotBuffers::claim`]) is removed before the segment
+/// is refilled.
 #[derive(Debug)]
 pub struct SnapshotBuffers {
     slots: [Option<Arc<Snapshot>>; SNAPSHOT_BUFFERS],
     /// Buffers [`SnapshotBuffers::prepare`] allocated and touched, for the slots' first use.
-    spare: Vec<Vec<u8>>,
+    spare: Vec<Segment>,
     threads: usize,
     chunk: u64,
     wait: std::time::Duration,
+    /// Where segments are made (none: heap buffers).
+    dir: Option<std::path::PathBuf>,
+    /// Segment files not to be made anew: claimed by kept manifests this process did not adopt.
+    reserved: std::collections::BTreeSet<std::path::PathBuf>,
+    /// Segment file → the manifest that names it (removed before the segment is refilled).
+    claims: std::collections::BTreeMap<std::path::PathBuf, std::path::PathBuf>,
 }
 
 impl SnapshotBuffers {
@@ -130,7 +143,71 @@ impl SnapshotBuffers {
             threads,
             chunk: chunk.max(4096),
             wait: std::time::Duration::from_secs(300),
+            dir: None,
+            reserved: Default::default(),
+            claims: Default::default(),
         }
+    }
+
+    /// Makes every buffer from now on a segment file in `dir` (`own-K.seg`, 0600), skipping the
+    /// files in `reserved` (named by kept manifests not adopted: another layout's copies, kept
+    /// for the user to see).
+    pub fn set_segment_dir(&mut self, dir: std::path::PathBuf, reserved: std::collections::BTreeSet<std::path::PathBuf>) {
+        self.dir = Some(dir);
+        self.reserved = reserved;
+    }
+
+    /// The manifest `manifest` names the segment of the held snapshot of `iter`: it is removed
+    /// before that segment is refilled (a restarted process never finds a manifest over bytes
+    /// of another iteration). Returns whether `iter` is held in a segment.
+    pub fn claim(&mut self, iter: u64, manifest: std::path::PathBuf) -> bool {
+        let Some(p) = self.get(iter).and_then(|s| s.data.path()).map(|p| p.to_path_buf()) else { return false };
+        self.claims.insert(p, manifest);
+        true
+    }
+
+    /// Moves the held snapshot of `iter` into a segment if it is in heap memory (a state
+    /// restored from a peer or a file) and segments are made: it can then be kept. Returns
+    /// the snapshot as held (none: `iter` is not held).
+    pub fn settle(&mut self, iter: u64) -> Result<Option<Arc<Snapshot>>> {
+        let Some(k) = self.slots.iter().position(|s| s.as_ref().is_some_and(|s| s.iter == iter)) else { return Ok(None) };
+        let held = self.slots[k].clone().expect("found");
+        if self.dir.is_none() || held.data.path().is_some() {
+            return Ok(Some(held));
+        }
+        let mut seg = match self.spare.iter().position(|v| v.len() == held.data.len()) {
+            Some(i) => self.spare.swap_remove(i),
+            None => self.fresh(held.data.len() as u64)?,
+        };
+        self.unclaim(&seg)?;
+        seg.copy_from_slice(&held.data);
+        let moved = Arc::new(Snapshot::with_sums(iter, held.registry.clone(), seg, held.sums().to_vec()));
+        self.slots[k] = Some(moved.clone());
+        Ok(Some(moved))
+    }
+
+    /// Removes the manifest claiming `seg`, if any (before it is written).
+    fn unclaim(&mut self, seg: &Segment) -> Result<()> {
+        if let Some(m) = seg.path().and_then(|p| self.claims.remove(p)) {
+            match std::fs::remove_file(&m) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(CkptError::io(&m, e)),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// A buffer of `bytes`: a new segment file (a name no held, spare or reserved segment
+    /// has), else heap memory; every page touched.
+    fn fresh(&self, bytes: u64) -> Result<Segment> {
+        let Some(dir) = &self.dir else { return Ok(Segment::heap(bytes as usize)) };
+        let used: std::collections::BTreeSet<&std::path::Path> =
+            self.slots.iter().flatten().filter_map(|s| s.data.path()).chain(self.spare.iter().filter_map(|s| s.path())).collect();
+        let path = (0..)
+            .map(|k| dir.join(format!("own-{k}.seg")))
+            .find(|p| !used.contains(p.as_path()) && !self.reserved.contains(p))
+            .expect("unbounded");
+        Segment::create(&path, bytes as usize)
     }
 
     /// Allocates `buffers` (at most [`SNAPSHOT_BUFFERS`]) buffers of `bytes` and touches every
@@ -138,18 +215,19 @@ impl SnapshotBuffers {
     /// faults of a fresh buffer inside the training step: measured on the emulated beds, 8
     /// ranks' first use of a 147 MB buffer stalled the step 1.7–2.4 s, at the second and
     /// third snapshot of a run (and at every fourth iteration's under capricorn-sparse).
-    pub fn prepare(&mut self, buffers: usize, bytes: u64) {
+    pub fn prepare(&mut self, buffers: usize, bytes: u64) -> Result<()> {
         let want = buffers.min(SNAPSHOT_BUFFERS).saturating_sub(self.slots.iter().flatten().count());
-        self.spare.retain(|v| v.len() as u64 == bytes);
-        while self.spare.len() < want {
-            let mut v = vec![0u8; bytes as usize];
-            // a zeroed allocation maps its pages lazily: write one byte per page (a value
-            // the compiler cannot know is already there, so the store is kept)
-            for i in (0..v.len()).step_by(4096) {
-                v[i] = std::hint::black_box(0);
-            }
-            self.spare.push(v);
+        let (keep, other): (Vec<Segment>, Vec<Segment>) =
+            std::mem::take(&mut self.spare).into_iter().partition(|v| v.len() as u64 == bytes);
+        self.spare = keep;
+        for s in other {
+            self.discard(s);
         }
+        while self.spare.len() < want {
+            let s = self.fresh(bytes)?;
+            self.spare.push(s);
+        }
+        Ok(())
     }
 
     /// Buffers prepared and not yet used by a slot.
@@ -187,9 +265,10 @@ impl SnapshotBuffers {
     }
 
     /// Copy the state after iteration `iter`'s optimizer step into a buffer whose iteration is
-    /// older than `keep_from` (0: keep every held iteration; `u64::MAX`: keep none). Fails when
-    /// there is none ([`SnapshotBuffers::can_take`] says so first) or when the one to refill is
-    /// still being replicated after the wait.
+    /// older than `keep_from` (0: keep every held iteration; `u64::MAX`: keep none), computing
+    /// each chunk's checksum as it is copied (the chunk is still in cache: one pass over the
+    /// state). Fails when there is none ([`SnapshotBuffers::can_take`] says so first) or when
+    /// the one to refill is still being replicated after the wait.
     pub fn take(&mut self, iter: u64, keep_from: u64, registry: &Arc<Registry>, bufs: &[&[u8]]) -> Result<Arc<Snapshot>> {
         registry.check(bufs)?;
         let Some(slot) = self.slot_for(keep_from) else {
@@ -200,11 +279,17 @@ impl SnapshotBuffers {
         };
         let deadline = std::time::Instant::now() + self.wait;
         let mut arc = self.slots[slot].take().unwrap_or_else(|| {
-            Arc::new(Snapshot { iter, registry: registry.clone(), data: Vec::new(), sums: Default::default(), sum_chunk: 0 })
+            Arc::new(Snapshot {
+                iter,
+                registry: registry.clone(),
+                data: Segment::default(),
+                sums: Default::default(),
+                sum_chunk: 0,
+            })
         });
-        let snap = loop {
+        loop {
             match Arc::get_mut(&mut arc) {
-                Some(_) => break Arc::get_mut(&mut arc).expect("unique"),
+                Some(_) => break,
                 None if std::time::Instant::now() < deadline => std::thread::sleep(std::time::Duration::from_micros(200)),
                 None => {
                     let held = arc.iter;
@@ -215,21 +300,35 @@ impl SnapshotBuffers {
                     )));
                 }
             }
-        };
+        }
+        let total = registry.total as usize;
+        {
+            let snap = Arc::get_mut(&mut arc).expect("unique");
+            if snap.data.len() != total {
+                // first use (or new layout): a prepared buffer, else a fresh one; later
+                // snapshots reuse it warm
+                snap.data = match self.spare.iter().position(|v| v.len() == total) {
+                    Some(k) => self.spare.swap_remove(k),
+                    None => match self.fresh(total as u64) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            self.slots[slot] = None;
+                            return Err(e);
+                        }
+                    },
+                };
+            }
+        }
+        // a kept manifest over these bytes goes before they change
+        if let Err(e) = self.unclaim(&arc.data) {
+            self.slots[slot] = Some(arc);
+            return Err(e);
+        }
+        let snap = Arc::get_mut(&mut arc).expect("unique");
         snap.iter = iter;
         snap.registry = registry.clone();
-        let total = registry.total as usize;
-        if snap.data.len() != total {
-            // first use (or new layout): a prepared buffer, else allocate (and touch while
-            // copying); later snapshots reuse it warm
-            snap.data = match self.spare.iter().position(|v| v.len() == total) {
-                Some(k) => self.spare.swap_remove(k),
-                None => vec![0u8; total],
-            };
-        }
         let chunk = self.chunk as usize;
         let n_chunks = total.div_ceil(chunk);
-        snap.sums = Default::default();
         snap.sum_chunk = self.chunk;
         // Source pieces: (dst offset, src slice), in order.
         let pieces: Vec<(usize, &[u8])> = registry.tensors.iter().zip(bufs).map(|(t, b)| (t.offset as usize, *b)).collect();
@@ -248,9 +347,10 @@ impl SnapshotBuffers {
         };
         let threads = self.threads.min(n_chunks.max(1));
         let per = n_chunks.div_ceil(threads.max(1)).max(1);
-        std::thread::scope(|s| {
+        let sums: Vec<ChunkSum> = std::thread::scope(|s| {
             let mut data_rest: &mut [u8] = &mut snap.data;
             let mut base = 0usize;
+            let mut handles = Vec::new();
             for _ in 0..threads {
                 let bytes = (per * chunk).min(data_rest.len());
                 if bytes == 0 {
@@ -261,13 +361,21 @@ impl SnapshotBuffers {
                 let my_base = base;
                 base += bytes;
                 let copy_range = &copy_range;
-                s.spawn(move || {
-                    for (k, dchunk) in d.chunks_mut(chunk).enumerate() {
-                        copy_range(dchunk, my_base + k * chunk);
-                    }
-                });
+                handles.push(s.spawn(move || {
+                    d.chunks_mut(chunk)
+                        .enumerate()
+                        .map(|(k, dchunk)| {
+                            let at = my_base + k * chunk;
+                            copy_range(dchunk, at);
+                            // the piece was just written: hashing it reads the cache, not memory
+                            ChunkSum { offset: at as u64, len: dchunk.len() as u64, xxh3: xxh3_64(dchunk) }
+                        })
+                        .collect::<Vec<ChunkSum>>()
+                }));
             }
+            handles.into_iter().flat_map(|h| h.join().expect("a copy thread panicked")).collect()
         });
+        snap.sums = sums.into();
         self.slots[slot] = Some(arc.clone());
         self.trim_spare();
         Ok(arc)
@@ -276,7 +384,25 @@ impl SnapshotBuffers {
     /// Never more prepared buffers than empty slots to fill.
     fn trim_spare(&mut self) {
         let empty = self.slots.iter().filter(|s| s.is_none()).count();
-        self.spare.truncate(empty);
+        // segments holding a kept copy go last
+        self.spare.sort_by_key(|s| s.path().is_some_and(|p| self.claims.contains_key(p)));
+        while self.spare.len() > empty {
+            let s = self.spare.remove(0);
+            self.discard(s);
+        }
+    }
+
+    /// Lets go of `seg` for good: its file is removed, unless a kept manifest names it (a
+    /// committed iteration's copy a restart may need): that one stays on disk, reserved.
+    fn discard(&mut self, seg: Segment) {
+        match seg.path().filter(|p| self.claims.contains_key(*p)) {
+            Some(p) => {
+                let p = p.to_path_buf();
+                self.claims.remove(&p);
+                self.reserved.insert(p);
+            }
+            None => seg.discard(),
+        }
     }
 
     /// The newest snapshot.

@@ -82,6 +82,16 @@ impl<'a> ReplicaMsg<'a> {
         v
     }
 
+    /// The header of a `Chunk` at `offset` of iteration `iter`: sent with the payload as one
+    /// message from where the payload lies ([`ironweave_transport::Communicator::send_bytes_parts`]).
+    pub fn chunk_header(iter: u64, offset: u64) -> [u8; CHUNK_HEADER] {
+        let mut h = [0u8; CHUNK_HEADER];
+        h[0] = MSG_CHUNK;
+        h[1..9].copy_from_slice(&iter.to_le_bytes());
+        h[9..17].copy_from_slice(&offset.to_le_bytes());
+        h
+    }
+
     /// `End` of iteration `iter`.
     pub fn encode_end(iter: u64) -> Vec<u8> {
         let mut v = vec![MSG_END];
@@ -112,6 +122,20 @@ impl<'a> ReplicaMsg<'a> {
             },
             Some(k) => Err(corrupt(format!("message from rank {src}"), format!("unknown kind {k}"))),
             None => Err(corrupt(format!("message from rank {src}"), "empty")),
+        }
+    }
+}
+
+impl ReplicaMsg<'_> {
+    /// The (iteration, offset) of a `Chunk` from the first bytes of its message (a chunk whose
+    /// payload arrived in parts).
+    pub fn decode_chunk_header(src: usize, first: &[u8]) -> Result<(u64, u64)> {
+        match (first.first(), u64_at(first, 1), u64_at(first, 9)) {
+            (Some(&MSG_CHUNK), Some(iter), Some(offset)) => Ok((iter, offset)),
+            (Some(&MSG_CHUNK), ..) => {
+                Err(corrupt(format!("chunk from rank {src}"), format!("short header ({} bytes)", first.len())))
+            }
+            _ => Err(corrupt(format!("message from rank {src}"), "a message in parts that is not a chunk")),
         }
     }
 }
@@ -189,6 +213,7 @@ mod tests {
             layout: Default::default(),
             job: String::new(),
             mac: String::new(),
+            segment: String::new(),
         }
     }
 
@@ -200,6 +225,7 @@ mod tests {
             ReplicaMsg::Begin { manifest: m, keep_from: 5 }
         );
         let c = ReplicaMsg::encode_chunk(7, 12, &[1, 2, 3]);
+        assert_eq!(c[..CHUNK_HEADER], ReplicaMsg::chunk_header(7, 12));
         assert_eq!(ReplicaMsg::decode(3, &c, 0).unwrap(), ReplicaMsg::Chunk { iter: 7, offset: 12, bytes: &[1, 2, 3] });
         assert_eq!(ReplicaMsg::decode(3, &ReplicaMsg::encode_end(7), 0).unwrap(), ReplicaMsg::End { iter: 7 });
         let a = Ack { iter: 9, verified: true };

@@ -108,7 +108,7 @@ fn iterations_commit_and_restore_from_local_memory() {
         }
         let r = e.restore_latest().unwrap();
         assert!(e.failures().is_empty(), "{:?}", e.failures());
-        (committed, r.iter, r.source, r.snapshot.data.clone())
+        (committed, r.iter, r.source, r.snapshot.data.to_vec())
     });
     for (rank, (committed, iter, source, data)) in out.into_iter().enumerate() {
         assert_eq!(committed, vec![Some(1), Some(2), Some(3)]);
@@ -129,7 +129,7 @@ fn a_restarted_rank_gets_its_state_from_a_peer_bit_identical() {
             e.forget_memory_for_test(); // as if killed and restarted
         }
         let r = e.restore_latest().unwrap();
-        (r.iter, r.source, r.snapshot.data.clone())
+        (r.iter, r.source, r.snapshot.data.to_vec())
     });
     assert_eq!(out[2].0, 2);
     assert_eq!(out[2].1, Source::Peer(3));
@@ -151,7 +151,7 @@ fn a_flipped_byte_in_a_replica_falls_back_to_another_replica() {
             e.forget_memory_for_test();
         }
         let r = e.restore_latest().unwrap();
-        (r.source, r.snapshot.data.clone())
+        (r.source, r.snapshot.data.to_vec())
     });
     assert_eq!(out[1].0, Source::Peer(2), "the corrupt replica on rank 0 must be skipped");
     assert_eq!(out[1].1, state(1, 5).concat());
@@ -183,7 +183,7 @@ fn all_replicas_corrupt_falls_back_to_the_persistent_tier() {
             assert!(e.corrupt_replica_for_test(0, 2, 10));
         }
         let r = e.restore_latest().unwrap();
-        (r.iter, r.source, r.snapshot.data.clone())
+        (r.iter, r.source, r.snapshot.data.to_vec())
     });
     assert_eq!(out[0].0, 2);
     assert_eq!(out[0].1, Source::Persistent);
@@ -220,7 +220,7 @@ fn a_new_job_in_a_reused_directory_never_restores_the_old_job_s_files() {
         e.commit(true).unwrap();
         e.forget_memory_for_test();
         let r = e.restore_latest().unwrap();
-        (r.iter, r.source, r.snapshot.data.clone())
+        (r.iter, r.source, r.snapshot.data.to_vec())
     });
     for (rank, (iter, source, data)) in out.into_iter().enumerate() {
         assert_eq!((iter, source), (2, Source::Persistent));
@@ -228,7 +228,7 @@ fn a_new_job_in_a_reused_directory_never_restores_the_old_job_s_files() {
     }
     // a job told to continue another job's files takes A's iteration 4 (B's 2 is older)
     let c = EngineConfig { restore_other_jobs: true, job_id: Some("job-c".into()), ..b };
-    let out = run(2, c, |_, e| e.restore_latest().map(|r| (r.iter, r.snapshot.data.clone())).unwrap());
+    let out = run(2, c, |_, e| e.restore_latest().map(|r| (r.iter, r.snapshot.data.to_vec())).unwrap());
     for (rank, (iter, data)) in out.into_iter().enumerate() {
         assert_eq!(iter, 4);
         assert_eq!(data, state(rank, 4).concat());
@@ -395,7 +395,7 @@ fn a_snapshot_spread_over_iterations_sends_a_part_per_iteration_and_restores_who
             e.forget_memory_for_test();
         }
         let r = e.restore_latest().unwrap();
-        (per_iter, committed, r.iter, r.source, r.snapshot.data.clone())
+        (per_iter, committed, r.iter, r.source, r.snapshot.data.to_vec())
     });
     for (rank, (per_iter, committed, iter, source, data)) in out.into_iter().enumerate() {
         // snapshots of 1, 5, 9; iteration k+1..k+4 each carry a quarter of snapshot k
@@ -485,25 +485,53 @@ fn kept_copies_outlive_every_process_of_the_job() {
         e.kept().unwrap()
     });
     assert_eq!(committed, vec![Some(4); 3]);
-    // the copies of the two newest committed iterations are there (as the persistent tier's
-    // files), each holder with its own state and the replica it holds
+    // the copies of the two newest committed iterations are there: the snapshot and replica
+    // segments themselves, and per iteration one manifest per copy (own state, the replica held)
     for rank in 0..3 {
         let holder = ironweave_ckpt::engine::holder_dir(&dir, rank);
-        let mut iters: Vec<String> =
+        let mut names: Vec<String> =
             std::fs::read_dir(&holder).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-        iters.sort();
+        names.sort();
+        let iters: Vec<&String> = names.iter().filter(|n| n.starts_with("iter-")).collect();
         assert_eq!(iters, vec!["iter-00000003", "iter-00000004"], "rank {rank}");
-        let files = std::fs::read_dir(holder.join("iter-00000004")).unwrap().count();
+        let own = names.iter().filter(|n| n.starts_with("own-") && n.ends_with(".seg")).count();
+        assert_eq!(own, ironweave_ckpt::SNAPSHOT_BUFFERS, "rank {rank}: one segment per snapshot buffer, reused: {names:?}");
         let held = placement(3, 2).iter().filter(|hs| hs.contains(&rank)).count();
-        assert_eq!(files, 2 * (1 + held), "rank {rank}: own state and the replicas it holds, data and manifest each");
+        assert_eq!(names.iter().any(|n| n.starts_with("rep-")), held > 0, "rank {rank}: replica segments: {names:?}");
+        let files = std::fs::read_dir(holder.join("iter-00000004")).unwrap().count();
+        assert_eq!(files, 1 + held, "rank {rank}: a manifest for its own state and each replica it holds");
     }
-    // every process restarted: each rank's own kept copy
+    // every process restarted: each rank's own kept copy, its segments mapped, not read
     let restore = |rank: usize, e: &mut Engine| {
         let r = e.restore_latest().unwrap();
         (r.iter, r.source, r.snapshot.data == state(rank, r.iter).concat())
     };
-    let out = run(3, keep.clone(), restore);
-    assert_eq!(out, vec![(4, Source::Local, true); 3]);
+    let out = run(3, keep.clone(), move |rank, e| {
+        use std::sync::atomic::Ordering::Relaxed;
+        let r = restore(rank, e);
+        let c = e.counters();
+        (r, c.kept_bytes_mapped.load(Relaxed), c.kept_bytes_copied.load(Relaxed))
+    });
+    for (rank, (r, mapped, copied)) in out.into_iter().enumerate() {
+        assert_eq!(r, (4, Source::Local, true), "rank {rank}");
+        let own = state(rank, 4).concat().len() as u64;
+        assert!(mapped >= own && copied == 0, "rank {rank}: kept bytes mapped {mapped}, copied {copied}");
+    }
+    // rank 0's own segment of iteration 4 altered behind its back: refused by its checksums,
+    // and rank 0 restores iteration 4 from the peer holding its replica
+    {
+        let holder = ironweave_ckpt::engine::holder_dir(&dir, 0);
+        let man: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(holder.join("iter-00000004/rank-00000.json")).unwrap()).unwrap();
+        let seg = holder.join(man["segment"].as_str().unwrap());
+        let mut bytes = std::fs::read(&seg).unwrap();
+        bytes[3] ^= 0x10;
+        std::fs::write(&seg, &bytes).unwrap();
+    }
+    let out = run(3, keep.clone(), move |rank, e| (restore(rank, e), e.failures()));
+    assert_eq!(out[0].0 .0, 4);
+    assert!(matches!(out[0].0 .1, Source::Peer(p) if p != 0) && out[0].0 .2, "{:?}", out[0].0);
+    assert!(out[0].1.iter().any(|f| f.contains("checksum") && f.contains("own-")), "{:?}", out[0].1);
     // rank 1's host lost with its copies: its state comes from the rank that held its replica
     std::fs::remove_dir_all(ironweave_ckpt::engine::holder_dir(&dir, 1)).unwrap();
     let out = run(3, keep.clone(), restore);

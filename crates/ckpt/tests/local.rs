@@ -67,7 +67,7 @@ fn snapshots_copy_exactly_and_never_refill_an_iteration_to_keep() {
         assert_eq!(one.held().count(), 1);
         // prepared buffers serve the slots' first snapshots, and copy exactly like fresh ones
         let mut warm = SnapshotBuffers::new(threads, 4096);
-        warm.prepare(5, reg.total);
+        warm.prepare(5, reg.total).unwrap();
         assert_eq!(warm.spare_buffers(), 3, "never more than the slots");
         for k in 0..3u64 {
             let b = if k % 2 == 0 { &bufs } else { &bufs2 };
@@ -78,7 +78,7 @@ fn snapshots_copy_exactly_and_never_refill_an_iteration_to_keep() {
         }
         assert_eq!(warm.spare_buffers(), 0);
         // once the slots hold snapshots, preparing again adds nothing
-        warm.prepare(3, reg.total);
+        warm.prepare(3, reg.total).unwrap();
         assert_eq!(warm.spare_buffers(), 0);
         // a restore drops the held snapshots: their buffers stay warm, never more than the
         // empty slots, and the next snapshots still copy exactly
@@ -110,7 +110,7 @@ fn a_flipped_byte_is_detected() {
     let (reg, bufs) = state(4);
     let mut sb = SnapshotBuffers::new(2, 4096);
     let s = sb.take(1, 0, &reg, &refs(&bufs)).unwrap();
-    let mut d = s.data.clone();
+    let mut d = s.data.to_vec();
     d[5000] ^= 1;
     let e = Snapshot::verify(&d, s.sums(), "replica").unwrap_err();
     assert!(matches!(e, CkptError::Corrupt { .. }) && e.to_string().contains("chunk 1"), "{e}");

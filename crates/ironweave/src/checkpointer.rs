@@ -72,6 +72,15 @@ pub struct Stats {
     pub replica_bytes_sent: u64,
     /// Replica bytes that went to other hosts.
     pub replica_bytes_inter_host: u64,
+    /// Memory passes per state byte on this rank as a sender (snapshot copy and any copy to
+    /// send; a copy is 2: a read and a write), none before a save.
+    pub memory_passes_send: Option<f64>,
+    /// Memory passes per replica byte this rank received as a holder, none before one arrived.
+    pub memory_passes_recv: Option<f64>,
+    /// Kept copies adopted at start by mapping their segments, bytes (nothing copied).
+    pub kept_bytes_mapped: u64,
+    /// Kept copies adopted at start by reading a file, bytes.
+    pub kept_bytes_copied: u64,
     /// The newest step every rank's state of is replicated (committed).
     pub committed: Option<u64>,
     /// The newest step this rank's copies in the keep directory are whole for.
@@ -331,6 +340,10 @@ impl Checkpointer {
         let c = self.engine.counters();
         self.stats.replica_bytes_sent = c.replica_bytes.load(Ordering::Relaxed);
         self.stats.replica_bytes_inter_host = c.replica_bytes_inter_host.load(Ordering::Relaxed);
+        self.stats.kept_bytes_mapped = c.kept_bytes_mapped.load(Ordering::Relaxed);
+        self.stats.kept_bytes_copied = c.kept_bytes_copied.load(Ordering::Relaxed);
+        let p = self.engine.memory_passes();
+        (self.stats.memory_passes_send, self.stats.memory_passes_recv) = (p.send(), p.recv());
         self.stats.kept = self.engine.kept()?;
         self.stats.failures = self.engine.failures();
         Ok(self.stats.clone())
@@ -635,8 +648,11 @@ pub fn safe_name(s: &str) -> String {
 /// rank three iterations (the two kept and one being written) of its own state and the
 /// replicas it holds (`replicas - 1` of its peers' states, taken as its own size).
 fn keep_need(nodes: &[[i64; 3]], me: usize, cfg: &EngineConfig) -> u64 {
+    // per rank: its snapshot segments, and per source whose replicas it holds the two kept
+    // and up to two arriving (`ironweave_ckpt::engine::replicate::KEPT_REPLICAS` + 2)
     let m = u64::from(cfg.replicas.max(1));
-    nodes.iter().filter(|n| n[0] == nodes[me][0] && n[1] == nodes[me][1]).map(|n| 3 * m * n[2].max(0) as u64).sum()
+    let per = ironweave_ckpt::SNAPSHOT_BUFFERS as u64 + (ironweave_ckpt::engine::replicate::KEPT_REPLICAS as u64 + 2) * m;
+    nodes.iter().filter(|n| n[0] == nodes[me][0] && n[1] == nodes[me][1]).map(|n| per * n[2].max(0) as u64).sum()
 }
 
 /// Makes the keep directory `dir` (its parents as needed) and checks it before the job trains:
@@ -654,7 +670,7 @@ pub fn preflight(dir: &Path, need: u64) -> Result<()> {
     if let Some((free, total, fs)) = ironweave_transport::board::space(dir) {
         if free.saturating_add(have) < need {
             return Err(Error::Ckpt(CkptError::Invalid(format!(
-                "the keep directory {} has {:.1} MB free ({:.1} MB in all on {}, {:.1} MB of it this job's copies) but this node's ranks keep up to {:.1} MB there (3 iterations x replicas x state): give the container more shared memory (docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory), set keep_dir= to a larger tmpfs, or keep_dir=None (memory only: a restart then needs a persistent tier)",
+                "the keep directory {} has {:.1} MB free ({:.1} MB in all on {}, {:.1} MB of it this job's copies) but this node's ranks keep up to {:.1} MB there (per rank: 3 snapshot segments and 4 replica segments per replica, each the size of a state): give the container more shared memory (docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory), set keep_dir= to a larger tmpfs, or keep_dir=None (memory only: a restart then needs a persistent tier)",
                 dir.display(),
                 free as f64 / 1e6,
                 total as f64 / 1e6,
@@ -844,11 +860,12 @@ mod tests {
     }
 
     #[test]
-    fn the_keep_need_counts_the_node_s_ranks_three_iterations_of_each_copy() {
+    fn the_keep_need_counts_the_node_s_ranks_snapshot_and_replica_segments() {
         let nodes = [[1, 0, 100], [1, 0, 50], [2, 1, 1000]];
         let cfg = EngineConfig { replicas: 2, ..EngineConfig::default() };
-        assert_eq!(keep_need(&nodes, 0, &cfg), 3 * 2 * 150);
-        assert_eq!(keep_need(&nodes, 2, &cfg), 3 * 2 * 1000);
+        // per rank: 3 snapshot segments, 4 replica segments per replica (two kept, two arriving)
+        assert_eq!(keep_need(&nodes, 0, &cfg), (3 + 4 * 2) * 150);
+        assert_eq!(keep_need(&nodes, 2, &cfg), (3 + 4 * 2) * 1000);
     }
 
     #[test]

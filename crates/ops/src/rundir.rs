@@ -89,6 +89,11 @@ pub struct Report {
     /// the ones after it filled every buffer), all ranks.
     #[serde(default)]
     pub ckpt_snapshots_skipped: u64,
+    /// The engine's memory traffic for its copies, summed over the ranks
+    /// (`ironweave_ckpt::Engine::memory_passes`): state bytes snapshotted and the bytes read and
+    /// written for them, replica bytes received and the bytes read and written for them.
+    #[serde(default)]
+    pub ckpt_memory: ironweave_ckpt::MemoryPasses,
     /// The layout-free digests of the final state and of a resumed job's loaded state.
     #[serde(flatten)]
     pub digests: Digests,

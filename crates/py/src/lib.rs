@@ -381,6 +381,10 @@ impl Engine {
         d.set_item("state_bytes", s.state_bytes)?;
         d.set_item("replica_bytes_sent", s.replica_bytes_sent)?;
         d.set_item("replica_bytes_inter_host", s.replica_bytes_inter_host)?;
+        d.set_item("memory_passes_send", s.memory_passes_send)?;
+        d.set_item("memory_passes_recv", s.memory_passes_recv)?;
+        d.set_item("kept_bytes_mapped", s.kept_bytes_mapped)?;
+        d.set_item("kept_bytes_copied", s.kept_bytes_copied)?;
         d.set_item("committed", s.committed)?;
         d.set_item("kept", s.kept)?;
         d.set_item("failures", s.failures)?;

@@ -39,8 +39,14 @@ corrupt = os.environ.get("CORRUPT")  # "own" | "all": the failed rank's copies f
 if attempt > 0 and rank == fail_rank and corrupt:
     import glob
 
+    import json
+
     holders = f"holder-{rank:05d}" if corrupt == "own" else "holder-*"
-    for f in glob.glob(os.path.join(keep_dir_for_job(), "checkpointer-0", holders, "*", f"rank-{rank:05d}.safetensors")):
+    # each kept copy of this rank's state: the segment its manifest names (holder/iter-N/rank-R.json)
+    for m in glob.glob(os.path.join(keep_dir_for_job(), "checkpointer-0", holders, "*", f"rank-{rank:05d}.json")):
+        with open(m) as fh:
+            seg = json.load(fh).get("segment")
+        f = os.path.join(os.path.dirname(os.path.dirname(m)), seg) if seg else m.replace(".json", ".safetensors")
         with open(f, "r+b") as fh:  # one bit of the last byte: the checksums no longer hold
             fh.seek(-1, os.SEEK_END)
             b = fh.read(1)

@@ -203,6 +203,8 @@ def test_a_planted_copy_and_an_open_directory_are_refused(world_of_one, tmp_path
     assert files and all(json.loads(f.read_text()).get("mac") for f in files), files
     assert oct(keep.stat().st_mode & 0o777) == "0o700" and oct((keep / "mac-key").stat().st_mode & 0o777) == "0o600"
     assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in files)
+    segments = sorted(keep.rglob("*.seg"))  # the snapshot and replica buffers: the kept copies
+    assert segments and all(oct(f.stat().st_mode & 0o777) == "0o600" for f in segments), segments
     # the same job comes back: its own copies restore (the MAC holds)
     world_of_one()
     with torch.no_grad():
@@ -220,7 +222,8 @@ def test_a_planted_copy_and_an_open_directory_are_refused(world_of_one, tmp_path
     ck.save(3)
     ck.save(4)
     ck.close(remove_kept=False)
-    for it in sorted((other / "holder-00000").iterdir()):
+    # (the manifests: each names a segment of the holder directory, which the victim has too)
+    for it in sorted(p for p in (other / "holder-00000").iterdir() if p.is_dir()):
         shutil.copytree(it, keep / "holder-00000" / it.name)
     world_of_one()
     with torch.no_grad():

@@ -24,6 +24,10 @@ pub enum Case {
     /// `iall_reduce`, `iall_gather`, `ireduce_scatter` and `ibroadcast` in flight together,
     /// beside blocking collectives on the same communicator, waited on in reverse order.
     NonBlocking,
+    /// A message sent in parts (`send_bytes_parts`: a header and a payload lying apart) from
+    /// each rank to the next, small and large enough to be striped: the receiver gets their
+    /// concatenation as one message.
+    Parts,
 }
 
 /// Element counts tested for `dtype`: 0, 1, 7, 1 MiB + 3 elements' worth, 64 MiB.
@@ -91,6 +95,9 @@ fn check<T: Element>(what: &str, got: &[T], want: impl Fn(usize) -> T) -> Result
 
 /// Runs `case` on every dtype and size, on this rank's communicator. All ranks call it.
 pub fn run_case(c: &Communicator, case: Case) -> Result<()> {
+    if case == Case::Parts {
+        return parts_case(c);
+    }
     if case == Case::NonBlocking {
         // small (latency path), odd, and 1 MiB + (ring path) buffers; two element types
         for count in [1, 7, (1 << 18) + 3] {
@@ -136,6 +143,34 @@ fn run_typed<T: Element>(c: &Communicator, case: Case) -> Result<()> {
                 }
             }
             _ => check_collective::<T>(c, case, count, ReduceOp::Sum, salt, si + 1 == sz.len())?,
+        }
+    }
+    Ok(())
+}
+
+/// Each rank sends the next one a message in three parts (a 17-byte header, an empty part, a
+/// payload of 5 bytes or 5 MiB + 3: past the TCP backend's striping threshold) and checks the
+/// one it receives from the previous rank byte for byte.
+fn parts_case(c: &Communicator) -> Result<()> {
+    let (n, me) = (c.size(), c.rank());
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let body =
+        |r: usize, len: usize| -> Vec<u8> { (0..len).map(|i| (i as u64 * 31 + r as u64 * 7 + (i >> 12) as u64) as u8).collect() };
+    for (k, len) in [5usize, (5 << 20) + 3].into_iter().enumerate() {
+        let tag = 700 + k as u32;
+        let head: Vec<u8> = (0..17).map(|i| (i * 3 + me) as u8).collect();
+        let payload = body(me, len);
+        let h = c.irecv_bytes(prev, tag)?;
+        c.send_bytes_parts(next, tag, &[&head, &[], &payload])?;
+        let got = h.wait(c.deadline_from_now())?.into_vec();
+        let want: Vec<u8> = (0..17).map(|i| (i * 3 + prev) as u8).chain(body(prev, len)).collect();
+        if got != want {
+            let at = got.iter().zip(&want).position(|(a, b)| a != b);
+            return Err(Error::InvalidArgument(format!(
+                "parts from rank {prev}: {} bytes, expected {}; first difference at {at:?}",
+                got.len(),
+                want.len()
+            )));
         }
     }
     Ok(())
@@ -247,7 +282,7 @@ pub fn check_collective<T: Element>(
         }
         Case::Barrier => Ok(()),
         Case::Split => unreachable!("handled by split_case"),
-        Case::NonBlocking => unreachable!("handled by nonblocking_case"),
+        Case::NonBlocking | Case::Parts => unreachable!("handled by nonblocking_case and parts_case"),
     }
 }
 
@@ -357,7 +392,7 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@cases $make; $skip;
             all_reduce AllReduce, broadcast Broadcast, all_gather AllGather, reduce_scatter ReduceScatter,
             all_to_all AllToAll, all_to_all_v AllToAllV, barrier Barrier, split Split,
-            nonblocking NonBlocking);
+            nonblocking NonBlocking, send_parts Parts);
     };
     (@cases $make:expr; $skip:expr; $($name:ident $case:ident),*) => {
         $(

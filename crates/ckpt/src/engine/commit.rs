@@ -45,7 +45,7 @@ impl Engine {
         let t0 = self.now_ns();
         let r = self.commit_inner(wait);
         if let Ok(Some(c)) = r {
-            self.keep_committed(c)?;
+            self.keep_committed(c, false)?;
         }
         self.exposed_ns += self.now_ns().saturating_sub(t0);
         r

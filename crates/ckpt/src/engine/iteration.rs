@@ -5,6 +5,16 @@
 use super::*;
 
 impl Engine {
+    /// [`SnapshotBuffers::take`] of the registered state, counted: one copy (read and write)
+    /// per state byte, its checksums computed as it copies.
+    fn take_snapshot(&mut self, iter: u64, keep_from: u64, bufs: &[&[u8]]) -> Result<Arc<Snapshot>> {
+        let snap = self.snaps.take(iter, keep_from, &self.registry, bufs)?;
+        let n = snap.data.len() as u64;
+        self.counters.snapshot_bytes.fetch_add(n, Ordering::Relaxed);
+        self.counters.send_pass_bytes.fetch_add(2 * n, Ordering::Relaxed);
+        Ok(snap)
+    }
+
     /// Start iteration `iter`. `load` is the expert load the trainer expects (e.g. the last
     /// iteration's); Capricorn profiles only when it drifted. Returns whether this iteration is
     /// profiled (layer timers on). Releases the chunks of the previous snapshot planned for
@@ -208,7 +218,7 @@ impl Engine {
                 return Ok(CheckpointReport { iter, bytes: 0, blocking_s: 0.0, persisted: false });
             }
             Strategy::Blocking => {
-                let snap = self.snaps.take(iter, u64::MAX, &self.registry, bufs)?;
+                let snap = self.take_snapshot(iter, u64::MAX, bufs)?;
                 self.write_persistent(&snap)?;
                 self.durable = Some(iter);
                 persisted = true;
@@ -220,7 +230,7 @@ impl Engine {
                 }
                 // the next snapshot waits for the previous write (one host buffer in flight)
                 self.join_writer()?;
-                let snap = self.snaps.take(iter, u64::MAX, &self.registry, bufs)?;
+                let snap = self.take_snapshot(iter, u64::MAX, bufs)?;
                 let dir = self.cfg.persist_dir.clone().expect("checked in new");
                 let (bucket, counters) = (self.storage.clone(), self.counters.clone());
                 let (comm, written) = (self.comm.clone(), self.written.clone());
@@ -260,7 +270,7 @@ impl Engine {
                         return Ok(CheckpointReport { iter, bytes: 0, blocking_s: 0.0, persisted: false });
                     }
                 }
-                let snap = self.snaps.take(iter, self.keep_from(), &self.registry, bufs)?;
+                let snap = self.take_snapshot(iter, self.keep_from(), bufs)?;
                 if self.persist_due(iter) {
                     // the persistent tier backs the in-memory replicas up: a full or failing
                     // disk must not stop training (said once; counted every time)

@@ -44,14 +44,6 @@ impl Engine {
         }
         let mut snaps = SnapshotBuffers::new(cfg.copy_threads, cfg.checksum_bytes);
         snaps.set_wait(cfg.timeout);
-        // every buffer the strategy will fill, allocated and touched now rather than inside
-        // a training step (the in-memory strategies hold up to three snapshots; the storage
-        // ones refill one)
-        match cfg.strategy {
-            Strategy::None => {}
-            s if s.in_memory() => snaps.prepare(crate::snapshot::SNAPSHOT_BUFFERS, registry.total),
-            _ => snaps.prepare(1, registry.total),
-        }
         // a bucket of one write block: the declared rate holds from the first block on
         let storage = cfg.storage_bytes_per_s.map(|r| Arc::new(Mutex::new(TokenBucket::new(r, persist::PACE_BLOCK as u64))));
         let job = cfg.resolved_job_id(&comm)?;
@@ -88,13 +80,21 @@ impl Engine {
             link_ids,
             storage,
             exposed_ns: 0,
-            keeping: None,
             kept: None,
             kept_mismatch: None,
             cfg,
         };
         // copies an earlier process of this rank kept (torchrun restarted it) are memory again
-        e.adopt_kept();
+        e.adopt_kept()?;
+        // every buffer the strategy will fill, allocated and touched now rather than inside
+        // a training step (the in-memory strategies hold up to three snapshots; the storage
+        // ones refill one); with a keep directory, segments beside the adopted ones
+        let total = e.registry.total;
+        match e.cfg.strategy {
+            Strategy::None => {}
+            s if s.in_memory() => e.snaps.prepare(crate::snapshot::SNAPSHOT_BUFFERS, total)?,
+            _ => e.snaps.prepare(1, total)?,
+        }
         e.start_threads()?;
         Ok(e)
     }
@@ -277,7 +277,6 @@ impl Engine {
     /// (collective: every rank calls it).
     pub fn shutdown(mut self) -> Result<()> {
         let _ = self.commit(true)?;
-        self.join_keeper()?;
         {
             let mut s = self.sched.locked();
             s.txs.clear();

@@ -55,6 +55,33 @@ pub use placement::{placement, placement_on_hosts};
 pub use replicate::Counters;
 use replicate::{spawn, Job, Sched, SenderCtx, Shared};
 
+/// Memory traffic of the engine's copies ([`Engine::memory_passes`]): bytes read and written
+/// in memory by the engine's own code, on each side, beside the state bytes they were for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemoryPasses {
+    /// State bytes snapshotted.
+    pub snapshot_bytes: u64,
+    /// Bytes read and written for them on the sending side.
+    pub send_pass_bytes: u64,
+    /// Replica bytes received as a holder.
+    pub received_bytes: u64,
+    /// Bytes read and written for them on the receiving side.
+    pub recv_pass_bytes: u64,
+}
+
+impl MemoryPasses {
+    /// Memory passes per state byte on the sender (a copy is 2: one read, one write); none
+    /// before a snapshot.
+    pub fn send(&self) -> Option<f64> {
+        (self.snapshot_bytes > 0).then(|| self.send_pass_bytes as f64 / self.snapshot_bytes as f64)
+    }
+
+    /// Memory passes per received replica byte on the holder; none before a replica arrived.
+    pub fn recv(&self) -> Option<f64> {
+        (self.received_bytes > 0).then(|| self.recv_pass_bytes as f64 / self.received_bytes as f64)
+    }
+}
+
 /// A snapshot waiting for the iterations that replicate it.
 #[derive(Debug)]
 struct Pending {
@@ -123,8 +150,6 @@ pub struct Engine {
     counters: Arc<Counters>,
     storage: Option<Arc<Mutex<TokenBucket>>>,
     exposed_ns: u64,
-    /// The keep (iteration, thread) in flight ([`EngineConfig::keep_dir`]).
-    keeping: Option<(u64, JoinHandle<Result<u64>>)>,
     /// The newest iteration whose copies in the keep directory are whole.
     kept: Option<u64>,
     /// The first difference of a kept copy of this rank's state passed over for its layout.
@@ -211,6 +236,20 @@ impl Engine {
         &self.counters
     }
 
+    /// What the engine's copies cost in memory so far: bytes read and written per state byte,
+    /// on the sending side (snapshot copy, any copy to send) and on the receiving side (landing,
+    /// checksums no landed piece covered).
+    pub fn memory_passes(&self) -> MemoryPasses {
+        let c = &self.counters;
+        let sh = self.shared.locked();
+        MemoryPasses {
+            snapshot_bytes: c.snapshot_bytes.load(Ordering::Relaxed),
+            send_pass_bytes: c.send_pass_bytes.load(Ordering::Relaxed),
+            received_bytes: sh.recv_bytes,
+            recv_pass_bytes: sh.recv_pass_bytes,
+        }
+    }
+
     /// Profiler link index of each link slot chunks may go over (slot 0: the training link).
     pub fn link_ids(&self) -> &[u32] {
         &self.link_ids
@@ -229,7 +268,6 @@ impl Engine {
         if let Some(w) = self.writer.take() {
             let _ = w.join();
         }
-        let _ = self.join_keeper();
         self.forget_memory();
         self.sched.locked().releaser = None;
         self.committed = None;

@@ -205,7 +205,7 @@ impl Engine {
                     let r = sh.store.get(&o).and_then(|v| v.iter().find(|r| r.verified && r.manifest.iter == iter)).ok_or_else(
                         || CkptError::Invalid(format!("replica of rank {o} iteration {iter} vanished while restoring")),
                     )?;
-                    (serde_json::to_vec(&r.manifest).map_err(|e| CkptError::Invalid(e.to_string()))?, r.data.clone())
+                    (serde_json::to_vec(&r.manifest).map_err(|e| CkptError::Invalid(e.to_string()))?, r.data.to_vec())
                 };
                 sends.push(self.comm.isend_bytes(o, TAG_RESTORE, man)?);
                 sends.push(self.comm.isend_bytes(o, TAG_RESTORE, data)?);
@@ -269,6 +269,11 @@ impl Engine {
         }
         self.last_sent = None;
         self.drop_kept_after(iter)?;
+        // a state that came from a peer or a file is kept again at once: this rank's copy of
+        // it was lost or failed its checks
+        if source != Source::Local {
+            self.keep_committed(iter, true)?;
+        }
         self.comm.barrier()?;
         self.committed = Some(iter);
         Ok(Restored { iter, snapshot, source })

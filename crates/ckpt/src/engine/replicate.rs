@@ -8,6 +8,7 @@
 
 use ironweave_units::Locked;
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -15,13 +16,15 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ironweave_profile::{CommKind, MonotonicClock, Profiler};
-use ironweave_transport::Communicator;
+use ironweave_transport::{Communicator, RecvBuf};
 
 use crate::error::{CkptError, Result};
 use crate::partition::{Arrival, ChunkSpan};
 use crate::persist::Manifest;
 use crate::schedule::{Releaser, Scheduled};
+use crate::segment::Segment;
 use crate::snapshot::Snapshot;
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::wire::{chunk_range, Ack, ReplicaMsg, CHUNK_HEADER};
 pub(crate) use crate::wire::{TAG_ACK, TAG_DATA};
@@ -30,19 +33,105 @@ pub(crate) use crate::wire::{TAG_ACK, TAG_DATA};
 #[derive(Debug)]
 pub(crate) struct Replica {
     pub(crate) manifest: Manifest,
-    pub(crate) data: Vec<u8>,
+    pub(crate) data: Segment,
     received: u64,
     /// `End` arrived (the sender released every chunk).
     ended: bool,
     /// Verified and acknowledged (or failed and acknowledged as such).
     done: bool,
     pub(crate) verified: bool,
+    /// Per checksum chunk of the manifest: 0 not checked yet, 1 matched, 2 differed (checked
+    /// as a chunk that covers it landed, while its bytes were in cache).
+    checked: Vec<u8>,
+    /// The kept manifest that names this replica's segment (removed before the segment is
+    /// dropped or refilled).
+    pub(crate) claim: Option<PathBuf>,
 }
 
 impl Replica {
-    /// A whole, verified replica adopted from the keep directory.
-    pub(crate) fn kept(manifest: Manifest, data: Vec<u8>) -> Self {
-        Replica { manifest, received: data.len() as u64, data, ended: true, done: true, verified: true }
+    /// A whole, verified replica adopted from the keep directory (`claim`: its manifest).
+    pub(crate) fn kept(manifest: Manifest, data: Segment, claim: Option<PathBuf>) -> Self {
+        let checked = vec![1; manifest.sums.len()];
+        Replica { manifest, received: data.len() as u64, data, ended: true, done: true, verified: true, checked, claim }
+    }
+
+    fn arriving(manifest: Manifest, data: Segment) -> Self {
+        let checked = vec![0; manifest.sums.len()];
+        Replica { manifest, data, received: 0, ended: false, done: false, verified: false, checked, claim: None }
+    }
+
+    /// Lands a chunk at `at` from `parts` (offset in the chunk, bytes; together they cover it),
+    /// checking each checksum chunk it covers whole right after copying it, while its bytes are
+    /// in cache; returns the bytes the engine read and wrote (the copy: a read and a write).
+    fn land(&mut self, at: std::ops::Range<usize>, parts: &[(usize, &[u8])]) -> u64 {
+        let (a, b) = (at.start, at.end);
+        // the copy of [x, y) of the replica from the parts that cover it
+        let copy = |data: &mut [u8], x: usize, y: usize| {
+            for &(o, p) in parts {
+                let (s, e) = ((a + o).max(x), (a + o + p.len()).min(y));
+                if s < e {
+                    data[s..e].copy_from_slice(&p[s - a - o..e - a - o]);
+                }
+            }
+        };
+        let sums = &self.manifest.sums;
+        let mut done = a;
+        let first = sums.partition_point(|c| c.offset.saturating_add(c.len) <= a as u64);
+        for (i, c) in sums.iter().enumerate().skip(first) {
+            let (s, e) = (c.offset as usize, c.offset.saturating_add(c.len) as usize);
+            if s >= b {
+                break;
+            }
+            let (x, y) = (s.max(a), e.min(b));
+            if x > done {
+                copy(&mut self.data, done, x);
+            }
+            copy(&mut self.data, x, y);
+            done = y;
+            if s >= a && e <= b {
+                let ok = xxh3_64(&self.data[s..e]) == c.xxh3;
+                self.checked[i] = if ok { 1 } else { 2 };
+            }
+        }
+        if done < b {
+            copy(&mut self.data, done, b);
+        }
+        self.received += (b - a) as u64;
+        2 * (b - a) as u64
+    }
+
+    /// Whether every checksum holds: the chunks checked on landing by their verdict, the rest
+    /// (those no single landed piece covered) now. Returns (verdict, bytes read now).
+    fn verify_rest(&mut self) -> (bool, u64) {
+        let mut read = 0u64;
+        let mut ok = self.received == self.data.len() as u64 && self.checked.len() == self.manifest.sums.len();
+        let mut end = 0u64;
+        for (i, c) in self.manifest.sums.iter().enumerate() {
+            let stop = c.offset.saturating_add(c.len);
+            if c.offset != end || stop > self.data.len() as u64 {
+                return (false, read);
+            }
+            end = stop;
+            if self.checked[i] == 0 {
+                read += c.len;
+                self.checked[i] = if xxh3_64(&self.data[c.offset as usize..stop as usize]) == c.xxh3 { 1 } else { 2 };
+            }
+            ok &= self.checked[i] == 1;
+        }
+        (ok && end == self.data.len() as u64, read)
+    }
+
+    /// Lets go of the replica: its kept manifest goes first, then its segment (kept as `spare`
+    /// for the next replica of `want` bytes when it can be, else removed).
+    fn release(self, spare: &mut Option<Segment>, want: usize) {
+        if let Some(m) = &self.claim {
+            let _ = std::fs::remove_file(m);
+        }
+        if self.done && self.data.len() == want && spare.is_none() {
+            *spare = Some(self.data);
+        } else {
+            self.data.discard();
+        }
     }
 }
 
@@ -63,6 +152,29 @@ pub(crate) struct Shared {
     /// chunks this rank received as a holder since the last iteration's report (their wire
     /// accuracy is judged on this rank's own training traffic)
     pub(crate) arrivals: Vec<Arrival>,
+    /// Where replica segments are made (the holder directory of the keep directory; none:
+    /// heap memory), and the files there not to be made anew (named by kept manifests this
+    /// process did not adopt).
+    pub(crate) seg_dir: Option<(PathBuf, BTreeSet<PathBuf>)>,
+    /// Replica bytes received (chunk payloads landed).
+    pub(crate) recv_bytes: u64,
+    /// Bytes the receivers read and wrote in memory for them: the landing copy (read and
+    /// write), and the checksum reads of chunks no landed piece covered whole.
+    pub(crate) recv_pass_bytes: u64,
+}
+
+impl Shared {
+    /// Memory for a replica of `total` bytes from `src`: a segment file of the holder directory
+    /// (`rep-SRC-K.seg`, a name no held replica or reserved file has), else heap memory.
+    fn replica_memory(&self, src: usize, total: usize) -> Result<Segment> {
+        let Some((dir, reserved)) = &self.seg_dir else { return Ok(Segment::from(vec![0u8; total])) };
+        let used: BTreeSet<&std::path::Path> = self.store.values().flatten().filter_map(|r| r.data.path()).collect();
+        let path = (0..)
+            .map(|k| dir.join(format!("rep-{src:05}-{k}.seg")))
+            .find(|p| !used.contains(p.as_path()) && !reserved.contains(p))
+            .expect("unbounded");
+        Segment::create(&path, total)
+    }
 }
 
 /// Complete replicas of one source a holder keeps besides the one arriving: the source's
@@ -100,6 +212,19 @@ pub struct Counters {
     pub wire_chunks: AtomicU64,
     /// Of which on the wire entirely inside an idle window of this rank's link.
     pub wire_chunks_in_window: AtomicU64,
+    /// State bytes snapshotted (each snapshot's size, every snapshot counted).
+    pub snapshot_bytes: AtomicU64,
+    /// Bytes the engine read and wrote in memory on the sending side: the snapshot copy (read
+    /// and write) and any copy made to send (a message built around a chunk). Over
+    /// [`Counters::snapshot_bytes`]: the memory passes each state byte costs the sender. A
+    /// checksum computed on a piece just copied reads the cache and is not counted; the kernel's
+    /// copies into the socket are not the engine's.
+    pub send_pass_bytes: AtomicU64,
+    /// Kept copies adopted at start by mapping their segments (no copy: their checksums are read
+    /// once).
+    pub kept_bytes_mapped: AtomicU64,
+    /// Kept copies adopted at start by reading a file (copies written before segments).
+    pub kept_bytes_copied: AtomicU64,
     /// Snapshots not taken because the newest committed iteration and the ones after it
     /// filled every buffer and the oldest of those was not acknowledged in time (the links
     /// did not keep up with one checkpoint per iteration).
@@ -247,11 +372,20 @@ pub(crate) fn send_loop(cx: SenderCtx, rx: Receiver<Job>) {
                     let start_ns = cx.prof.now_ns();
                     for (k, piece) in snap.data[off as usize..(off + len) as usize].chunks(cx.chunk).enumerate() {
                         let at = off + (k * cx.chunk) as u64;
-                        let mut msg = ReplicaMsg::encode_chunk(snap.iter, at, piece);
-                        if at == 0 && cx.corrupt.load(Ordering::SeqCst) == snap.iter && msg.len() > CHUNK_HEADER {
-                            msg[CHUNK_HEADER] ^= 0x80; // test hook: a bit flipped on the wire
+                        let copied = if at == 0 && cx.corrupt.load(Ordering::SeqCst) == snap.iter && !piece.is_empty() {
+                            // test hook: a bit flipped on the wire (in a copy: the snapshot stays)
+                            let mut msg = ReplicaMsg::encode_chunk(snap.iter, at, piece);
+                            msg[CHUNK_HEADER] ^= 0x80;
+                            cx.comm.send_bytes(h, TAG_DATA, &msg)?;
+                            true
+                        } else {
+                            // header and payload as one message, the payload sent from the
+                            // snapshot where it lies
+                            cx.comm.send_bytes_parts(h, TAG_DATA, &[&ReplicaMsg::chunk_header(snap.iter, at), piece])?
+                        };
+                        if copied {
+                            cx.counters.send_pass_bytes.fetch_add(2 * piece.len() as u64, Ordering::Relaxed);
                         }
-                        cx.comm.send_bytes(h, TAG_DATA, &msg)?;
                         // a campaign's kill in the middle of a replica transfer
                         crate::fault::hit("replica", cx.rank as usize, snap.iter);
                     }
@@ -301,13 +435,13 @@ fn poll_loop(
     peer: usize,
     tag: u32,
     stop: &AtomicBool,
-    mut on: impl FnMut(Vec<u8>) -> Result<()>,
+    mut on: impl FnMut(RecvBuf) -> Result<()>,
 ) -> Result<()> {
     let mut h = comm.irecv_bytes(peer, tag)?;
     loop {
         match h.poll_until(Instant::now() + Duration::from_millis(50))? {
             Some(buf) => {
-                on(buf.into_vec())?;
+                on(buf)?;
                 h = comm.irecv_bytes(peer, tag)?;
             }
             None if stop.load(Ordering::SeqCst) => return Ok(()),
@@ -328,9 +462,9 @@ fn finish_if_complete(ack: &Communicator, src: usize, iter: u64, shared: &Mutex<
             return Ok(());
         }
         r.done = true;
-        r.verified = r.received == r.data.len() as u64
-            && Snapshot::verify(&r.data, &r.manifest.sums, &format!("replica of rank {src}")).is_ok();
-        let ok = r.verified;
+        let (ok, read) = r.verify_rest();
+        r.verified = ok;
+        sh.recv_pass_bytes += read;
         if !ok {
             sh.failures.push(format!("replica of rank {src} iteration {iter} failed verification"));
         }
@@ -374,7 +508,7 @@ pub(crate) fn receive_replicas(
     let r = poll_loop(comm, src, TAG_DATA, stop, |msg| {
         // the last byte is in: when, for the wire accuracy
         let in_ns = arrived.map(|(p, _)| p.now_ns());
-        let r = receive_one(ack, src, limit, shared, &msg);
+        let r = receive_msg(ack, src, limit, shared, &msg);
         if let (Some((_, link)), Some(end_ns), Ok(true)) = (arrived, in_ns, &r) {
             let a = Arrival { link, end_ns, len: msg.len().saturating_sub(CHUNK_HEADER) as u64 };
             let mut sh = shared.locked();
@@ -392,6 +526,61 @@ pub(crate) fn receive_replicas(
     }
 }
 
+/// One message of a replica stream from `src` as the link delivered it: in one part, or (a
+/// chunk striped over several connections) in parts whose payloads land where they lie, never
+/// joined first. Returns whether it was a chunk.
+fn receive_msg(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared>, msg: &RecvBuf) -> Result<bool> {
+    let parts: Vec<(usize, &[u8])> = msg.parts().collect();
+    match parts.as_slice() {
+        [] => receive_one(ack, src, limit, shared, &[]),
+        [(0, one)] => receive_one(ack, src, limit, shared, one),
+        [(0, first), ..] if first.len() >= CHUNK_HEADER => {
+            let (iter, offset) = ReplicaMsg::decode_chunk_header(src, first)?;
+            let payload: Vec<(usize, &[u8])> =
+                parts.iter().map(|&(o, b)| if o == 0 { (0, &b[CHUNK_HEADER..]) } else { (o - CHUNK_HEADER, b) }).collect();
+            receive_chunk(ack, src, shared, iter, offset, &payload)?;
+            Ok(true)
+        }
+        _ => Err(CkptError::Corrupt { what: format!("message from rank {src}"), detail: "a first part without a header".into() }),
+    }
+}
+
+/// Lands a chunk of `iter` at `off`, its payload in `parts` (offset in the payload, bytes),
+/// checks the checksum chunks it covers, and finishes the replica if it is complete.
+fn receive_chunk(
+    ack: &Communicator,
+    src: usize,
+    shared: &Mutex<Shared>,
+    iter: u64,
+    off: u64,
+    parts: &[(usize, &[u8])],
+) -> Result<()> {
+    let len: usize = parts.iter().map(|p| p.1.len()).sum();
+    {
+        let mut sh = shared.locked();
+        let r = sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter && !r.done));
+        let Some(r) = r else {
+            return Err(CkptError::Corrupt {
+                what: format!("chunk from rank {src}"),
+                detail: format!("iteration {iter} was not begun"),
+            });
+        };
+        let Some(at) = chunk_range(off, len, r.data.len()) else {
+            return Err(CkptError::Corrupt {
+                what: format!("chunk from rank {src}"),
+                detail: format!("{len} bytes at {off} reach beyond {}", r.data.len()),
+            });
+        };
+        if parts.iter().any(|(o, b)| o + b.len() > len) {
+            return Err(CkptError::Corrupt { what: format!("chunk from rank {src}"), detail: "parts overlap".into() });
+        }
+        let passes = r.land(at, parts);
+        sh.recv_pass_bytes += passes;
+        sh.recv_bytes += len as u64;
+    }
+    finish_if_complete(ack, src, iter, shared)
+}
+
 /// One message of a replica stream from `src`: a Begin, a chunk landed in its buffer, an End.
 /// Returns whether it was a chunk.
 fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared>, msg: &[u8]) -> Result<bool> {
@@ -407,14 +596,9 @@ fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared
             // Keep the sender's newest committed iteration and the complete ones after it
             // (a recovery may need any of them until a newer one commits), and those still
             // arriving over a slower link (an older one's last chunks may follow a newer
-            // Begin); reuse a dropped buffer.
-            let mut spare: Option<Vec<u8>> = None;
-            let mut drop_at = |reps: &mut Vec<Replica>, k: usize| {
-                let r = reps.remove(k);
-                if r.done && spare.as_ref().is_none_or(|d| d.len() < r.data.len()) {
-                    spare = Some(r.data);
-                }
-            };
+            // Begin); reuse a dropped segment of the right size.
+            let mut spare: Option<Segment> = None;
+            let mut drop_at = |reps: &mut Vec<Replica>, k: usize| reps.remove(k).release(&mut spare, total);
             while let Some(k) = reps.iter().position(|r| r.done && (!r.verified || r.manifest.iter < keep_from)) {
                 drop_at(reps, k);
             }
@@ -428,30 +612,14 @@ fn receive_one(ack: &Communicator, src: usize, limit: u64, shared: &Mutex<Shared
                 let k = reps.iter().position(|r| r.verified).expect("counted");
                 drop_at(reps, k);
             }
-            let mut data = spare.unwrap_or_default();
-            data.resize(total, 0);
-            reps.push(Replica { manifest: man, data, received: 0, ended: false, done: false, verified: false });
+            let data = match spare {
+                Some(d) => d,
+                None => sh.replica_memory(src, total)?,
+            };
+            sh.store.entry(src).or_default().push(Replica::arriving(man, data));
         }
         ReplicaMsg::Chunk { iter, offset: off, bytes } => {
-            {
-                let mut sh = shared.locked();
-                let r = sh.store.get_mut(&src).and_then(|v| v.iter_mut().rev().find(|r| r.manifest.iter == iter && !r.done));
-                let Some(r) = r else {
-                    return Err(CkptError::Corrupt {
-                        what: format!("chunk from rank {src}"),
-                        detail: format!("iteration {iter} was not begun"),
-                    });
-                };
-                let Some(at) = chunk_range(off, bytes.len(), r.data.len()) else {
-                    return Err(CkptError::Corrupt {
-                        what: format!("chunk from rank {src}"),
-                        detail: format!("{} bytes at {off} reach beyond {}", bytes.len(), r.data.len()),
-                    });
-                };
-                r.data[at].copy_from_slice(bytes);
-                r.received += bytes.len() as u64;
-            }
-            finish_if_complete(ack, src, iter, shared)?;
+            receive_chunk(ack, src, shared, iter, off, &[(0, bytes)])?;
             return Ok(true);
         }
         ReplicaMsg::End { iter } => {
@@ -481,7 +649,7 @@ pub(crate) fn receive_acks(comm: &Communicator, holder: usize, shared: &Mutex<Sh
     // a few acknowledgements per iteration: sleep, do not poll
     ironweave_transport::set_background_thread(true);
     let r = poll_loop(comm, holder, TAG_ACK, stop, |msg| {
-        let a = Ack::decode(holder, &msg)?;
+        let a = Ack::decode(holder, &msg.into_vec())?;
         let mut sh = shared.locked();
         sh.acks.entry(a.iter).or_default().insert(holder, a.verified);
         // keep the table small
@@ -529,6 +697,7 @@ mod hostile_peers {
             layout: Default::default(),
             job: String::new(),
             mac: String::new(),
+            segment: String::new(),
         }
     }
 

@@ -101,6 +101,11 @@ pub struct Row {
     /// Snapshots the engine did not take because the links did not keep up (all ranks, all
     /// rounds): a row whose strategy skipped snapshots checkpointed less often than asked.
     pub ckpt_snapshots_skipped: u64,
+    /// The engine's memory passes per state byte as a sender and per replica byte as a holder
+    /// (bytes it read and wrote over the bytes they were for; a copy is 2), all ranks and
+    /// rounds; None where nothing was snapshotted or received.
+    #[serde(default)]
+    pub memory_passes: (Option<f64>, Option<f64>),
     /// The emulated storage's bandwidth per host, bytes/s (None: the local disk, unpaced).
     pub storage_bytes_per_s_per_host: Option<f64>,
     /// Mean time per steady iteration the training thread spent inside the engine, seconds.
@@ -339,6 +344,18 @@ fn run_all(
                 ckpt_bytes_per_link: r.ckpt_bytes_per_link.clone(),
                 ckpt_bytes_storage: r.ckpt_bytes_storage,
                 ckpt_snapshots_skipped: reps.iter().map(|(r, _)| r.ckpt_snapshots_skipped).sum(),
+                memory_passes: {
+                    let all = reps.iter().fold(ironweave_ckpt::MemoryPasses::default(), |a, (r, _)| {
+                        let m = &r.ckpt_memory;
+                        ironweave_ckpt::MemoryPasses {
+                            snapshot_bytes: a.snapshot_bytes + m.snapshot_bytes,
+                            send_pass_bytes: a.send_pass_bytes + m.send_pass_bytes,
+                            received_bytes: a.received_bytes + m.received_bytes,
+                            recv_pass_bytes: a.recv_pass_bytes + m.recv_pass_bytes,
+                        }
+                    });
+                    (all.send(), all.recv())
+                },
                 storage_bytes_per_s_per_host: *storage,
                 exposed_ckpt_s: reps.iter().map(|(r, _)| Report::steady(&r.ckpt_exposed_s, 2)).sum::<f64>() / reps.len() as f64,
                 storage_interval_iters: {
@@ -412,13 +429,13 @@ fn mb(b: u64) -> String {
 pub fn table(rows: &[Row], storage_note: &str) -> String {
     let mut md = format!("compute: {}\n\n", rows.first().map_or("cpu", |r| r.compute.mode_or_cpu()));
     md.push_str(
-        "| strategy | mean iteration | median iteration | overhead vs none (mean / median) | capricorn's speedup over it (mean) | exposed checkpoint | replicated per iteration and rank | checkpoint CPU per byte (every thread, vs none) | replica threads only | ckpt bytes on inter-host links | sent to other hosts (engine) | written to storage (emulated remote) | partition accuracy (sent, rank 0) | on the wire (every holder) | profiling activations | committed | machine CPU busy | device busy (mean of ranks) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| strategy | mean iteration | median iteration | overhead vs none (mean / median) | capricorn's speedup over it (mean) | exposed checkpoint | replicated per iteration and rank | memory passes per byte (sender / holder) | checkpoint CPU per byte (every thread, vs none) | replica threads only | ckpt bytes on inter-host links | sent to other hosts (engine) | written to storage (emulated remote) | partition accuracy (sent, rank 0) | on the wire (every holder) | profiling activations | committed | machine CPU busy | device busy (mean of ranks) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let cap = rows.iter().find(|r| r.strategy == "capricorn").map(|r| r.mean_iter_s);
     let pct = |o: Option<f64>| o.map(|o| format!("{:+.1}%", o * 100.0)).unwrap_or_else(|| "-".into());
     for r in rows {
         md.push_str(&format!(
-            "| {} | {:.1} ms | {:.1} ms | {} / {} | {} | {:.1} ms | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} | {} | {} | {} |\n",
+            "| {} | {:.1} ms | {:.1} ms | {} / {} | {} | {:.1} ms | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} | {} | {} | {} |\n",
             r.strategy,
             r.mean_iter_s * 1e3,
             r.iter_time_s * 1e3,
@@ -427,6 +444,7 @@ pub fn table(rows: &[Row], storage_note: &str) -> String {
             cap.map(|c| format!("{:.2}x", r.mean_iter_s / c)).unwrap_or_else(|| "-".into()),
             r.exposed_ckpt_s * 1e3,
             if r.ckpt_bytes_per_iter > 0.0 { mb(r.ckpt_bytes_per_iter.round() as u64) } else { "-".into() },
+            [r.memory_passes.0, r.memory_passes.1].map(|p| p.map_or("-".into(), |p| format!("{p:.2}"))).join(" / "),
             r.ckpt_cpu_ns_per_byte
                 .map(|c| {
                     let rounds: Vec<String> = r.ckpt_cpu_ns_per_byte_rounds.iter().map(|x| format!("{x:.2}")).collect();

@@ -253,6 +253,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         let c = e.counters();
         let cpu = c.replica_send_cpu_ns.load(Relaxed) + c.replica_recv_cpu_ns.load(Relaxed);
         let wire = [c.wire_chunks.load(Relaxed), c.wire_chunks_in_window.load(Relaxed)];
+        let passes = e.memory_passes();
         let mut v: Vec<i64> = [
             c.replica_bytes.load(Relaxed),
             c.replica_bytes_inter_host.load(Relaxed),
@@ -263,6 +264,10 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
             ironweave_transport::threads::process_cpu_ns(),
             ironweave_transport::threads::comm_cpu_ns().unwrap_or(0),
             c.snapshots_skipped.load(Relaxed),
+            passes.snapshot_bytes,
+            passes.send_pass_bytes,
+            passes.received_bytes,
+            passes.recv_pass_bytes,
         ]
         .into_iter()
         .chain(c.replica_bytes_per_link.iter().map(|x| x.load(Relaxed)))
@@ -279,7 +284,13 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         rep.process_cpu_ns = v[6];
         rep.comm_cpu_ns = v[7];
         rep.ckpt_snapshots_skipped = v[8];
-        rep.ckpt_bytes_per_link = v[9..].to_vec();
+        rep.ckpt_memory = ironweave_ckpt::MemoryPasses {
+            snapshot_bytes: v[9],
+            send_pass_bytes: v[10],
+            received_bytes: v[11],
+            recv_pass_bytes: v[12],
+        };
+        rep.ckpt_bytes_per_link = v[13..].to_vec();
         rep.state_bytes_per_rank = e.registry().total;
         rep.storage_bytes_per_s_per_rank = a.storage_bytes_per_s;
         (rep.compute.device_busy_share, rep.compute.cpu_busy_share) = w.busy.finish(&comm, w.emulated.is_some())?;

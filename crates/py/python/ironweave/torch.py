@@ -869,7 +869,10 @@ class Checkpointer:
 
     def stats(self) -> Dict[str, Any]:
         """Counters: saves, exposed seconds, state and replica bytes (``replica_bytes_inter_host``:
-        those that went to another node), committed and kept steps; with ``watch``: steps
+        those that went to another node), memory passes per state byte as a sender and as a
+        holder (``memory_passes_send``/``_recv``: bytes the engine read and wrote over state
+        bytes; a copy is 2), kept copies adopted at start by mapping (``kept_bytes_mapped``) or
+        reading (``kept_bytes_copied``), committed and kept steps; with ``watch``: steps
         profiled, training communications recorded, chunks released and those whose transfer
         lay in an idle window of the training link."""
         return self._engine.stats()

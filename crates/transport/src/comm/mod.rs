@@ -272,6 +272,13 @@ impl Communicator {
         self.l().send(self.peer(peer)?, self.user_tag(tag)?, data, self.deadline())
     }
 
+    /// Sends the concatenation of `parts` to group rank `peer` as one message with a user tag
+    /// (the receiver sees one message); returns whether the link copied them into one buffer
+    /// first ([`Link::send_parts`]).
+    pub fn send_bytes_parts(&self, peer: usize, tag: u32, parts: &[&[u8]]) -> Result<bool> {
+        self.l().send_parts(self.peer(peer)?, self.user_tag(tag)?, parts, self.deadline())
+    }
+
     /// Receives the next message from `peer` on `tag`.
     pub fn recv_bytes(&self, peer: usize, tag: u32) -> Result<Vec<u8>> {
         Ok(self.irecv_bytes(peer, tag)?.wait(self.deadline())?.into_vec())

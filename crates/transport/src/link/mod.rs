@@ -152,6 +152,13 @@ pub trait Link: Send + Sync + std::fmt::Debug {
     fn size(&self) -> usize;
     /// Sends borrowed bytes; returns once the buffer may be reused.
     fn send(&self, peer: usize, tag: Tag, data: &[u8], deadline: Instant) -> Result<()>;
+    /// Sends the concatenation of `parts` as one message (a header and a payload lying in
+    /// different places); returns once they may be reused, and whether the link joined them in
+    /// a buffer of its own first (a copy). The default joins them; a backend that writes them
+    /// from where they lie (TCP: one iovec per part) overrides it.
+    fn send_parts(&self, peer: usize, tag: Tag, parts: &[&[u8]], deadline: Instant) -> Result<bool> {
+        self.send(peer, tag, &parts.concat(), deadline).map(|()| true)
+    }
     /// Starts sending an owned buffer; the handle hands it back when done.
     fn isend(&self, peer: usize, tag: Tag, data: Vec<u8>) -> Result<SendHandle>;
     /// Posts a receive; it takes the next message from `peer` on `tag` in issue order.
