@@ -175,7 +175,10 @@ impl SnapshotBuffers {
         if self.dir.is_none() || held.data.path().is_some() {
             return Ok(Some(held));
         }
-        let mut seg = match self.spare.iter().position(|v| v.len() == held.data.len()) {
+        // a spare no kept manifest names, else a new segment (a kept copy of an older
+        // iteration stays: it is the fallback while this one is written)
+        let free = |v: &Segment| v.len() == held.data.len() && v.path().is_none_or(|p| !self.claims.contains_key(p));
+        let mut seg = match self.spare.iter().position(free) {
             Some(i) => self.spare.swap_remove(i),
             None => self.fresh(held.data.len() as u64)?,
         };

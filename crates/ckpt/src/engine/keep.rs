@@ -73,9 +73,7 @@ impl Engine {
         let mut claims = Vec::new();
         // a holder directory another user could have written is read not at all
         if dir.exists() {
-            if let Err(e) = ironweave_transport::board::private_dir(&dir) {
-                return Err(keep_error(&dir, 0, e.into()));
-            }
+            ironweave_transport::board::private_dir(&dir)?;
         }
         let iters = persist::iteration_dirs(&dir);
         for &it in &iters {
@@ -142,9 +140,9 @@ impl Engine {
         self.shared.locked().failures.extend(passed.into_iter().map(|p| format!("kept copy passed over: {p}")));
         // the buffers to come are segments of the holder directory
         if let Some(root) = dir.parent() {
-            fs::create_dir_all(root).map_err(|e| keep_error(&dir, 0, CkptError::io(root, e)))?;
+            fs::create_dir_all(root).map_err(|e| CkptError::io(root, e))?;
         }
-        ironweave_transport::board::private_dir(&dir).map_err(|e| keep_error(&dir, 0, e.into()))?;
+        ironweave_transport::board::private_dir(&dir)?;
         self.snaps.set_segment_dir(dir.clone(), reserved.clone());
         self.shared.locked().seg_dir = Some((dir, reserved));
         Ok(())
