@@ -330,13 +330,19 @@ impl MacKey {
         outer.finalize().into()
     }
 
-    /// The MAC of a manifest (its `mac` field left out) and the data it describes, hex.
-    pub fn mac(&self, man: &Manifest, data: &[u8]) -> Result<String> {
+    /// HMAC under `domain` of a manifest (its `mac` field left out, length-prefixed) and
+    /// `data`, hex.
+    fn mac_of(&self, domain: &[u8], man: &Manifest, data: &[u8]) -> Result<String> {
         let mut m = man.clone();
         m.mac.clear();
         let head = serde_json::to_vec(&m).map_err(|e| CkptError::Invalid(e.to_string()))?;
-        let d = self.hmac(&[b"ironweave-kept-copy-v1\0", &(head.len() as u64).to_le_bytes(), &head, data]);
+        let d = self.hmac(&[domain, &(head.len() as u64).to_le_bytes(), &head, data]);
         Ok(d.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// The MAC of a manifest (its `mac` field left out) and the data it describes, hex.
+    pub fn mac(&self, man: &Manifest, data: &[u8]) -> Result<String> {
+        self.mac_of(b"ironweave-kept-copy-v1\0", man, data)
     }
 
     /// The MAC of a segment's manifest (its `mac` field left out), hex: the manifest alone,
@@ -345,11 +351,7 @@ impl MacKey {
     /// write a segment (this user, in a 0700 directory) can read the key beside it; what the
     /// MAC refuses is a copy another job or key wrote.
     pub fn mac_manifest(&self, man: &Manifest) -> Result<String> {
-        let mut m = man.clone();
-        m.mac.clear();
-        let head = serde_json::to_vec(&m).map_err(|e| CkptError::Invalid(e.to_string()))?;
-        let d = self.hmac(&[b"ironweave-kept-segment-v1\0", &(head.len() as u64).to_le_bytes(), &head]);
-        Ok(d.iter().map(|b| format!("{b:02x}")).collect())
+        self.mac_of(b"ironweave-kept-segment-v1\0", man, &[])
     }
 
     /// Checks `man`'s MAC over `data` (`what` names the file in the error); a segment's
@@ -439,20 +441,30 @@ pub fn write_segment_manifest(holder: &Path, man: &mut Manifest, seg: &crate::se
     Ok(man_path)
 }
 
+/// Checks the segment `seg` (`len` bytes) against its manifest `man`: with `key` the
+/// manifest's MAC, then the length its layout gives. The checksums over the bytes are the
+/// caller's next step.
+pub fn check_segment(man: &Manifest, seg: &Path, len: usize, key: Option<&MacKey>) -> Result<()> {
+    let what = seg.display().to_string();
+    if let Some(k) = key {
+        k.check(man, &[], &what)?;
+    }
+    if len as u64 != man.registry.total {
+        return Err(CkptError::Corrupt { what, detail: format!("{len} bytes, the manifest says {}", man.registry.total) });
+    }
+    Ok(())
+}
+
 /// The bytes of a kept copy: its segment (`man.segment`) or its `safetensors` file, checked
 /// against the manifest's layout (and with `key`, its MAC) before anything is verified.
 fn read_data(data_path: &Path, man_path: &Path, man: &Manifest, key: Option<&MacKey>) -> Result<(PathBuf, Vec<u8>)> {
     if let Some(seg) = man.segment_path(man_path)? {
+        // the MAC before the bytes are read: a planted manifest costs no read
         if let Some(k) = key {
             k.check(man, &[], &seg.display().to_string())?;
         }
         let data = fs::read(&seg).map_err(|e| CkptError::io(&seg, e))?;
-        if data.len() as u64 != man.registry.total {
-            return Err(CkptError::Corrupt {
-                what: seg.display().to_string(),
-                detail: format!("{} bytes, the manifest says {}", data.len(), man.registry.total),
-            });
-        }
+        check_segment(man, &seg, data.len(), None)?;
         return Ok((seg, data));
     }
     let (reg, data) = read_safetensors(data_path)?;
@@ -657,7 +669,10 @@ pub fn load_global(dir: &Path, iter: u64, want: &Registry) -> Result<Snapshot> {
     let idx = global_index(&mans)?;
     let fills = crate::layout::plan(&idx, want)?;
     let mut data = vec![0u8; want.total as usize];
-    let mut open: BTreeMap<usize, (File, u64, PathBuf)> = BTreeMap::new();
+    // per file: the open file, where its data starts, its path, and a segment's whole bytes
+    // (read once to check its checksums, then sliced)
+    type Opened = (File, u64, PathBuf, Option<Vec<u8>>);
+    let mut open: BTreeMap<usize, Opened> = BTreeMap::new();
     // every (target tensor, source slice) read in file order, so each file is read front to
     // back (the kernel's read-ahead works) whatever order the target registers its tensors in
     let mut reads: Vec<(&crate::registry::TensorMeta, &str, &crate::layout::Source, &Vec<crate::layout::Copy>)> = Vec::new();
@@ -671,7 +686,7 @@ pub fn load_global(dir: &Path, iter: u64, want: &Registry) -> Result<Snapshot> {
     reads.sort_by_key(|r| (r.2.file, r.2.offset));
     for (t, gname, s, runs) in reads {
         {
-            let (fh, start, p) = match open.entry(s.file) {
+            let (fh, start, p, whole_seg) = match open.entry(s.file) {
                 std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
                 std::collections::btree_map::Entry::Vacant(v) => {
                     let (p, man_path) = located(dir, iter, s.file as u32);
@@ -680,17 +695,16 @@ pub fn load_global(dir: &Path, iter: u64, want: &Registry) -> Result<Snapshot> {
                     let seg = mans[s.file].segment_path(&man_path)?;
                     let p = seg.clone().unwrap_or(p);
                     let mut fh = File::open(&p).map_err(|e| CkptError::io(&p, e))?;
-                    let start = match seg {
+                    let (start, all) = match seg {
                         Some(_) => {
                             let mut all = Vec::new();
                             fh.read_to_end(&mut all).map_err(|e| CkptError::io(&p, e))?;
                             Snapshot::verify(&all, &mans[s.file].sums, &p.display().to_string())?;
-                            fh.seek(SeekFrom::Start(0)).map_err(|e| CkptError::io(&p, e))?;
-                            0
+                            (0, Some(all))
                         }
-                        None => data_start(&mut fh, &p)?,
+                        None => (data_start(&mut fh, &p)?, None),
                     };
-                    v.insert((fh, start, p))
+                    v.insert((fh, start, p, all))
                 }
             };
             // a slice that lands whole in the tensor is read straight into place; a part of
@@ -704,12 +718,21 @@ pub fn load_global(dir: &Path, iter: u64, want: &Registry) -> Result<Snapshot> {
                 buf.resize(s.len as usize, 0);
                 &mut buf
             };
-            fh.seek(SeekFrom::Start(*start + s.offset)).map_err(|e| CkptError::io(&*p, e))?;
-            fh.read_exact(into).map_err(|e| CkptError::Layout {
+            let truncated = |e: String| CkptError::Layout {
                 tensor: gname.to_string(),
                 file: Some(p.display().to_string()),
                 detail: format!("{} bytes at {} cannot be read ({e}): the file is truncated", s.len, *start + s.offset),
-            })?;
+            };
+            match whole_seg {
+                Some(all) => {
+                    let from = usize::try_from(s.offset).ok().and_then(|a| all.get(a..a.checked_add(into.len())?));
+                    into.copy_from_slice(from.ok_or_else(|| truncated(format!("the segment has {} bytes", all.len())))?);
+                }
+                None => {
+                    fh.seek(SeekFrom::Start(*start + s.offset)).map_err(|e| CkptError::io(&*p, e))?;
+                    fh.read_exact(into).map_err(|e| truncated(e.to_string()))?;
+                }
+            }
             if let Some(x) = s.xxh3 {
                 if xxhash_rust::xxh3::xxh3_64(into) != x {
                     return Err(CkptError::Layout {

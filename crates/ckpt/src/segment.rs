@@ -115,6 +115,13 @@ impl Segment {
         Ok(s)
     }
 
+    /// A new segment of `len` bytes in `dir`, named `STEM-K.seg` with the lowest `K` whose path
+    /// `taken` does not claim (held by a live segment, or named by a kept manifest).
+    pub fn create_free(dir: &Path, stem: &str, len: usize, taken: impl Fn(&Path) -> bool) -> Result<Self> {
+        let path = (0..).map(|k| dir.join(format!("{stem}-{k}.seg"))).find(|p| !taken(p)).expect("unbounded");
+        Self::create(&path, len)
+    }
+
     /// Maps the existing segment file `path` (a copy a process of this job kept): no byte is
     /// read or copied here.
     pub fn open(path: &Path) -> Result<Self> {

@@ -206,11 +206,7 @@ impl SnapshotBuffers {
         let Some(dir) = &self.dir else { return Ok(Segment::heap(bytes as usize)) };
         let used: std::collections::BTreeSet<&std::path::Path> =
             self.slots.iter().flatten().filter_map(|s| s.data.path()).chain(self.spare.iter().filter_map(|s| s.path())).collect();
-        let path = (0..)
-            .map(|k| dir.join(format!("own-{k}.seg")))
-            .find(|p| !used.contains(p.as_path()) && !self.reserved.contains(p))
-            .expect("unbounded");
-        Segment::create(&path, bytes as usize)
+        Segment::create_free(dir, "own", bytes as usize, |p| used.contains(p) || self.reserved.contains(p))
     }
 
     /// Allocates `buffers` (at most [`SNAPSHOT_BUFFERS`]) buffers of `bytes` and touches every

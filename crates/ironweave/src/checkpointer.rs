@@ -644,9 +644,10 @@ pub fn safe_name(s: &str) -> String {
     }
 }
 
-/// Bytes the copies of the ranks on `me`'s node take in the keep directory at their peak: per
-/// rank three iterations (the two kept and one being written) of its own state and the
-/// replicas it holds (`replicas - 1` of its peers' states, taken as its own size).
+/// Bytes the copies of the ranks on `me`'s node may take in the keep directory: per rank its
+/// three snapshot segments and, for each of `replicas` sources, four replica segments (two
+/// kept, up to two arriving), every one its own state's size. (A rank holds `replicas - 1`
+/// peers' replicas: this counts one source more than it can hold.)
 fn keep_need(nodes: &[[i64; 3]], me: usize, cfg: &EngineConfig) -> u64 {
     // per rank: its snapshot segments, and per source whose replicas it holds the two kept
     // and up to two arriving (`ironweave_ckpt::engine::replicate::KEPT_REPLICAS` + 2)

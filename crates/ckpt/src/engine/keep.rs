@@ -162,18 +162,9 @@ impl Engine {
             self.counters.kept_bytes_copied.fetch_add(s.data.len() as u64, Ordering::Relaxed);
             return Ok(s);
         };
-        let what = seg_path.display().to_string();
-        if let Some(k) = &self.written.key {
-            k.check(&man, &[], &what)?;
-        }
         let seg = crate::segment::Segment::open(&seg_path)?;
-        if seg.len() as u64 != man.registry.total {
-            return Err(CkptError::Corrupt {
-                what,
-                detail: format!("{} bytes, the manifest says {}", seg.len(), man.registry.total),
-            });
-        }
-        Snapshot::verify(&seg, &man.sums, &what)?;
+        persist::check_segment(&man, &seg_path, seg.len(), self.written.key.as_ref())?;
+        Snapshot::verify(&seg, &man.sums, &seg_path.display().to_string())?;
         self.counters.kept_bytes_mapped.fetch_add(seg.len() as u64, Ordering::Relaxed);
         Ok(Snapshot::with_sums(man.iter, Arc::new(man.registry), seg, man.sums))
     }

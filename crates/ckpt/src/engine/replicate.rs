@@ -116,10 +116,7 @@ impl Replica {
                 break;
             }
             let (x, y) = (s.max(a), e.min(b));
-            if x > done {
-                copy(&mut self.data, done, x);
-            }
-            copy(&mut self.data, x, y);
+            copy(&mut self.data, done, y);
             done = y;
             if s >= a && e <= b {
                 let ok = xxh3_64(&self.data[s..e]) == c.xxh3;
@@ -221,11 +218,7 @@ impl Shared {
     fn replica_memory(&self, src: usize, total: usize) -> Result<Segment> {
         let Some((dir, reserved)) = &self.seg_dir else { return Ok(Segment::from(vec![0u8; total])) };
         let used: BTreeSet<&std::path::Path> = self.store.values().flatten().filter_map(|r| r.data.path()).collect();
-        let path = (0..)
-            .map(|k| dir.join(format!("rep-{src:05}-{k}.seg")))
-            .find(|p| !used.contains(p.as_path()) && !reserved.contains(p))
-            .expect("unbounded");
-        Segment::create(&path, total)
+        Segment::create_free(dir, &format!("rep-{src:05}"), total, |p| used.contains(p) || reserved.contains(p))
     }
 }
 
